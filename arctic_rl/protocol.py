@@ -1,0 +1,496 @@
+"""The Arctic RL HTTP protocol, defined once for both the client adapter and the reference server.
+
+What is here: endpoint paths of both wire generations (v1: ``torch.save`` bodies; v2: DSSST1
+bodies), the JSON request/response models, ``JobConfig`` (the body of ``/initialize``), the
+names of the tensors and meta keys a forward/backward body carries, the loss and
+post-processor allow-lists, and the headers used for auth and idempotency.
+
+What is not here: HTTP transport (``verl.workers.remote_client``), tensor encoding
+(:mod:`arctic_rl.dssst1`) or any computation (:mod:`arctic_rl.server`).
+
+Conventions (see ``ARCTIC_PROTOCOL.md`` in the design notes):
+
+* Request models that *we* define are strict (``extra="forbid"``): a typo is an error, not a
+  silently ignored knob. ``JobConfig`` is the exception: the real Arctic server ignores unknown
+  keys and clients send many, so it is tolerant.
+* Response models are tolerant (``extra="allow"``): an older client keeps working against a newer
+  server that adds fields.
+* Every data-plane call names its job with the ``job_id`` query parameter.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "AUTH_HEADER",
+    "DEFAULT_SEED",
+    "ENTROPY_KEY",
+    "LOGPROB_ALIGNMENT_KEY",
+    "LOGPROBS_KEY",
+    "LOSS_AGG_MODES",
+    "LOSS_NAMES",
+    "KL_TYPES",
+    "OPTIONAL_TRAIN_TENSORS",
+    "POST_PROCESSORS",
+    "REQUEST_ID_HEADER",
+    "REQUIRED_FORWARD_TENSORS",
+    "REQUIRED_TRAIN_TENSORS",
+    "SFT_LOSS_NAMES",
+    "STEP_HEADER",
+    "BatchMeta",
+    "DestroyRequest",
+    "ErrorDetail",
+    "Features",
+    "ForwardBackwardResponse",
+    "ForwardResponse",
+    "GenerateRequest",
+    "GenerateResponse",
+    "GenerateResult",
+    "HealthResponse",
+    "InitializeResponse",
+    "JobConfig",
+    "JobInfo",
+    "JobType",
+    "LoadCheckpointRequest",
+    "LoadCheckpointResponse",
+    "LogprobAlignment",
+    "LossConfig",
+    "Paths",
+    "Processing",
+    "ProtocolVersion",
+    "SamplingParams",
+    "SaveRequest",
+    "SaveResponse",
+    "StepRequest",
+    "StepResponse",
+    "V1SyncWeightsRequest",
+    "WeightSyncRequest",
+    "WeightSyncResponse",
+]
+
+DEFAULT_SEED = 42
+
+# --------------------------------------------------------------------------------------------
+# Paths, versions and headers
+# --------------------------------------------------------------------------------------------
+
+
+class ProtocolVersion(enum.IntEnum):
+    """Wire generation. v1: ``torch.save`` tensor bodies; v2: DSSST1 tensor bodies."""
+
+    V1 = 1
+    V2 = 2
+
+
+class Paths:
+    """Endpoint paths. Data-plane calls take ``?job_id=<int>``."""
+
+    # common to both generations
+    HEALTH = "/health"
+    INITIALIZE = "/initialize"
+    DESTROY = "/destroy"
+    STATUS = "/status"
+    JOB = "/job/{job_id}"
+    STEP = "/step"
+    GENERATE = "/generate"  # v1: JSON body; v2: DSSST1 body (told apart by Content-Type)
+    OPENAPI = "/openapi.json"
+
+    # v2
+    FORWARD_BACKWARD = "/forward-backward"
+    FORWARD = "/forward"
+    SAVE = "/save"
+    LOAD_CHECKPOINT = "/load-checkpoint"
+    WEIGHT_SYNC = "/weight-sync"
+
+    # v1
+    V1_FWD_BWD = "/fwd-bwd"
+    V1_FWD_NO_GRAD = "/fwd-no-grad"
+    V1_SAVE_CHECKPOINT = "/save-checkpoint"
+    V1_SYNC_WEIGHTS = "/sync-weights"
+
+    @classmethod
+    def job(cls, job_id: int) -> str:
+        return cls.JOB.format(job_id=int(job_id))
+
+
+#: Paths only a v2 server serves; their presence in ``/openapi.json`` identifies v2.
+V2_ONLY_PATHS = (Paths.FORWARD_BACKWARD, Paths.FORWARD, Paths.SAVE, Paths.WEIGHT_SYNC)
+#: Paths only a v1 server serves.
+V1_ONLY_PATHS = (Paths.V1_FWD_BWD, Paths.V1_FWD_NO_GRAD, Paths.V1_SAVE_CHECKPOINT, Paths.V1_SYNC_WEIGHTS)
+
+OCTET_STREAM = "application/octet-stream"
+JSON_MEDIA_TYPE = "application/json"
+
+AUTH_HEADER = "Authorization"  # "Bearer <token>"
+#: Idempotency key of a mutating call. A server that advertises ``Features.IDEMPOTENCY`` answers
+#: a replay of the same id and payload with the original response, and a reused id with a
+#: different payload with 409.
+REQUEST_ID_HEADER = "X-Request-Id"
+#: The client's optimizer-step counter at the time of the call (informational; logged).
+STEP_HEADER = "X-Arctic-Step"
+
+
+class Features:
+    """Capability names a server may list in ``/health`` (``features``).
+
+    The real Arctic server answers ``{"status": "OK"}`` only, so a client must treat every
+    feature as absent unless listed.
+    """
+
+    TOKEN_PROMPTS = "token_prompts"  # /generate accepts prompts as lists of token ids
+    N_SAMPLES = "n_samples"  # sampling_params.n > 1 really returns n samples per prompt
+    IDEMPOTENCY = "idempotency"  # X-Request-Id replays are answered from a cache
+    LOAD_CHECKPOINT = "load_checkpoint"  # /load-checkpoint restores model+optimizer+step
+    INSTANCE_ID = "instance_id"  # /health carries an id that changes on every server start
+
+
+# --------------------------------------------------------------------------------------------
+# Jobs
+# --------------------------------------------------------------------------------------------
+
+
+class JobType(str, enum.Enum):
+    TRAINING = "training"
+    LOG_PROB = "log_prob"
+    SAMPLING = "sampling"
+
+
+class JobConfig(BaseModel):
+    """Body of ``POST /initialize``. Tolerant of unknown keys, like the real server."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model_name: str = Field(description="HF model id or local directory")
+    job_type: JobType = JobType.TRAINING
+    num_devices: int | None = None
+    ds_config: dict[str, Any] | None = None
+    training_config: dict[str, Any] | None = None
+    log_prob_config: dict[str, Any] | None = None
+    ds_worker_config: dict[str, Any] | None = None
+    vllm_config: dict[str, Any] | None = None
+    checkpoint_path: str | None = None
+    arctic_inference_config: dict[str, Any] | None = None
+    full_determinism: bool = False
+    seed: int = DEFAULT_SEED
+    cuda_ipc: bool = False
+    low_memory: bool = False
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _null_seed_is_default(cls, value: Any) -> Any:
+        return DEFAULT_SEED if value is None else value
+
+
+class InitializeResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    job_id: int
+    job_type: JobType
+    running: bool
+
+
+class DestroyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_type: JobType
+
+
+class JobInfo(BaseModel):
+    """``GET /job/{id}``. ``status`` is ``RUNNING`` once the job accepts calls."""
+
+    model_config = ConfigDict(extra="allow")
+
+    job_id: int
+    job_type: JobType
+    model_name: str
+    status: str
+    checkpoint_path: str | None = None
+
+
+class HealthResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: str
+    server: str | None = None
+    version: str | None = None
+    protocol: int | None = None
+    instance_id: str | None = None
+    features: list[str] = Field(default_factory=list)
+
+
+class ErrorDetail(BaseModel):
+    """``detail`` of every 4xx answer of the reference server."""
+
+    model_config = ConfigDict(extra="allow")
+
+    message: str
+    field: str | None = None
+    allowed: Any = None
+    received: Any = None
+
+
+# --------------------------------------------------------------------------------------------
+# Forward / forward-backward / step
+# --------------------------------------------------------------------------------------------
+
+#: Loss functions by name. A request never names code: anything else is a 400.
+LOSS_NAMES: tuple[str, ...] = ("verl_grpo", "grpo", "sft", "sft_ce", "cross_entropy")
+SFT_LOSS_NAMES: tuple[str, ...] = ("sft", "sft_ce", "cross_entropy")
+POST_PROCESSORS: tuple[str, ...] = (
+    "compute_entropy_and_logprobs",
+    "apply_temperature",
+    "compute_entropy",
+    "identity",
+)
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_TYPES: tuple[str, ...] = ("low_var_kl", "kl", "abs", "mse")
+
+#: Dense ``[B, P+R]`` (``prompts``: ``[B, P]``, ``responses``: ``[B, R]``) tensors of a
+#: ``/forward`` body.
+REQUIRED_FORWARD_TENSORS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids", "prompts", "responses")
+#: ... and of a ``/forward-backward`` body with an RL loss. RL tensors are left-padded with zeros
+#: to the full ``P+R`` width (their last ``R`` columns are the response).
+REQUIRED_TRAIN_TENSORS: tuple[str, ...] = REQUIRED_FORWARD_TENSORS + ("response_mask", "old_log_probs", "advantages")
+OPTIONAL_TRAIN_TENSORS: tuple[str, ...] = ("ref_log_prob", "rollout_is_weights", "loss_mask")
+
+LOGPROBS_KEY = "logprobs"
+ENTROPY_KEY = "entropy"
+LOGPROB_ALIGNMENT_KEY = "logprob_alignment"
+
+
+class LogprobAlignment(str, enum.Enum):
+    """How ``/forward`` log-probs line up with the tokens.
+
+    ``shifted``: ``[B, P+R]`` with ``lp[:, i] = log p(input_ids[:, i+1] | input_ids[:, :i+1])``
+    (the last column is 0). ``response``: ``[B, R]`` with ``lp[:, j] = log p(responses[:, j] |
+    prompt, responses[:, :j])`` -- what the ZoRRO path emits.
+    """
+
+    SHIFTED = "shifted"
+    RESPONSE = "response"
+
+
+class LossConfig(BaseModel):
+    """``processing.config`` of a ``/forward-backward`` call: the loss hyper-parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    clip_ratio: float = Field(0.2, ge=0.0)
+    clip_ratio_low: float | None = Field(None, ge=0.0)
+    clip_ratio_high: float | None = Field(None, ge=0.0)
+    #: dual-clip lower bound for negative advantages (> 1); ``None`` disables dual clip
+    clip_ratio_c: float | None = Field(3.0, gt=1.0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.0, ge=0.0)
+    kl_loss_type: Literal["low_var_kl", "kl", "abs", "mse"] = "low_var_kl"
+    entropy_coeff: float = 0.0
+    #: divide the mean by this token count instead of the call's own (``global`` token-mean
+    #: across the micro-batches of one step); ``None`` uses the call's own count.
+    loss_scale_tokens: float | None = Field(None, gt=0.0)
+
+
+class Processing(BaseModel):
+    """``processing`` of a forward/backward body: which loss and post-processors to run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    loss_fn: str | None = None
+    post: str | list[str] | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class BatchMeta(BaseModel):
+    """``meta`` of a forward/backward body. Tolerant: Arctic clients send many more keys."""
+
+    model_config = ConfigDict(extra="allow")
+
+    zorro_train_enable: bool = False
+    rollout_n: int = Field(1, ge=1)
+    max_prompt_len: int | None = Field(None, ge=0)
+    max_response_len: int | None = Field(None, ge=0)
+    max_token_len_per_gpu: int | None = None
+    temperature: float = Field(1.0, gt=0.0)
+    calculate_entropy: bool = False
+    pad_token_id: int = 0
+    global_batch_size: int | None = None
+    batch_num_tokens: int | float | None = None
+    actor_config: dict[str, Any] | None = None
+    policy_loss_config: dict[str, Any] | None = None
+    load_balancer: Any = None
+
+
+class ForwardBackwardResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    job_id: int
+    metrics: dict[str, Any]
+    avg_loss: float | None = None
+
+
+class ForwardResponse(BaseModel):
+    """Decoded from DSSST1; ``batch`` holds ``logprobs`` (and ``entropy``) tensors."""
+
+    model_config = ConfigDict(extra="allow", arbitrary_types_allowed=True)
+
+    job_id: int
+    batch: dict[str, Any]
+    metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class StepRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: accepted for parity with the managed service; the on-prem scheduler decides the LR
+    learning_rate: float | None = None
+
+
+class StepResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    job_id: int | None = None
+    metrics: dict[str, Any]
+    batch: dict[str, Any] = Field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints and weight sync
+# --------------------------------------------------------------------------------------------
+
+
+class SaveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: str | None = None
+    checkpoint_type: str = "resumable"
+    #: relative to the server's checkpoint root; ``None`` = the job's own directory
+    path: str | None = None
+    step: int | None = Field(None, ge=0)
+    export_hf: bool = False
+    save_total_limit: int | None = Field(None, ge=1)
+    stage_info: dict[str, Any] | None = None
+
+
+class SaveResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    job_id: int | None = None
+    path: str
+    hf_path: str | None = None
+    global_step: int | None = None
+
+
+class LoadCheckpointRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None
+    step: int | None = Field(None, ge=0)
+
+
+class LoadCheckpointResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    job_id: int | None = None
+    path: str
+    global_step: int
+
+
+class WeightSyncRequest(BaseModel):
+    """v2 ``POST /weight-sync?job_id=<training job>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source_sub_job_id: int
+    target_sub_job_ids: list[int] = Field(min_length=1)
+    cuda_ipc: bool | None = None
+    low_memory: bool | None = None
+
+
+class V1SyncWeightsRequest(BaseModel):
+    """v1 ``POST /sync-weights``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    training_job_id: int
+    sampling_job_id: int
+    colocate: bool = False
+    cuda_ipc: bool = False
+    low_memory: bool = False
+
+
+class WeightSyncResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    job_id: int | None = None
+    synced: list[int] = Field(default_factory=list)
+    weight_version: int | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------------
+
+
+class SamplingParams(BaseModel):
+    """``sampling_params`` of ``/generate`` (the subset of vLLM's that the protocol uses)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)  # 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0 = disabled
+    max_tokens: int = Field(16, ge=1)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    #: return the log-prob of each sampled token (vLLM: ``logprobs=0`` or ``1``)
+    logprobs: int | bool | None = None
+    skip_special_tokens: bool = True
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _none_top_k(cls, value: Any) -> Any:
+        return -1 if value is None else value
+
+
+class GenerateRequest(BaseModel):
+    """Body of ``/generate``. ``prompts`` are strings or -- on servers that list
+    ``Features.TOKEN_PROMPTS`` -- lists of token ids (no re-tokenisation drift)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[str] | list[list[int]] = Field(min_length=1)
+    sampling_params: dict[str, Any] | None = None
+    routing_key: Any = None
+    strict: bool = False
+
+
+class GenerateResult(BaseModel):
+    """One sample. With ``n > 1`` results are grouped by prompt: prompt ``i``'s samples are
+    ``results[i*n:(i+1)*n]`` (``prompt_index``/``sample_index`` say so too)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    prompt_len: int
+    generation_len: int
+    prefix_cache_len: int = 0
+    logprobs: list[float] | None = None
+    prompt_index: int | None = None
+    sample_index: int | None = None
+    weight_version: int | None = None
+
+
+class GenerateResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    job_id: int
+    results: list[GenerateResult]

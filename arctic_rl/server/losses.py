@@ -1,0 +1,252 @@
+"""The reference server's losses, resolved only from a fixed allow-list of names.
+
+A ``/forward-backward`` body names its loss in ``processing.loss_fn``. The vendor's server imports
+any dotted path it receives there (remote code execution by whoever reaches the port); this module
+maps the names of :data:`arctic_rl.protocol.LOSS_NAMES` to functions defined here and answers any
+other name with :class:`LossNameError` -- it never imports anything a request names.
+
+* ``verl_grpo``, ``grpo``: verl's PPO clipped surrogate (``compute_policy_loss_vanilla`` of
+  verl 0.9.1) with asymmetric clip ratios, optional dual clip for negative advantages, optional
+  rollout importance weights, ``loss_agg_mode`` aggregation, optional KL penalty to the reference
+  policy (``kl_penalty``: ``low_var_kl``/``kl``/``abs``/``mse``) and entropy bonus -- combined as
+  verl's ``ppo_loss`` does: ``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl``.
+* ``sft``, ``sft_ce``, ``cross_entropy``: masked cross-entropy ``-log p(token)``.
+
+Inputs are *response-sliced* ``[B, R]`` tensors (the last ``R`` columns of the body's left-padded
+RL tensors) next to a :class:`~arctic_rl.server.logprobs.TokenLogprobs`. ``loss_scale_tokens``
+replaces the token count of ``token-mean`` (a global token mean over the micro-batches of a step);
+the loss-valued metrics (``loss``, ``pg_loss``, ``kl``, ``entropy``, ``sft_loss``) use the same
+aggregation as the loss, so they add up over micro-batches like the loss does. An empty mask gives
+a zero loss (and zero gradients), never NaN.
+
+What is not here: log-prob computation (:mod:`arctic_rl.server.logprobs`), optimizer steps, HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from arctic_rl.protocol import LOSS_NAMES, LossConfig
+from arctic_rl.server.logprobs import TokenLogprobs
+
+__all__ = ["DEFAULT_LOSS", "LOSS_FUNCTIONS", "LossFn", "LossNameError", "compute_loss", "kl_penalty", "resolve_loss"]
+
+LossFn = Callable[[TokenLogprobs, Mapping[str, torch.Tensor], LossConfig], tuple[torch.Tensor, dict[str, float]]]
+#: the loss of a forward-backward body whose ``processing.loss_fn`` is null
+DEFAULT_LOSS = "grpo"
+#: verl clamps the log-ratio before ``exp`` (``compute_policy_loss_vanilla``)
+_LOG_RATIO_CLAMP = 20.0
+
+
+class LossNameError(ValueError):
+    """A loss name outside the allow-list. ``allowed`` and ``received`` are kept for a 400 body."""
+
+    def __init__(self, received: Any, allowed: tuple[str, ...]) -> None:
+        self.received = received
+        self.allowed = list(allowed)
+        super().__init__(f"processing.loss_fn: expected one of {self.allowed}, got {received!r}")
+
+    def __reduce__(self):  # picklable with its arguments
+        return (type(self), (self.received, tuple(self.allowed)))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation and aggregation
+# --------------------------------------------------------------------------------------------
+
+
+def _tensor(batch: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], *, required: bool = True):
+    value = batch.get(name)
+    if value is None:
+        if required:
+            raise ValueError(f"{name}: expected a {list(shape)} tensor in the batch, got none (keys: {sorted(batch)})")
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor of shape {list(shape)}, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name}: expected shape {list(shape)} (response-sliced [B, R]), got {list(value.shape)}")
+    return value
+
+
+def _float_tensor(batch: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], *, required: bool = True):
+    value = _tensor(batch, name, shape, required=required)
+    if value is None:
+        return None
+    if not value.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point dtype, got {value.dtype}")
+    if not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise ValueError(f"{name}: expected finite values, got {bad} non-finite (nan/inf) of {value.numel()}")
+    return value
+
+
+def _mask(batch: Mapping[str, torch.Tensor], names: tuple[str, str], shape: tuple[int, ...]) -> torch.Tensor:
+    name = names[0] if batch.get(names[0]) is not None else names[1]
+    value = _tensor(batch, name, shape, required=False)
+    if value is None:
+        raise ValueError(f"{names[0]}: expected a {list(shape)} mask ({names[0]} or {names[1]}), got none")
+    if value.dtype == torch.bool:
+        return value
+    if value.is_floating_point() or value.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        return value != 0
+    raise ValueError(f"{name}: expected a bool, integer or float mask, got {value.dtype}")
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    zeros = torch.zeros((), dtype=values.dtype, device=values.device)
+    kept = torch.where(mask, values, zeros)  # where, not multiply: a nan/inf under the mask stays out
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _masked_sum(values, mask) / mask.sum().clamp_min(1)
+
+
+def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """verl's ``agg_loss`` for the three modes of the protocol (single rank)."""
+    mode = cfg.loss_agg_mode
+    if mode == "token-mean":
+        denom = cfg.loss_scale_tokens if cfg.loss_scale_tokens is not None else mask.sum().clamp_min(1)
+        return _masked_sum(loss_mat, mask) / denom
+    tokens_per_seq = mask.sum(-1)
+    seq_losses = _masked_sum(loss_mat, mask, dim=-1)
+    if mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / tokens_per_seq.clamp_min(1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"loss_agg_mode: expected one of token-mean, seq-mean-token-sum, seq-mean-token-mean, got {mode!r}")
+    seq_mask = tokens_per_seq > 0  # fully masked sequences do not count
+    return _masked_sum(seq_losses, seq_mask) / seq_mask.sum().clamp_min(1)
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate to the reference policy (verl's ``kl_penalty_forward``)."""
+    if kind == "kl":
+        return logprob - ref_logprob
+    if kind == "abs":
+        return (logprob - ref_logprob).abs()
+    if kind == "mse":
+        return 0.5 * (logprob - ref_logprob).square()
+    if kind == "low_var_kl":  # k3 estimator, clamped like verl for stability
+        log_ratio = (ref_logprob - logprob).clamp(-20.0, 20.0)
+        return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"kl_loss_type: expected one of ['low_var_kl', 'kl', 'abs', 'mse'], got {kind!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------
+
+
+def ppo_clip_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: LossConfig):
+    """verl's vanilla PPO/GRPO policy loss plus its optional KL and entropy terms."""
+    logprobs = out.logprobs
+    shape = tuple(logprobs.shape)
+    mask = _mask(batch, ("response_mask", "loss_mask"), shape)
+    old = _float_tensor(batch, "old_log_probs", shape).to(logprobs.dtype)
+    adv = _float_tensor(batch, "advantages", shape).to(logprobs.dtype)
+    weights = _float_tensor(batch, "rollout_is_weights", shape, required=False)
+
+    low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
+    high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
+    log_ratio = (logprobs - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    pg_losses = torch.maximum(unclipped, clipped)
+    clipfrac = _masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
+    if cfg.clip_ratio_c is not None:  # dual clip: bound the loss of negative advantages by -A * c
+        bound = -adv * cfg.clip_ratio_c
+        negative = adv < 0
+        clipfrac_lower = _masked_mean(((pg_losses > bound) & negative).to(logprobs.dtype), mask)
+        pg_losses = torch.where(negative, torch.minimum(pg_losses, bound), pg_losses)
+    else:
+        clipfrac_lower = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    if weights is not None:
+        pg_losses = pg_losses * weights.to(logprobs.dtype)
+    pg_loss = _aggregate(pg_losses, mask, cfg)
+    loss = pg_loss
+    metrics = {
+        "pg_loss": pg_loss.item(),
+        "pg_clipfrac": clipfrac.item(),
+        "pg_clipfrac_lower": clipfrac_lower.item(),
+        "ppo_kl": _masked_mean(-log_ratio, mask).item(),
+    }
+    if out.entropy is not None:
+        if tuple(out.entropy.shape) != shape:
+            raise ValueError(f"entropy: expected shape {list(shape)}, got {list(out.entropy.shape)}")
+        entropy = _aggregate(out.entropy, mask, cfg)
+        loss = loss - cfg.entropy_coeff * entropy
+        metrics["entropy"] = entropy.item()
+    elif cfg.entropy_coeff != 0.0:
+        raise ValueError(
+            f"entropy_coeff: a non-zero value ({cfg.entropy_coeff}) needs entropy; "
+            "compute the log-probs with calculate_entropy=True"
+        )
+    if cfg.use_kl_loss:
+        ref = _float_tensor(batch, "ref_log_prob", shape, required=False)
+        if ref is None:
+            raise ValueError(f"ref_log_prob: expected a {list(shape)} tensor when use_kl_loss is true, got none")
+        kl = _aggregate(kl_penalty(logprobs, ref.to(logprobs.dtype), cfg.kl_loss_type), mask, cfg)
+        loss = loss + cfg.kl_loss_coef * kl
+        metrics["kl"] = kl.item()
+    metrics["loss"] = loss.item()
+    metrics["num_tokens"] = float(mask.sum().item())
+    return loss, metrics
+
+
+def sft_cross_entropy(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: LossConfig):
+    """Masked token cross-entropy ``-log p(token)`` aggregated by ``loss_agg_mode``."""
+    shape = tuple(out.logprobs.shape)
+    mask = _mask(batch, ("loss_mask", "response_mask"), shape)
+    loss = _aggregate(-out.logprobs, mask, cfg)
+    value = loss.item()
+    return loss, {"loss": value, "sft_loss": value, "num_tokens": float(mask.sum().item())}
+
+
+LOSS_FUNCTIONS: Mapping[str, LossFn] = MappingProxyType(
+    {
+        "verl_grpo": ppo_clip_loss,
+        "grpo": ppo_clip_loss,
+        "sft": sft_cross_entropy,
+        "sft_ce": sft_cross_entropy,
+        "cross_entropy": sft_cross_entropy,
+    }
+)
+if tuple(sorted(LOSS_FUNCTIONS)) != tuple(sorted(LOSS_NAMES)):  # the protocol's list is the contract
+    raise RuntimeError(f"LOSS_FUNCTIONS {sorted(LOSS_FUNCTIONS)} != arctic_rl.protocol.LOSS_NAMES {sorted(LOSS_NAMES)}")
+
+
+def resolve_loss(name: str | None) -> LossFn:
+    """The loss function of an allow-listed name (``None``: :data:`DEFAULT_LOSS`).
+
+    Any other value -- a dotted path included -- raises :class:`LossNameError`; nothing is imported.
+    """
+    if name is None:
+        name = DEFAULT_LOSS
+    if not isinstance(name, str) or name not in LOSS_FUNCTIONS:
+        raise LossNameError(name, LOSS_NAMES)
+    return LOSS_FUNCTIONS[name]
+
+
+def compute_loss(
+    name: str | None,
+    out: TokenLogprobs,
+    batch: Mapping[str, torch.Tensor],
+    cfg: LossConfig | Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Scalar (differentiable) loss and float metrics of the named loss.
+
+    ``batch`` holds response-sliced ``[B, R]`` tensors; ``cfg`` a :class:`LossConfig` (or its dict).
+    """
+    fn = resolve_loss(name)
+    if cfg is None:
+        cfg = LossConfig()
+    elif not isinstance(cfg, LossConfig):
+        cfg = LossConfig.model_validate(dict(cfg))
+    if out.logprobs.ndim != 2:
+        raise ValueError(f"logprobs: expected a 2-D [B, R] tensor, got shape {list(out.logprobs.shape)}")
+    return fn(out, batch, cfg)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Install verl-remote-backend (and verl 0.9.1, the reference server's DeepSpeed, ...) into ./.venv.
+#
+#   bash scripts/install.sh           # runtime + reference server
+#   bash scripts/install.sh --test    # ... + test tools
+#
+# The checkout is installed in editable mode: edits under verl/remote_backend/, verl/workers/remote_client/
+# and arctic_rl/ are what Python, the tests and Ray's worker processes import (README: "Development").
+# Environment: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
+# TORCH_SPEC (default torch==2.13.0; point it at a CPU or CUDA build as you need).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="server"
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="server,test" ;;
+    *) echo "usage: bash scripts/install.sh [--test]" >&2; exit 2 ;;
+  esac
+done
+
+venv="${VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[install] creating $venv"
+  "${PYTHON:-python3}" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip setuptools wheel
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  echo "[install] torch (${TORCH_SPEC:-torch==2.13.0})"
+  "${pip[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
+fi
+echo "[install] verl-remote-backend[$extras] with constraints.txt (verl 0.9.1, deepspeed, ...)"
+# DS_BUILD_OPS=0: DeepSpeed builds no C++/CUDA ops at install time (the server uses torch's AdamW on CPU).
+DS_BUILD_OPS=0 "${pip[@]}" install -c constraints.txt -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+"$venv/bin/python" - <<'PY'
+import importlib, pathlib, sys
+root = pathlib.Path.cwd().resolve()
+for name in ("verl.remote_backend", "arctic_rl"):
+    mod = importlib.import_module(name)
+    where = pathlib.Path(mod.__file__).resolve()
+    if root not in where.parents:
+        sys.exit(f"[install] {name} imports from {where}, not from this checkout ({root})")
+import verl
+print(f"[install] ok: verl {verl.__version__} at {pathlib.Path(verl.__file__).parent}; our packages from {root}")
+PY

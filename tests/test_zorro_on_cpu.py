@@ -1,0 +1,267 @@
+"""ZoRRO prompt deduplication: grouping, and equality with the plain pass for several model families.
+
+Every equivalence test runs the same batch through the plain ``[B, P+R]`` forward and through
+ZoRRO's shared-prompt forward and compares log-probs, entropy, a GRPO loss with every option on,
+and all parameter gradients (max relative error <= 1e-5, fp32). Batches use the protocol's layout:
+left-padded prompts of varying length, right-padded responses of varying length (some fully
+padded), with ``rollout_n`` rows per prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from arctic_rl.protocol import LossConfig
+from arctic_rl.server.logprobs import response_logprobs
+from arctic_rl.server.losses import compute_loss
+from arctic_rl.server.zorro import (
+    ZorroUnsupportedError,
+    group_prompts,
+    zorro_forward,
+    zorro_unsupported_reason,
+)
+from arctic_rl.tiny_models import tiny_config
+
+torch.set_num_threads(1)
+
+VOCAB = 40
+ARCHS = ("qwen3", "qwen2", "llama")
+ATTNS = ("eager", "sdpa")
+RTOL = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a-b| / max(max|b|, tiny): robust to tensors with zeros."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def make_model(arch: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
+    config = tiny_config(arch, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
+
+
+def make_batch(
+    num_prompts: int, n: int, prompt_len: int, resp_len: int, *, seed: int = 0, shuffle: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[left-padded prompt | right-padded response]`` rows, ``n`` adjacent rows per prompt.
+
+    Prompt lengths vary in ``1..P`` (the first prompt is full width); response lengths vary in
+    ``0..R`` and the first row of each group has an empty (fully padded) response.
+    """
+    g = torch.Generator().manual_seed(seed)
+    b, t = num_prompts * n, prompt_len + resp_len
+    ids = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    for u in range(num_prompts):
+        plen = prompt_len if u == 0 else int(torch.randint(1, prompt_len + 1, (1,), generator=g))
+        prompt = torch.randint(3, VOCAB, (plen,), generator=g)
+        for k in range(n):
+            row = u * n + k
+            ids[row, prompt_len - plen : prompt_len] = prompt
+            mask[row, prompt_len - plen : prompt_len] = 1
+            rlen = 0 if (k == 0 and n > 1) else int(torch.randint(1, resp_len + 1, (1,), generator=g))
+            ids[row, prompt_len : prompt_len + rlen] = torch.randint(3, VOCAB, (rlen,), generator=g)
+            mask[row, prompt_len : prompt_len + rlen] = 1
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    if shuffle:
+        perm = torch.randperm(b, generator=g)
+        ids, mask, position_ids = ids[perm], mask[perm], position_ids[perm]
+    return ids, mask, position_ids
+
+
+def rl_tensors(lp: torch.Tensor, mask: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Response-sliced RL tensors around the current log-probs (so clipping and KL are active)."""
+    g = torch.Generator().manual_seed(seed)
+    b, r = lp.shape
+    lp = lp.detach()
+    return {
+        "response_mask": mask,
+        "old_log_probs": lp + 0.4 * torch.randn(b, r, generator=g),
+        "ref_log_prob": lp + 0.4 * torch.randn(b, r, generator=g),
+        "advantages": torch.randn(b, 1, generator=g).expand(b, r).contiguous(),
+        "rollout_is_weights": 0.5 + torch.rand(b, r, generator=g),
+    }
+
+
+ALL_OPTIONS = LossConfig(
+    clip_ratio_low=0.1,
+    clip_ratio_high=0.28,
+    clip_ratio_c=2.0,
+    loss_agg_mode="seq-mean-token-mean",
+    use_kl_loss=True,
+    kl_loss_coef=0.1,
+    kl_loss_type="low_var_kl",
+    entropy_coeff=0.01,
+)
+
+
+def run(model, batch, prompt_len, *, zorro: bool, temperature: float = 0.7):
+    ids, mask, pos = batch
+    model.zero_grad(set_to_none=True)
+    out = response_logprobs(
+        model, ids, mask, pos, prompt_len, temperature=temperature, calculate_entropy=True, zorro=zorro
+    )
+    rl = rl_tensors(out.logprobs, mask[:, prompt_len:])
+    loss, metrics = compute_loss("verl_grpo", out, rl, ALL_OPTIONS)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return out, loss.detach(), metrics, grads
+
+
+# --------------------------------------------------------------------------------------------
+# group_prompts
+# --------------------------------------------------------------------------------------------
+
+
+def test_group_prompts_adjacent_groups():
+    ids, mask, pos = make_batch(3, 4, 6, 5, seed=1)
+    unique, groups = group_prompts(ids, mask, 6)
+    assert unique.tolist() == [0, 4, 8]
+    assert groups.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_group_prompts_non_adjacent_numbered_by_first_row():
+    ids = torch.tensor([[5, 6, 1, 2], [7, 8, 1, 3], [5, 6, 4, 4], [9, 9, 0, 0], [7, 8, 2, 2]])
+    mask = torch.ones_like(ids)
+    unique, groups = group_prompts(ids, mask, 2)
+    assert unique.tolist() == [0, 1, 3]
+    assert groups.tolist() == [0, 1, 0, 2, 1]
+    assert torch.equal(groups[unique], torch.arange(3))
+
+
+def test_group_prompts_mask_and_positions_are_part_of_the_key():
+    ids = torch.tensor([[0, 5, 6, 1], [0, 5, 6, 2], [0, 5, 6, 3]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+    unique, groups = group_prompts(ids, mask, 3)
+    assert groups.tolist() == [0, 1, 0]
+    pos = torch.tensor([[0, 0, 1, 2], [0, 1, 2, 3], [0, 5, 6, 7]])
+    _, groups = group_prompts(ids, mask, 3, position_ids=pos)
+    assert groups.tolist() == [0, 1, 2]
+
+
+def test_group_prompts_all_unique_and_single_group():
+    ids, mask, _ = make_batch(5, 1, 4, 3, seed=2)
+    unique, groups = group_prompts(ids, mask, 4)
+    assert unique.tolist() == list(range(5)) and groups.tolist() == list(range(5))
+    ids, mask, _ = make_batch(1, 6, 4, 3, seed=2)
+    unique, groups = group_prompts(ids, mask, 4)
+    assert unique.tolist() == [0] and groups.tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("prompt_len", [0, 7, -1])
+def test_group_prompts_rejects_bad_prompt_len(prompt_len):
+    ids, mask, _ = make_batch(2, 2, 4, 3)
+    with pytest.raises(ValueError, match="prompt_len"):
+        group_prompts(ids, mask, prompt_len)
+
+
+# --------------------------------------------------------------------------------------------
+# Equivalence with the plain pass
+# --------------------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "groups_of_4": dict(num_prompts=3, n=4, shuffle=False),
+    "non_adjacent": dict(num_prompts=3, n=3, shuffle=True),
+    "all_unique": dict(num_prompts=5, n=1, shuffle=False),
+    "single_group": dict(num_prompts=1, n=5, shuffle=False),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zorro_equals_plain_pass(arch, attn, layout):
+    spec = LAYOUTS[layout]
+    prompt_len, resp_len = 7, 6
+    batch = make_batch(spec["num_prompts"], spec["n"], prompt_len, resp_len, seed=3, shuffle=spec["shuffle"])
+    model = make_model(arch, attn)
+    plain, plain_loss, plain_metrics, plain_grads = run(model, batch, prompt_len, zorro=False)
+    zorro, zorro_loss, zorro_metrics, zorro_grads = run(model, batch, prompt_len, zorro=True)
+
+    b = batch[0].shape[0]
+    assert plain.unique_prompts == b and plain.tokens_computed == b * (prompt_len + resp_len)
+    assert zorro.unique_prompts == spec["num_prompts"]
+    assert zorro.tokens_computed == spec["num_prompts"] * prompt_len + b * resp_len
+    # every position, padding included: the padding is handled the same way on both paths
+    assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
+    assert rel_err(zorro.entropy, plain.entropy) <= RTOL
+    assert rel_err(zorro_loss, plain_loss) <= RTOL
+    assert plain_metrics["pg_clipfrac"] > 0 and plain_metrics["kl"] > 0  # the options really acted
+    assert zorro_metrics["pg_clipfrac"] == pytest.approx(plain_metrics["pg_clipfrac"])
+    assert zorro_grads.shape == plain_grads.shape
+    assert rel_err(zorro_grads, plain_grads) <= RTOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zorro_no_grad_and_token_mean(arch):
+    model = make_model(arch, "sdpa", seed=1).eval()
+    batch = make_batch(2, 4, 5, 4, seed=4)
+    with torch.no_grad():
+        plain = response_logprobs(model, *batch, 5, zorro=False)
+        zorro = response_logprobs(model, *batch, 5, zorro=True)
+    assert not zorro.logprobs.requires_grad and zorro.entropy is None
+    assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
+
+
+def test_zorro_single_response_token():
+    model = make_model("qwen3")
+    batch = make_batch(2, 3, 5, 1, seed=5)
+    plain = response_logprobs(model, *batch, 5, calculate_entropy=True)
+    zorro = response_logprobs(model, *batch, 5, calculate_entropy=True, zorro=True)
+    assert zorro.logprobs.shape == (6, 1)
+    assert zorro.tokens_computed == 2 * 5  # the responses need no pass of their own
+    assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
+    assert rel_err(zorro.entropy, plain.entropy) <= RTOL
+
+
+def test_zorro_output_shapes():
+    model = make_model("llama")
+    ids, mask, pos = make_batch(2, 3, 5, 4, seed=6)
+    out = zorro_forward(model, ids, mask, pos, 5)
+    assert out.first_logits.shape == (2, VOCAB)
+    assert out.rest_logits.shape == (6, 3, VOCAB)
+    assert out.row_to_group.tolist() == [0, 0, 0, 1, 1, 1]
+    assert out.tokens_computed == 2 * 5 + 6 * 4
+
+
+# --------------------------------------------------------------------------------------------
+# Models that cannot take the shared-prompt path
+# --------------------------------------------------------------------------------------------
+
+
+def test_gradient_checkpointing_is_refused_and_falls_back(caplog):
+    model = make_model("qwen3")
+    batch = make_batch(2, 3, 5, 4, seed=7)
+    expected = response_logprobs(model, *batch, 5)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert "gradient checkpointing" in zorro_unsupported_reason(model)
+    with pytest.raises(ZorroUnsupportedError, match="gradient checkpointing"):
+        zorro_forward(model, *batch, 5)
+    with caplog.at_level(logging.WARNING, logger="arctic_rl.server.logprobs"):
+        out = response_logprobs(model, *batch, 5, zorro=True)
+    assert "ZoRRO requested but not possible" in caplog.text
+    assert out.unique_prompts == 6
+    assert rel_err(out.logprobs, expected.logprobs) <= RTOL
+    model.eval()  # checkpointing is inactive outside training: the cache path is fine again
+    assert zorro_unsupported_reason(model) is None
+
+
+def test_sliding_window_cache_is_refused():
+    model = make_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    if "sliding_attention" not in (getattr(model.config, "layer_types", None) or []):
+        pytest.skip("this transformers version builds no sliding-window layers for the config")
+    reason = zorro_unsupported_reason(model)
+    assert reason is not None and "sliding" in reason.lower()
+    batch = make_batch(2, 2, 6, 3, seed=8)
+    with pytest.raises(ZorroUnsupportedError):
+        zorro_forward(model, *batch, 6)
+    out = response_logprobs(model, *batch, 6, zorro=True)  # falls back to the plain pass
+    assert out.unique_prompts == 4
