@@ -15,7 +15,8 @@ frames reproduce the vendor's bytes. A frame without tensors carries a 1-byte ``
 This module is the whole codec and nothing else: no HTTP, no torch.save (v1 bodies live in
 :mod:`arctic_rl.v1compat`). It is simpler than safetensors-plus-glue because it never builds an
 intermediate dict of tensors: :func:`dumps` computes the header first and copies each tensor once
-into one preallocated ``bytearray``; :func:`loads` returns views over the received buffer.
+into one ``bytearray`` allocated at its final size; :func:`loads` returns views over the received
+buffer.
 
 Aliasing -- read this before mutating decoded tensors:
     * ``loads(bytearray | writable memoryview)`` is zero-copy: the tensors share memory with the
@@ -36,8 +37,11 @@ safetensors cannot name) raise :class:`WireError` too.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import mmap
+import sys
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -86,6 +90,42 @@ _ST_TO_TORCH: Final = {n: getattr(torch, t) for n, t in _ST_ORDER if hasattr(tor
 _TORCH_TO_ST: Final = {dtype: name for name, dtype in _ST_TO_TORCH.items()}
 _JSON_SCALARS: Final = (type(None), bool, int, float, str)
 _json_str = json.JSONEncoder(ensure_ascii=False).encode  # escapes exactly like serde_json
+
+
+def _uninitialized_allocator() -> Any:
+    """``n -> bytearray`` whose bytes are NOT initialized, backed by huge pages when large.
+
+    A fresh 80 MB ``bytearray(n)`` costs more than the copy into it: ``n`` zero bytes written over
+    ~20k freshly faulted 4 KiB pages. Our frames overwrite every byte anyway, so on CPython/Linux
+    an empty bytearray is grown with the C API ``PyByteArray_Resize`` (no zero-fill) and advised
+    ``MADV_HUGEPAGE`` before its first touch (numpy does the same for its arrays): encoding gets
+    about 3-4x faster. Elsewhere it falls back to ``bytearray(n)``.
+    """
+    try:
+        if sys.implementation.name != "cpython" or not hasattr(mmap, "MADV_HUGEPAGE"):
+            raise OSError("not CPython on Linux")
+        resize = ctypes.pythonapi.PyByteArray_Resize
+        resize.restype, resize.argtypes = ctypes.c_int, (ctypes.py_object, ctypes.c_ssize_t)
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.restype, madvise.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):
+        return bytearray
+    page = mmap.PAGESIZE
+
+    def allocate(n: int) -> bytearray:
+        buf = bytearray()
+        if n:
+            resize(buf, n)  # raises MemoryError on failure
+        if n >= 4 << 20:  # advice is a hint: failure only costs speed
+            start = ctypes.addressof((ctypes.c_char * n).from_buffer(buf))
+            first, last = -(-start // page) * page, (start + n) // page * page
+            madvise(first, last - first, mmap.MADV_HUGEPAGE)
+        return buf
+
+    return allocate
+
+
+_new_buffer = _uninitialized_allocator()  # callers must overwrite every byte before exposing it
 
 
 class WireError(ValueError):
@@ -222,10 +262,10 @@ def _write_frame(tree: list, blobs: list[_Blob], op: dict | None) -> bytearray:
     if len(header) > MAX_HEADER_BYTES:
         raise WireError(f"header would be {len(header)} bytes, above MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
     start = 8 + len(header)
-    frame = bytearray(start + data_len)
-    frame[:8] = len(header).to_bytes(8, "little")
-    frame[8:start] = header
+    frame = _new_buffer(start + data_len)  # uninitialized: the layout tiles it, every byte is written
     with memoryview(frame) as out:
+        out[:8] = len(header).to_bytes(8, "little")
+        out[8:start] = header
         for blob, offset in layout:
             if blob.nbytes:
                 _copy_into(out, start + offset, blob)
@@ -236,8 +276,10 @@ def dumps(obj: Any, *, metadata: dict[str, Any] | None = None) -> bytearray:
     """Encode ``obj`` (nested dict/list/tuple of tensors and JSON scalars) as one DSSST1 frame.
 
     ``metadata`` (a JSON object) becomes the frame's ``op`` entry. Tensors may be non-contiguous
-    or on an accelerator; each is copied exactly once, straight into the returned ``bytearray``
-    (a bytes-like object: requests/httpx send it as is; ``bytes(frame)`` if you need immutable).
+    or on an accelerator; each is copied exactly once, straight into the returned ``bytearray``.
+    ``requests`` sends a bytearray body as is; ``httpx``'s ``content=`` iterates anything but
+    ``bytes``, so give it ``content=[frame]`` plus a ``Content-Length`` header (or ``bytes(frame)``,
+    one copy).
     """
     if metadata is not None and not isinstance(metadata, dict):
         raise WireError(f"metadata must be a dict, got {type(metadata).__name__}")
@@ -275,9 +317,11 @@ def _as_view(data: Any) -> memoryview:
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     result = dict(pairs)
     if len(result) != len(pairs):
-        keys = [key for key, _ in pairs]
-        dup = next(key for i, key in enumerate(keys) if key in keys[:i])
-        raise WireError(f"header JSON repeats the key {dup!r}"[:300])
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise WireError(f"header JSON repeats the key {key!r}"[:300])
+            seen.add(key)
     return result
 
 
@@ -321,7 +365,7 @@ def _parse_header(view: memoryview) -> _Frame:
         if not isinstance(info, dict):
             raise WireError(f"tensor {name!r}: header entry must be an object")
         st_dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if st_dtype not in _ST_TO_TORCH:
+        if not isinstance(st_dtype, str) or st_dtype not in _ST_TO_TORCH:
             raise WireError(f"tensor {name!r}: unknown or unsupported dtype {st_dtype!r}"[:300])
         if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
             raise WireError(f"tensor {name!r}: shape must be a list of at most {_MAX_NDIM} dims")
@@ -330,7 +374,12 @@ def _parse_header(view: memoryview) -> _Frame:
         numel = 1
         for dim in shape:
             numel *= _int(dim, f"tensor {name!r}: shape entry", _MAX_DIM)
-        start, end = (_int(o, f"tensor {name!r}: data offset", data_len) for o in offsets)
+        start, end = (_int(o, f"tensor {name!r}: data offset", _MAX_DIM) for o in offsets)
+        if end > data_len:
+            raise WireError(
+                f"tensor {name!r}: data_offsets [{start}, {end}] run past the {data_len} bytes of tensor data "
+                "(truncated frame?)"
+            )
         nbytes = numel * _ST_TO_TORCH[st_dtype].itemsize
         if end - start != nbytes:
             raise WireError(
@@ -392,7 +441,10 @@ def _tensor_view(section: memoryview, name: str, entry: tuple[str, list[int], in
     st_dtype, shape, start, end = entry
     dtype = _ST_TO_TORCH[st_dtype]
     if end == start:
-        return torch.empty(shape, dtype=dtype)
+        try:
+            return torch.empty(shape, dtype=dtype)
+        except RuntimeError as exc:  # e.g. [0, 2**62, 2**62]: no bytes, but strides overflow int64
+            raise WireError(f"tensor {name!r}: empty shape {shape} is not representable: {exc}"[:300]) from None
     raw = torch.frombuffer(section, dtype=torch.uint8, count=end - start, offset=start)
     if dtype == torch.bool and bool((raw > 1).any()):
         raise WireError(f"tensor {name!r}: BOOL data holds bytes other than 0 and 1")
@@ -467,7 +519,11 @@ def loads_with_metadata(data: Buffer, *, copy: bool | None = None) -> tuple[Any,
     tree, op = _tree(frame.metadata), _op(frame.metadata)
     if copy is None:
         copy = view.readonly
-    section = memoryview(bytearray(view[frame.data_start :])) if copy else view[frame.data_start :]
+    section = view[frame.data_start :]
+    if copy:
+        owned = _new_buffer(len(section))
+        section = memoryview(owned)
+        section[:] = view[frame.data_start :]
     return _materialize(frame, section, tree), op
 
 
@@ -477,7 +533,10 @@ def loads(data: Buffer, *, copy: bool | None = None) -> Any:
 
 
 def read_metadata(data: Buffer) -> dict[str, Any]:
-    """The frame's ``op`` metadata (``{}`` if none), from a validated header; no tensor is built."""
+    """The frame's ``op`` metadata (``{}`` if none), from a validated header; no tensor is built.
+
+    Strict, unlike the vendor's lenient peek: bytes that are not a DSSST1 frame raise WireError.
+    """
     frame = _parse_frame(_as_view(data))
     _tree(frame.metadata)
     return _op(frame.metadata)
@@ -516,6 +575,9 @@ def encode_byte_chunks(
     carry a group id (a fresh uuid4 unless given), the server's idempotency key.
     """
     key = _chunk_key(kind)
+    for field, value in (("operation", operation), ("chunk_group_id", chunk_group_id)):
+        if value is not None and not isinstance(value, str):
+            raise WireError(f"{field} must be a string, got {type(value).__name__}")
     view = _as_view(frame)
     size = len(view)
     if max_bytes <= 0 or size <= max_bytes:
@@ -625,13 +687,13 @@ def decode_byte_chunks(
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
             raise WireError(f"chunk {idx} must decode to {{'payload': 1-D uint8 tensor}}")
         by_idx[idx] = payload
-    missing = sorted(set(range(total)) - by_idx.keys())
-    if missing:
-        raise WireError(f"missing chunk_idx {missing[:10]} of total_chunks={total}")
+    if len(by_idx) != total:  # distinct and in range, so one of 0..len(by_idx) is missing
+        missing = [i for i in range(min(total, len(by_idx) + 10)) if i not in by_idx]
+        raise WireError(f"missing chunk_idx {missing} (got {len(by_idx)} of total_chunks={total})")
     got = sum(p.numel() for p in by_idx.values())
     if got != size:
         raise WireError(f"chunk payloads add up to {got} bytes, frame_size_bytes says {size}")
-    out, pos = bytearray(size), 0
+    out, pos = _new_buffer(size), 0  # the payloads add up to size: every byte is written
     with memoryview(out) as dst:  # (a bytearray slice refuses numpy arrays; a memoryview takes them)
         for idx in range(total):
             n = by_idx[idx].numel()
