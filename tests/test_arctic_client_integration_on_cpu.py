@@ -1,0 +1,281 @@
+"""ArcticRLClient against the real reference server (``python -m arctic_rl.server`` subprocesses).
+
+No mocks: a tiny Qwen3 is served by the reference server on CPU; batches are verl-shaped
+(``_helpers_arctic``: verl's own ``left_right_2_no_padding``) with GRPO groups interleaved the way
+verl's ``_balance_batch`` leaves them; log-probs are checked against the same model run locally
+with ``transformers`` and read back with verl's own ``no_padding_2_padding``.
+
+Each server test creates its own three jobs (the server allows one job per type), so tests destroy
+before the next one creates; they are marked slow (every job creation starts DeepSpeed). The
+launcher's failure paths run with stand-in executables and are fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from arctic_rl.protocol import GenerateResult
+from verl.remote_backend import RemoteBackendRegistry
+from verl.remote_backend.errors import RemoteJobNotFoundError, RemoteServerError
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import reduce_metrics
+from verl.utils.py_functional import rename_dict
+from verl.remote_backend.errors import RemoteConnectionError, RemoteTimeoutError
+from verl.workers.remote_client.arctic_config import LocalServerConfig
+from verl.workers.remote_client.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.local_server import start_local_server
+from verl.workers.utils.padding import no_padding_2_padding
+
+from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from server_process import running_server, tiny_model_dir
+
+N = 2  # rollout.n
+MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per optimizer step
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("arctic_tiny") / "qwen3", "qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("arctic_srv"), token="t0ken") as srv:
+        yield srv
+
+
+def main_config(model_dir, url: str | None, **arctic):
+    remote = {"server": {"url": url}, "train": {"deepspeed": {"bf16": False}}, "retry": {"backoff_initial_s": 0.05}}
+    for section, values in arctic.items():
+        remote.setdefault(section, {}).update(values)
+    return verl_main_config({
+        "data": {"train_batch_size": 4, "max_prompt_length": 16, "max_response_length": 8},
+        "trainer": {"default_local_dir": "run1"},
+        "actor_rollout_ref": {
+            "rollout": {"n": N, "temperature": 1.0},
+            "actor": {"ppo_mini_batch_size": MINI, "ppo_micro_batch_size_per_gpu": 2, "ppo_epochs": 1,
+                      "optim": {"lr": 5e-3}, "use_kl_loss": True, "kl_loss_coef": 0.01, "shuffle": False},
+        },
+        "remote_backend": remote,
+    }, model_path=str(model_dir))
+
+
+def grpo_batch(seed: int = 0, vocab: int = 90):
+    """8 rows = 4 prompts x n=2, groups interleaved (not adjacent), verl's legacy layout."""
+    prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=N, interleave=True)
+    data = legacy_batch(prompts, responses, p0=9, r0=8)
+    return prompts, responses, data
+
+
+def local_logprobs(model_dir, prompts, responses, r0=8):
+    """The same model, run row by row with transformers: log p(response token j | prefix) as [B, r0]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    out = torch.zeros(len(prompts), r0)
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ids = torch.tensor([p + r])
+            lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            for j, tok in enumerate(r):
+                out[i, j] = lp[len(p) - 1 + j, tok]
+    return out
+
+
+def train_inputs(client, data):
+    """What verl's trainer adds before update_actor: old/ref log-probs, advantages, meta."""
+    old = client.compute_log_prob(data)
+    data["old_log_probs"] = no_padding_2_padding(old["log_probs"], data).float()
+    ref = client.compute_ref_log_prob(data)
+    data["ref_log_prob"] = no_padding_2_padding(ref["log_probs"], data).float()
+    tu.assign_non_tensor(data, global_batch_size=MINI * N, mini_batch_size=MINI * N, epochs=1, seed=1,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=True, temperature=1.0)
+    return data
+
+
+def server_jobs(srv) -> dict:
+    return requests.get(srv.url + "/status", headers=srv.headers, timeout=10).json()["jobs"]
+
+
+@pytest.mark.slow
+def test_full_cycle_v2(server, model_dir, monkeypatch):
+    monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
+    cfg = main_config(model_dir, server.url)
+    client = RemoteBackendRegistry.create("arctic", cfg)
+    try:
+        assert isinstance(client, ArcticRLClient) and client.protocol == 2 and client.requires_single_forwarder()
+        assert set(client.job_ids) == {"sampling", "log_prob", "training"} == set(client.owned_job_ids)
+        handle = json.loads(json.dumps(client.reconnect_handle()))
+        assert handle["url"] == server.url and handle["protocol"] == 2 and handle["step"] == 0
+        assert handle["instance_id"] and "t0ken" not in json.dumps(handle)
+
+        # log-probs: same values as the model run locally, in verl's nested layout and row order
+        prompts, responses, data = grpo_batch()
+        tu.assign_non_tensor(data, calculate_entropy=True)
+        out = client.compute_log_prob(data)
+        assert torch.equal(out["log_probs"].offsets(), data["input_ids"].offsets())
+        assert out["entropy"].is_nested and set(tu.get(out, "metrics")) == {"mfu"}
+        want = local_logprobs(model_dir, prompts, responses)
+        got = no_padding_2_padding(out["log_probs"], data)
+        mask = data["response_mask"].bool()
+        torch.testing.assert_close(got[mask], want[mask], atol=2e-4, rtol=1e-4)
+        ent = no_padding_2_padding(out["entropy"], data)[mask]
+        assert (ent > 0).all() and (ent <= torch.log(torch.tensor(float(110)))).all()
+        ref = client.compute_ref_log_prob(data)  # the log_prob job holds the same initial weights
+        torch.testing.assert_close(no_padding_2_padding(ref["log_probs"], data)[mask], got[mask], atol=2e-4, rtol=1e-4)
+
+        # a re-attached client (another process would do the same) computes the same, owns nothing
+        attached = ArcticRLClient.from_config(cfg, handle=handle)
+        assert attached.owned_job_ids == {} and attached.job_ids == client.job_ids
+        again = no_padding_2_padding(attached.compute_log_prob(data)["log_probs"], data)
+        torch.testing.assert_close(again[mask], got[mask])
+
+        # one GRPO update: 8 rows = 2 mini-batches of 4 rows, 2 /forward-backward calls each
+        data = train_inputs(client, data)
+        metrics = tu.get(client.update_actor(data), "metrics")
+        for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy_loss", "grad_norm", "lr",
+                     "loss", "kl_loss", "mfu"):
+            assert len(metrics[name]) == 2, name
+        assert metrics["lr"] == [5e-3, 5e-3] and all(g > 0 for g in metrics["grad_norm"])
+        logged = rename_dict(dict(metrics), "actor/")  # what verl's trainer does with the worker's metrics
+        logged["perf/mfu/actor"] = logged.pop("actor/mfu")
+        logged = reduce_metrics(logged)
+        assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/loss",
+                "actor/kl_loss", "actor/entropy_loss", "perf/mfu/actor"} <= set(logged)
+        assert metrics["loss"][0] != metrics["loss"][1]
+        assert client.step == 2 and client.reconnect_handle()["step"] == 2
+        after = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)
+        assert (after[mask] - got[mask]).abs().max() > 1e-3  # the weights moved
+
+        # generation with token prompts, n=2 per prompt, in prompt order; weight sync
+        sync = client.update_weights()
+        assert sync["synced"] == [client.job_ids["sampling"]]
+        results = client.generate([[5, 6, 7], [8, 9]], {"n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 3,
+                                                         "not_a_protocol_knob": 1})
+        assert len(results) == 4 and all(isinstance(r, GenerateResult) for r in results)
+        assert [(r.prompt_index, r.sample_index) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert [r.prompt_len for r in results] == [3, 3, 2, 2]
+        assert all(1 <= len(r.token_ids) <= 4 for r in results)
+
+        # checkpoint: save at step 2, train on, load it back -> the log-probs of step 2 again
+        saved = client.save_checkpoint()
+        assert saved["global_step"] == 2 and saved["path"].endswith("checkpoint-2")
+        assert server.checkpoint_root.resolve() in Path(saved["path"]).parents
+        client.update_actor(data)
+        assert client.step == 4
+        moved = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)
+        assert (moved[mask] - after[mask]).abs().max() > 1e-4
+        loaded = client.load_checkpoint(step=2)
+        assert loaded["global_step"] == 2 and client.step == 2
+        restored = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)
+        torch.testing.assert_close(restored[mask], after[mask])
+
+        attached.destroy()  # owns nothing: every job survives
+        assert len(server_jobs(server)) == 3
+    finally:
+        client.destroy()
+    assert server_jobs(server) == {}
+    client.destroy()  # idempotent
+    with pytest.raises(RemoteJobNotFoundError):
+        attached.compute_log_prob(data)
+
+
+@pytest.mark.slow
+def test_destroy_touches_only_own_jobs_and_restart_is_detected(server, model_dir, monkeypatch):
+    monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
+    # the server rejects the training job (created last): the two jobs made before it are cleaned up
+    bad = main_config(model_dir, server.url, train={"deepspeed": {"extra": {"optimizer": {"type": "Lamb"}}}})
+    with pytest.raises(RemoteServerError) as err:
+        ArcticRLClient.from_config(bad)
+    assert err.value.status == 400 and "ds_config.optimizer.type" in str(err.value) and "Lamb" in str(err.value)
+    assert server_jobs(server) == {}
+
+    cfg = main_config(model_dir, server.url)
+    first = ArcticRLClient.from_config(cfg)
+    first_ids = first.job_ids
+    first.destroy()
+    second = ArcticRLClient.from_config(cfg)  # new jobs (the server allows one per type)
+    try:
+        assert set(second.job_ids.values()).isdisjoint(first_ids.values())
+        first.destroy()  # already destroyed: sends nothing, the second client's jobs survive
+        assert sorted(int(k) for k in server_jobs(server)) == sorted(second.job_ids.values())
+        with pytest.raises(RemoteServerError) as err:  # a third creator is refused, not allowed to clean up
+            ArcticRLClient.from_config(cfg)
+        assert err.value.status == 409 and "never destroys jobs it did not create" in str(err.value)
+        assert sorted(int(k) for k in server_jobs(server)) == sorted(second.job_ids.values())
+        handle = second.reconnect_handle()
+        server.restart()  # kill -9: jobs and their state are gone
+        with pytest.raises(RemoteJobNotFoundError, match="restarted"):
+            ArcticRLClient.from_config(cfg, handle=handle)
+    finally:
+        second.destroy()  # the jobs are gone with the old process: 404s are fine
+
+
+@pytest.mark.slow
+def test_local_server_v1_and_zorro(model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("ARCTIC_RL_TOKEN", raising=False)
+    cfg = main_config(model_dir, None, server={"protocol": "v1", "local": {"checkpoint_root": str(tmp_path / "srv")}},
+                      train={"zorro_train": {"enable": True}})
+    cfg.actor_rollout_ref.model.enable_gradient_checkpointing = False  # the reference server's ZoRRO needs the KV cache
+    client = ArcticRLClient.from_config(cfg)
+    local = client._local
+    try:
+        assert local is not None and local.alive and client.protocol == 1
+        assert client.reconnect_handle()["url"] == local.url and local.url.startswith("http://127.0.0.1:")
+        assert local.log_path.is_file() and local.log_path.parent == (tmp_path / "srv").resolve()
+        prompts, responses, data = grpo_batch(seed=4)
+        tu.assign_non_tensor(data, calculate_entropy=True)
+        got = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)  # ZoRRO: response-aligned
+        mask = data["response_mask"].bool()
+        torch.testing.assert_close(got[mask], local_logprobs(model_dir, prompts, responses)[mask], atol=2e-4,
+                                   rtol=1e-4)
+        data = train_inputs(client, data)
+        metrics = tu.get(client.update_actor(data), "metrics")
+        # micro-batches are whole GRPO groups (2 rows of one prompt): ZoRRO runs the prompt (width 7) once
+        # and both responses (width 8): 7 + 2 * 8 = 23 tokens per call instead of 2 * 15, two calls per step
+        assert metrics["arctic/tokens_computed"] == [46.0, 46.0]
+        assert len(metrics["actor/pg_loss"]) == 2 and client.step == 2
+        after = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)
+        assert (after[mask] - got[mask]).abs().max() > 1e-3
+        assert client.update_weights()  # v1 /sync-weights
+        assert len(client.generate([[5, 6, 7]], {"max_tokens": 3})) == 1  # v1 JSON /generate
+        assert "path" in client.save_checkpoint()  # v1 /save-checkpoint
+        assert os.path.isdir(tmp_path / "srv" / "training")
+    finally:
+        client.destroy()
+    assert not local.alive
+    client.destroy()
+
+
+def _fake_python(tmp_path, body: str):
+    script = tmp_path / "fake_python"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_local_server_that_dies_is_reported_with_its_log(tmp_path):
+    python = _fake_python(tmp_path, 'echo "fake server: cannot load model $@"; exit 3')
+    cfg = LocalServerConfig(checkpoint_root=str(tmp_path / "root"), startup_timeout_s=30)
+    with pytest.raises(RemoteConnectionError) as err:
+        start_local_server(cfg, python=python)
+    text = str(err.value)
+    assert "exited with code 3" in text and "cannot load model -m arctic_rl.server --host 127.0.0.1" in text
+    assert "--checkpoint-root" in text and "--device cpu --threads 1" in text
+
+
+def test_local_server_that_never_answers_times_out_and_is_stopped(tmp_path):
+    pid_file = tmp_path / "pid"
+    python = _fake_python(tmp_path, f'echo $$ > {pid_file}; echo "fake server: warming up"; exec sleep 60')
+    cfg = LocalServerConfig(checkpoint_root=str(tmp_path / "root"), startup_timeout_s=1.0)
+    with pytest.raises(RemoteTimeoutError) as err:
+        start_local_server(cfg, python=python)
+    assert err.value.timeout_s == 1.0 and "warming up" in str(err.value)
+    with pytest.raises(ProcessLookupError):  # terminated and reaped, not leaked
+        os.kill(int(pid_file.read_text()), 0)

@@ -1,0 +1,345 @@
+"""Typed configuration of the Arctic remote backend: ``config.remote_backend`` as dataclasses.
+
+``ArcticConfig`` mirrors ``verl/trainer/config/remote_backend/arctic.yaml`` key for key (a test
+loads the shipped yaml and checks both directions). :meth:`ArcticConfig.from_dict` is strict: an
+unknown key, a value of the wrong type or out of range raises
+:class:`~verl.remote_backend.errors.RemoteBackendConfigError` naming the dotted key
+(``remote_backend.train.logits.optimization``), the allowed values and the value received.
+
+What is not here: the verl fields the adapter reads (:mod:`.verl_settings`) and what is built from
+both (:mod:`.builders`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from verl.remote_backend.errors import RemoteBackendConfigError
+
+__all__ = [
+    "ArcticConfig",
+    "DeepSpeedSettings",
+    "LocalServerConfig",
+    "LogProbJobConfig",
+    "LogitsConfig",
+    "MfuConfig",
+    "RetryConfig",
+    "RolloutJobConfig",
+    "ServerConfig",
+    "TimeoutsConfig",
+    "TrainJobConfig",
+    "WeightSyncConfig",
+    "ZorroTrainConfig",
+]
+
+ROOT = "remote_backend"
+PROTOCOLS = ("auto", "v1", "v2")
+DEVICES = ("cpu", "cuda")
+LOGITS_OPTIMIZATIONS = ("none", "memory", "compute")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> None:
+    if not ok:
+        raise RemoteBackendConfigError(key, message, allowed=allowed, received=received)
+
+
+@dataclass(frozen=True)
+class LocalServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    threads: int = 1
+    checkpoint_root: str | None = None
+    log_dir: str | None = None
+    startup_timeout_s: float = 180.0
+
+    def _validate(self, p: str) -> None:
+        _require(0 <= self.port <= 65535, f"{p}.port", "not a TCP port", "0 (a free port) .. 65535", self.port)
+        _require(self.threads >= 1, f"{p}.threads", "must be positive", ">= 1", self.threads)
+        _require(self.startup_timeout_s > 0, f"{p}.startup_timeout_s", "must be positive", "> 0", self.startup_timeout_s)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    url: str | None = None
+    token: str | None = None
+    protocol: Literal["auto", "v1", "v2"] = "auto"
+    pool_size: int = 8
+    local: LocalServerConfig = field(default_factory=LocalServerConfig)
+
+    def _validate(self, p: str) -> None:
+        if self.url is not None:
+            ok = self.url.startswith(("http://", "https://")) and len(self.url.split("://", 1)[1].strip("/")) > 0
+            _require(ok, f"{p}.url", "not an http(s) URL", "http://host:port, https://host[:port] or null", self.url)
+        _require(self.pool_size >= 1, f"{p}.pool_size", "must be positive", ">= 1", self.pool_size)
+
+    def __repr__(self) -> str:  # never print the token
+        token = None if self.token is None else "***"
+        return (
+            f"ServerConfig(url={self.url!r}, token={token!r}, protocol={self.protocol!r}, "
+            f"pool_size={self.pool_size!r}, local={self.local!r})"
+        )
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    connect_s: float = 10.0
+    initialize_s: float = 600.0
+    forward_backward_s: float = 600.0
+    forward_s: float = 600.0
+    step_s: float = 300.0
+    generate_s: float = 600.0
+    weight_sync_s: float = 600.0
+    save_s: float = 600.0
+    default_s: float = 60.0
+
+    def _validate(self, p: str) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _require(value > 0, f"{p}.{f.name}", "must be positive", "> 0 seconds", value)
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    max_attempts: int = 5
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def _validate(self, p: str) -> None:
+        _require(self.max_attempts >= 1, f"{p}.max_attempts", "must be positive", ">= 1", self.max_attempts)
+        _require(self.backoff_initial_s >= 0, f"{p}.backoff_initial_s", "negative", ">= 0", self.backoff_initial_s)
+        _require(
+            self.backoff_max_s >= self.backoff_initial_s,
+            f"{p}.backoff_max_s",
+            "smaller than backoff_initial_s",
+            f">= {self.backoff_initial_s}",
+            self.backoff_max_s,
+        )
+
+
+@dataclass(frozen=True)
+class ZorroTrainConfig:
+    enable: bool = False
+    load_balancer: Any = None
+
+
+@dataclass(frozen=True)
+class LogitsConfig:
+    optimization: Literal["none", "memory", "compute"] = "none"
+    peak_mem_size_in_gib: int = 4
+    compute_in_fp32: bool = False
+
+    def _validate(self, p: str) -> None:
+        _require(self.peak_mem_size_in_gib > 0, f"{p}.peak_mem_size_in_gib", "must be positive", "> 0",
+                 self.peak_mem_size_in_gib)
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    zero_stage: int = 0
+    bf16: bool = True
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def _validate(self, p: str) -> None:
+        _require(self.zero_stage in ZERO_STAGES, f"{p}.zero_stage", "unknown ZeRO stage", list(ZERO_STAGES),
+                 self.zero_stage)
+        if self.offload_optimizer:
+            _require(self.zero_stage >= 1, f"{p}.offload_optimizer", "needs ZeRO stage >= 1",
+                     "false, or zero_stage 1/2/3", self.offload_optimizer)
+        if self.offload_param:
+            _require(self.zero_stage == 3, f"{p}.offload_param", "needs ZeRO stage 3", "false, or zero_stage 3",
+                     self.offload_param)
+
+
+@dataclass(frozen=True)
+class TrainJobConfig:
+    micro_batch_size: int | None = None
+    num_devices: int = 1
+    checkpoint_path: str | None = None
+    seed: int | None = None
+    full_determinism: bool = False
+    attn_implementation: str | None = None
+    zorro_train: ZorroTrainConfig = field(default_factory=ZorroTrainConfig)
+    logits: LogitsConfig = field(default_factory=LogitsConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+
+    def _validate(self, p: str) -> None:
+        if self.micro_batch_size is not None:
+            _require(self.micro_batch_size >= 1, f"{p}.micro_batch_size", "must be positive", ">= 1 or null",
+                     self.micro_batch_size)
+        _require(self.num_devices >= 1, f"{p}.num_devices", "must be positive", ">= 1", self.num_devices)
+        if self.logits.optimization == "memory":
+            _require(self.zorro_train.enable, f"{p}.logits.optimization", "`memory` exists only on the ZoRRO path",
+                     "none or compute (or enable train.zorro_train.enable)", self.logits.optimization)
+
+
+@dataclass(frozen=True)
+class LogProbJobConfig:
+    num_devices: int = 1
+
+    def _validate(self, p: str) -> None:
+        _require(self.num_devices >= 1, f"{p}.num_devices", "must be positive", ">= 1", self.num_devices)
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    cuda_ipc: bool = False
+    low_memory: bool = False
+    sync_log_prob: bool = False
+
+    def _validate(self, p: str) -> None:
+        if self.low_memory:
+            _require(self.cuda_ipc, f"{p}.low_memory", "applies to CUDA IPC sync only", "false, or cuda_ipc: true",
+                     self.low_memory)
+
+
+@dataclass(frozen=True)
+class RolloutJobConfig:
+    num_devices: int = 1
+    vllm_config: dict = field(default_factory=dict)
+    max_batch_size: int = 64
+    max_wait_ms: float = 5.0
+
+    def _validate(self, p: str) -> None:
+        _require(self.num_devices >= 1, f"{p}.num_devices", "must be positive", ">= 1", self.num_devices)
+        _require(self.max_batch_size >= 1, f"{p}.max_batch_size", "must be positive", ">= 1", self.max_batch_size)
+        _require(self.max_wait_ms >= 0, f"{p}.max_wait_ms", "negative", ">= 0", self.max_wait_ms)
+
+
+@dataclass(frozen=True)
+class MfuConfig:
+    peak_tflops_per_device: float | None = None
+
+    def _validate(self, p: str) -> None:
+        if self.peak_tflops_per_device is not None:
+            _require(self.peak_tflops_per_device > 0, f"{p}.peak_tflops_per_device", "must be positive",
+                     "> 0 or null", self.peak_tflops_per_device)
+
+
+@dataclass(frozen=True)
+class ArcticConfig:
+    """``config.remote_backend`` for ``remote_backend=arctic`` (see arctic.yaml for each key)."""
+
+    name: str = "arctic"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    train: TrainJobConfig = field(default_factory=TrainJobConfig)
+    log_prob: LogProbJobConfig = field(default_factory=LogProbJobConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    rollout: RolloutJobConfig = field(default_factory=RolloutJobConfig)
+    mfu: MfuConfig = field(default_factory=MfuConfig)
+
+    def _validate(self, p: str) -> None:
+        _require(self.name == "arctic", f"{p}.name", "this adapter is the `arctic` backend", ["arctic"], self.name)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, prefix: str = ROOT) -> "ArcticConfig":
+        """Build and validate from a plain mapping (``OmegaConf.to_container(cfg, resolve=True)``)."""
+        return _build(cls, {} if data is None else data, prefix)
+
+    @classmethod
+    def from_main_config(cls, main_config: Any) -> "ArcticConfig":
+        """Read ``main_config.remote_backend`` (a DictConfig or a mapping)."""
+        section = main_config.get("remote_backend") if hasattr(main_config, "get") else None
+        if section is None:
+            raise RemoteBackendConfigError(ROOT, "missing: select the backend with `remote_backend=arctic`",
+                                           received=None)
+        return cls.from_dict(_to_plain(section))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# strict mapping -> dataclass conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def _to_plain(section: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(section, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(section, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf ships with verl
+        pass
+    return section
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise RemoteBackendConfigError(prefix, "expected a mapping", allowed=f"keys of {cls.__name__}",
+                                       received=data)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, data)) - set(fields))
+    if unknown:
+        raise RemoteBackendConfigError(f"{prefix}.{unknown[0]}", "unknown key", allowed=sorted(fields),
+                                       received=unknown[0])
+    kwargs = {name: _convert(hints[name], data[name], f"{prefix}.{name}") for name in fields if name in data}
+    obj = cls(**kwargs)
+    for name in fields:  # nested dataclasses validate themselves when built from data or defaults
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value) and name not in data:
+            _build(type(value), {}, f"{prefix}.{name}")
+    validate = getattr(obj, "_validate", None)
+    if validate is not None:
+        validate(prefix)
+    return obj
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise RemoteBackendConfigError(key, "must not be null", allowed=_describe(tp), received=value)
+        inner = [o for o in options if o is not type(None)]
+        return _convert(inner[0], value, key) if len(inner) == 1 else value
+    if origin is Literal:
+        allowed = list(typing.get_args(tp))
+        if value not in allowed:
+            raise RemoteBackendConfigError(key, "not one of the allowed values", allowed=allowed, received=value)
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RemoteBackendConfigError(key, "expected a boolean", allowed="true or false", received=value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RemoteBackendConfigError(key, "expected an integer", allowed="an integer", received=value)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RemoteBackendConfigError(key, "expected a number", allowed="a number", received=value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise RemoteBackendConfigError(key, "expected a string", allowed="a string", received=value)
+        return value
+    if tp is dict or origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise RemoteBackendConfigError(key, "expected a mapping", allowed="a mapping ({} for none)",
+                                           received=value)
+        return dict(value)
+    return value  # pragma: no cover - every field type is handled above
+
+
+def _describe(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

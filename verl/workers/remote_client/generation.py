@@ -1,0 +1,67 @@
+"""``/generate`` requests and results for the Arctic adapter.
+
+verl's rollout replica asks for token ids in and token ids out. Servers differ in what they accept
+(:class:`arctic_rl.protocol.Features` in ``/health``):
+
+* ``token_prompts``: prompts go as token ids; otherwise (the vendor's servers) they are decoded
+  to text, which can re-tokenise differently -- the reason our reference server takes ids.
+* ``n_samples``: ``sampling_params.n > 1`` returns ``n`` samples per prompt; otherwise (the vendor
+  keeps only the first output per prompt) each prompt is repeated ``n`` times with ``n = 1``.
+
+Sampling parameters are filtered to the protocol's :class:`~arctic_rl.protocol.SamplingParams`
+(unknown knobs are logged once and not sent; a strict server would reject the whole call) and
+validated here, so a bad value is a config error naming the knob rather than a 400 later.
+What is not here: HTTP (:mod:`.arctic_rl` sends the request).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from arctic_rl.protocol import GenerateResult, SamplingParams
+from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
+
+__all__ = ["clean_sampling_params", "ordered_results"]
+
+logger = logging.getLogger(__name__)
+
+_ALIASES = {"max_new_tokens": "max_tokens"}
+
+
+def clean_sampling_params(given: dict[str, Any], warned: set[str]) -> SamplingParams:
+    """``given`` restricted to the protocol's knobs and validated; ``warned`` remembers logged keys."""
+    known = SamplingParams.model_fields
+    clean: dict[str, Any] = {}
+    for key, value in given.items():
+        key = _ALIASES.get(key, key)
+        if key in known:
+            clean[key] = value
+        elif key not in warned:
+            warned.add(key)
+            logger.warning("arctic: sampling parameter %r is not part of the protocol; not sent", key)
+    try:
+        return SamplingParams.model_validate(clean)
+    except ValueError as exc:
+        errors = getattr(exc, "errors", lambda: [])()
+        first = errors[0] if errors else {}
+        field = ".".join(str(x) for x in first.get("loc", ())) or "?"
+        raise RemoteBackendConfigError(f"sampling_params.{field}", first.get("msg", str(exc)),
+                                       allowed="see arctic_rl.protocol.SamplingParams",
+                                       received=first.get("input")) from None
+
+
+def ordered_results(raw: Any, num_prompts: int, n: int, *, expanded: bool) -> list[GenerateResult]:
+    """Validated results, prompt-major (prompt ``i``'s samples at ``[i*n, (i+1)*n)``), indices filled in."""
+    try:
+        results = [GenerateResult.model_validate(r) for r in raw["results"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RemoteProtocolError("POST /generate", f"bad results: {exc}") from None
+    if len(results) != num_prompts * n:
+        raise RemoteProtocolError("POST /generate", f"expected {num_prompts * n} results ({num_prompts} prompts x "
+                                  f"n={n}), got {len(results)}")
+    if not expanded and all(r.prompt_index is not None for r in results):
+        results.sort(key=lambda r: (r.prompt_index, r.sample_index or 0))
+    for i, r in enumerate(results):
+        r.prompt_index, r.sample_index = i // n, i % n
+    return results

@@ -1,0 +1,242 @@
+"""HTTP transport of the Arctic adapter: one ``requests.Session``, time limits, retries, errors.
+
+Every call goes through :meth:`ArcticHttp.request`, which
+
+* reuses pooled keep-alive connections (one ``requests.Session`` per client, ``pool_size`` wide);
+* sends ``Authorization: Bearer <token>`` (token from config or ``ARCTIC_RL_TOKEN``; never logged),
+  and on every mutating call a fresh ``X-Request-Id`` (uuid4, kept across the call's retries) and
+  ``X-Arctic-Step`` (the client's optimizer-step counter);
+* bounds the whole call, retries included, by its operation's time limit (``timeouts.<op>_s``);
+* retries transient failures -- connection errors, 429, 502, 503, 504 -- with exponential backoff
+  and jitter (``Retry-After`` honoured), logging each retry. A request that may have reached the
+  server is retried only when repeating it is harmless: GETs, calls marked idempotent
+  (``/forward``, ``/generate``, ...), or any call when the server advertises ``idempotency``
+  (it answers a replayed ``X-Request-Id`` from its cache). Against other servers a failed
+  ``/forward-backward`` or ``/step`` is never re-sent: a second one would double-count a gradient.
+  A connection that was refused never reached the server and is retried for every call;
+* maps failures onto the error tree of :mod:`verl.remote_backend.errors` with the endpoint, the
+  status and the server's own message (``{"detail": ...}``: a string, ``{message, field, allowed,
+  received}`` or FastAPI's list); a 404 for a call that names a job is ``RemoteJobNotFoundError``.
+
+Request bodies are passed to ``requests`` as they are: a DSSST1 ``bytearray`` is sent without a copy.
+What is not here: body encoding (:mod:`.wire`) and what the calls mean (:mod:`.arctic_rl`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+import uuid
+from typing import Any, Mapping
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError
+
+from arctic_rl.protocol import AUTH_HEADER, JSON_MEDIA_TYPE, REQUEST_ID_HEADER, STEP_HEADER
+from verl.remote_backend.errors import (
+    RemoteConnectionError,
+    RemoteJobNotFoundError,
+    RemoteServerError,
+    RemoteTimeoutError,
+)
+
+from .arctic_config import RetryConfig, TimeoutsConfig
+
+__all__ = ["TOKEN_ENV", "ArcticHttp", "parse_error_detail", "resolve_token"]
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "ARCTIC_RL_TOKEN"
+RETRYABLE_STATUS = (429, 502, 503, 504)
+#: operation name -> TimeoutsConfig field
+OPERATIONS = ("initialize", "forward_backward", "forward", "step", "generate", "weight_sync", "save", "default")
+
+
+def resolve_token(configured: str | None) -> str | None:
+    """The bearer token: the configured one, else ``$ARCTIC_RL_TOKEN``, else none."""
+    return configured or os.environ.get(TOKEN_ENV) or None
+
+
+def parse_error_detail(resp: requests.Response) -> tuple[str, Any]:
+    """``(message, detail)`` of an error answer, in the server's own words."""
+    try:
+        body = resp.json()
+    except ValueError:
+        text = (resp.text or "").strip()
+        return (text[:1000] or resp.reason or "no message"), None
+    detail = body.get("detail", body) if isinstance(body, dict) else body
+    if isinstance(detail, str):
+        return detail, detail
+    if isinstance(detail, dict):
+        parts = [str(detail.get("message") or detail.get("msg") or detail)]
+        for key in ("field", "allowed", "received"):
+            if detail.get(key) is not None:
+                parts.append(f"{key}: {detail[key]!r}" if key == "received" else f"{key}: {detail[key]}")
+        return "; ".join(parts), detail
+    if isinstance(detail, list):  # FastAPI request validation: [{loc, msg, type}, ...]
+        items = []
+        for item in detail[:5]:
+            if isinstance(item, dict):
+                loc = ".".join(str(x) for x in item.get("loc", ()) if x != "body")
+                items.append(f"{loc}: {item.get('msg', item)}" if loc else str(item.get("msg", item)))
+            else:
+                items.append(str(item))
+        return "; ".join(items) or "invalid request", detail
+    return str(detail), detail
+
+
+def _never_sent(exc: requests.exceptions.ConnectionError) -> bool:
+    """True when the connection could not be opened, so the server never saw the request."""
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return True
+    reason = exc.args[0] if exc.args else None
+    if isinstance(reason, MaxRetryError):
+        reason = reason.reason
+    return isinstance(reason, (NewConnectionError, ConnectTimeoutError))
+
+
+class ArcticHttp:
+    """A pooled, authenticated, retrying HTTP session to one Arctic RL server."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeouts: TimeoutsConfig,
+        retry: RetryConfig,
+        token: str | None = None,
+        pool_size: int = 8,
+        idempotency: bool = False,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeouts = timeouts
+        self.retry = retry
+        self._token = resolve_token(token)
+        #: the server replays ``X-Request-Id``s (``Features.IDEMPOTENCY``): any call may be retried
+        self.idempotency = idempotency
+        #: sent as ``X-Arctic-Step`` on mutating calls
+        self.step = 0
+        self._session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, max_retries=0)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        self._sleep = time.sleep  # tests replace it
+
+    def __repr__(self) -> str:  # no token
+        return f"ArcticHttp({self.base_url!r}, idempotency={self.idempotency})"
+
+    def close(self) -> None:
+        self._session.close()
+
+    def timeout_of(self, op: str) -> float:
+        if op not in OPERATIONS:
+            raise ValueError(f"operation {op!r}: expected one of {list(OPERATIONS)}")
+        return float(getattr(self.timeouts, f"{op}_s"))
+
+    # ------------------------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        op: str = "default",
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        data: bytes | bytearray | memoryview | None = None,
+        content_type: str | None = None,
+        idempotent: bool = False,
+        accept_status: tuple[int, ...] = (),
+    ) -> requests.Response:
+        """Send one logical call (retrying as the module docstring says); the response is 2xx or in
+        ``accept_status``, anything else raises a :class:`~verl.remote_backend.RemoteBackendError`."""
+        method = method.upper()
+        mutating = method != "GET"
+        endpoint = f"{method} {path}" + (f"?{'&'.join(f'{k}={v}' for k, v in params.items())}" if params else "")
+        budget = self.timeout_of(op)
+        deadline = time.monotonic() + budget
+        headers: dict[str, str] = {}
+        if self._token:
+            headers[AUTH_HEADER] = f"Bearer {self._token}"
+        if mutating:
+            headers[REQUEST_ID_HEADER] = str(uuid.uuid4())
+            headers[STEP_HEADER] = str(int(self.step))
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        elif json is not None:
+            headers["Content-Type"] = JSON_MEDIA_TYPE
+        safe = not mutating or idempotent or self.idempotency
+        attempts = self.retry.max_attempts
+        for attempt in range(1, attempts + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RemoteTimeoutError(endpoint, budget, f"time limit spent after {attempt - 1} attempt(s)")
+            try:
+                resp = self._session.request(
+                    method, self.base_url + path, params=params, json=json, data=data, headers=headers,
+                    timeout=(min(self.timeouts.connect_s, remaining), remaining),
+                )
+            except requests.exceptions.ConnectionError as exc:  # includes ConnectTimeout
+                if (safe or _never_sent(exc)) and self._backoff(endpoint, attempt, deadline, _short(exc)):
+                    continue
+                raise RemoteConnectionError(endpoint, _short(exc)) from None
+            except requests.exceptions.Timeout as exc:  # read timeout: the budget is spent
+                raise RemoteTimeoutError(endpoint, budget, _short(exc)) from None
+            except requests.exceptions.RequestException as exc:  # broken chunked body, ...
+                if safe and self._backoff(endpoint, attempt, deadline, _short(exc)):
+                    continue
+                raise RemoteConnectionError(endpoint, _short(exc)) from None
+            if resp.status_code < 400 or resp.status_code in accept_status:
+                return resp
+            if resp.status_code in RETRYABLE_STATUS and safe:
+                why = f"HTTP {resp.status_code}: {parse_error_detail(resp)[0]}"
+                if self._backoff(endpoint, attempt, deadline, why, retry_after=resp.headers.get("Retry-After")):
+                    resp.close()
+                    continue
+            raise self._error(endpoint, path, params, resp)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _backoff(self, endpoint: str, attempt: int, deadline: float, why: str, *, retry_after: str | None = None) -> bool:
+        """Sleep before the next attempt; False when no attempt or time is left (the caller raises)."""
+        if attempt >= self.retry.max_attempts:
+            return False
+        delay = min(self.retry.backoff_max_s, self.retry.backoff_initial_s * 2 ** (attempt - 1))
+        delay *= 0.5 + random.random() / 2  # jitter: 50-100% of the exponential delay
+        if retry_after:
+            try:
+                delay = max(delay, min(float(retry_after), self.retry.backoff_max_s))
+            except ValueError:  # an HTTP date; keep the computed delay
+                pass
+        if time.monotonic() + delay >= deadline:
+            return False
+        logger.warning("%s: attempt %d/%d failed (%s); retrying in %.2f s", endpoint, attempt,
+                       self.retry.max_attempts, why, delay)
+        self._sleep(delay)
+        return True
+
+    @staticmethod
+    def _error(endpoint: str, path: str, params: Mapping[str, Any] | None, resp: requests.Response) -> Exception:
+        message, detail = parse_error_detail(resp)
+        names_job = bool(params and "job_id" in params) or path.startswith("/job/")
+        if resp.status_code == 404 and names_job and detail != "Not Found":  # "Not Found" = no such route
+            return RemoteJobNotFoundError(endpoint, 404, message, detail=detail)
+        if resp.status_code == 404 and detail == "Not Found":
+            message += " (the server does not serve this endpoint: another protocol generation?)"
+        return RemoteServerError(endpoint, resp.status_code, message, detail=detail)
+
+    # ------------------------------------------------------------------------------------------
+
+    def get_json(self, path: str, *, op: str = "default", params: Mapping[str, Any] | None = None) -> Any:
+        return self.request("GET", path, op=op, params=params).json()
+
+    def post_json(self, path: str, body: Any = None, *, op: str = "default", params: Mapping[str, Any] | None = None,
+                  idempotent: bool = False) -> requests.Response:
+        return self.request("POST", path, op=op, params=params, json=body, idempotent=idempotent)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text[:300]}"

@@ -1,0 +1,128 @@
+"""The Arctic control plane as the adapter uses it: server health, job creation and destruction, handles.
+
+* :func:`read_health` -- ``GET /health`` as :class:`arctic_rl.protocol.HealthResponse` (features,
+  instance id; the vendor's server answers ``{"status": "OK"}`` only: no features).
+* :func:`create_job` -- ``POST /initialize`` then ``GET /job/{id}`` until ``RUNNING``. A 409 (the
+  server already has a job of that type) is re-raised with what to do about it: this adapter never
+  destroys jobs it did not create (the vendor client's start-up clean-up destroys everyone's).
+* :func:`destroy_jobs` -- ``POST /destroy`` for the given jobs only; a job already gone is fine.
+* :func:`check_handle` -- validation of a ``reconnect_handle()`` dict received from another process.
+
+What is not here: the data plane (:mod:`.arctic_rl`) or HTTP itself (:mod:`.http`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from arctic_rl.protocol import HealthResponse, InitializeResponse, JobInfo, JobType, Paths
+from verl.remote_backend.errors import (
+    RemoteBackendConfigError,
+    RemoteBackendError,
+    RemoteJobNotFoundError,
+    RemoteProtocolError,
+    RemoteServerError,
+    RemoteTimeoutError,
+)
+
+from .http import ArcticHttp
+
+__all__ = ["HANDLE_VERSION", "JOB_ORDER", "check_handle", "create_job", "destroy_jobs", "read_health"]
+
+logger = logging.getLogger(__name__)
+
+HANDLE_VERSION = 1
+#: creation order (the vendor's): the sampler first, the training job last
+JOB_ORDER = (JobType.SAMPLING, JobType.LOG_PROB, JobType.TRAINING)
+_POLL_S = 0.5
+
+
+def read_health(http: ArcticHttp) -> HealthResponse:
+    body = http.get_json(Paths.HEALTH)
+    try:
+        return HealthResponse.model_validate(body)
+    except ValueError as exc:
+        raise RemoteProtocolError(f"GET {Paths.HEALTH}", f"unexpected answer {body!r}: {exc}") from None
+
+
+def create_job(http: ArcticHttp, job_type: JobType, body: dict) -> int:
+    """Create one job and wait until it runs; returns its id."""
+    try:
+        resp = http.post_json(Paths.INITIALIZE, body, op="initialize")
+    except RemoteServerError as exc:
+        if exc.status != 409:
+            raise
+        raise RemoteServerError(
+            exc.endpoint, 409, f"{exc.server_message} -- the server already runs a {job_type.value} job "
+            f"({_describe_jobs(http, job_type)}). This client never destroys jobs it did not create: destroy that "
+            "job, wait for its run to end, or use another server", detail=exc.detail) from None
+    try:
+        info = InitializeResponse.model_validate(resp.json())
+    except ValueError as exc:
+        raise RemoteProtocolError(f"POST {Paths.INITIALIZE}", f"unexpected answer: {exc}") from None
+    if not info.running:
+        _wait_running(http, info.job_id, job_type)
+    return info.job_id
+
+
+def _wait_running(http: ArcticHttp, job_id: int, job_type: JobType) -> None:
+    budget = http.timeout_of("initialize")
+    deadline = time.monotonic() + budget
+    status = "?"
+    while time.monotonic() < deadline:
+        status = JobInfo.model_validate(http.get_json(Paths.job(job_id))).status.upper()
+        if status == "RUNNING":
+            return
+        if status in ("FAILED", "ERROR", "STOPPED"):
+            raise RemoteServerError(f"GET {Paths.job(job_id)}", 500, f"{job_type.value} job {job_id} is {status}")
+        time.sleep(_POLL_S)
+    raise RemoteTimeoutError(f"GET {Paths.job(job_id)}", budget, f"{job_type.value} job {job_id} still {status}")
+
+
+def _describe_jobs(http: ArcticHttp, job_type: JobType) -> str:
+    try:
+        jobs = http.get_json(Paths.STATUS).get("jobs", {})
+    except (RemoteBackendError, AttributeError):
+        return "see GET /status"
+    ids = [k for k, v in jobs.items() if isinstance(v, dict) and v.get("job_type") == job_type.value]
+    return f"job id(s) {ids}" if ids else "see GET /status"
+
+
+def destroy_jobs(http: ArcticHttp, jobs: dict[str, int]) -> None:
+    """Destroy exactly ``jobs`` ({job type: id}), the training job first; log (never raise) failures."""
+    for job_type in reversed(JOB_ORDER):
+        job_id = jobs.get(job_type.value)
+        if job_id is None:
+            continue
+        try:
+            http.post_json(Paths.DESTROY, {"job_type": job_type.value}, params={"job_id": job_id}, idempotent=True)
+            logger.info("arctic: destroyed %s job %d", job_type.value, job_id)
+        except RemoteJobNotFoundError:
+            logger.info("arctic: %s job %d was already gone", job_type.value, job_id)
+        except RemoteBackendError as exc:  # keep going: release everything we can
+            logger.error("arctic: could not destroy %s job %d: %s", job_type.value, job_id, exc)
+
+
+def check_handle(handle: Any) -> dict:
+    """A validated copy of a ``reconnect_handle()`` dict (job ids as ``{type: int}``)."""
+    required = {"url": str, "protocol": int, "job_ids": dict, "step": int}
+    if not isinstance(handle, dict):
+        raise RemoteBackendConfigError("handle", "expected the dict of ArcticRLClient.reconnect_handle()",
+                                       received=type(handle).__name__)
+    if handle.get("backend", "arctic") != "arctic" or handle.get("handle_version", HANDLE_VERSION) != HANDLE_VERSION:
+        raise RemoteBackendConfigError("handle.handle_version", "not an arctic handle of this version",
+                                       allowed={"backend": "arctic", "handle_version": HANDLE_VERSION},
+                                       received={k: handle.get(k) for k in ("backend", "handle_version")})
+    for key, kind in required.items():
+        value = handle.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise RemoteBackendConfigError(f"handle.{key}", "missing or of the wrong type", allowed=kind.__name__,
+                                           received=value)
+    job_ids = {str(k): int(v) for k, v in handle["job_ids"].items()}
+    unknown = sorted(set(job_ids) - {t.value for t in JobType})
+    if unknown:
+        raise RemoteBackendConfigError("handle.job_ids", "unknown job type", allowed=[t.value for t in JobType],
+                                       received=unknown)
+    return {**handle, "job_ids": job_ids, "instance_id": handle.get("instance_id")}

@@ -1,0 +1,136 @@
+"""Metrics of the Arctic adapter under verl 0.9.1's names, and the model-FLOPs-utilisation estimate.
+
+Names: verl's engine worker returns from ``update_actor`` a ``metrics`` dict of per-mini-batch
+lists whose policy-loss keys come prefixed from its loss (``actor/pg_loss``, ``actor/pg_clipfrac``,
+``actor/pg_clipfrac_lower``, ``actor/ppo_kl``, ``actor/entropy_loss``) and whose other keys are bare
+(``loss``, ``grad_norm``, ``lr``, ``kl_loss``, ``kl_coef``, ``mfu``): the trainer then adds ``actor/``
+to the bare ones (``rename_dict``) and moves ``actor/mfu`` to ``perf/mfu/actor``. ``actor/entropy``
+is not a worker metric: the trainer computes it from ``compute_log_prob``'s ``entropy``.
+:func:`mini_batch_metrics` maps the server's per-call metrics onto exactly those keys.
+
+MFU: FLOPs are estimated as ``2 * params * tokens`` for a forward pass and ``6 * params * tokens``
+for forward+backward (attention FLOPs ignored, the usual dense approximation), where ``tokens``
+counts the real tokens of the batch (ZoRRO's savings therefore *raise* the reported MFU, as they
+raise useful throughput). ``mfu = flops / seconds / (peak_tflops_per_device * 1e12 * devices)``,
+with ``seconds`` the wall time of the HTTP calls. The server's device peak is not observable
+from the client: without ``remote_backend.mfu.peak_tflops_per_device`` the metric is 0.0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["FlopsEstimator", "mini_batch_metrics"]
+
+logger = logging.getLogger(__name__)
+
+#: server metric name -> verl worker metric name; values of these add up over the micro-batches
+#: of a step when the loss is a global token mean (``loss_scale_tokens``), else they are averaged
+_LOSS_VALUED = {
+    "loss": "loss",
+    "pg_loss": "actor/pg_loss",
+    "entropy": "actor/entropy_loss",
+    "entropy_loss": "actor/entropy_loss",
+    "kl": "kl_loss",
+    "kl_loss": "kl_loss",
+}
+#: ... and these are per-token ratios, averaged over micro-batches like verl does
+_AVERAGED = {
+    "pg_clipfrac": "actor/pg_clipfrac",
+    "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
+    "ppo_kl": "actor/ppo_kl",
+}
+#: server bookkeeping that is summed into one adapter metric (ZoRRO's savings are visible there)
+_COUNTED = {"tokens_computed": "arctic/tokens_computed"}
+
+
+def _scalar(value: Any) -> float | None:
+    """A float from a number or a per-rank list (mean); None for anything else."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+        return float(sum(value) / len(value))
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+        return float(value.item())
+    return None
+
+
+def mini_batch_metrics(
+    micro: Iterable[Mapping[str, Any]],
+    step: Mapping[str, Any],
+    *,
+    summed: bool,
+    kl_coef: float | None,
+) -> dict[str, float]:
+    """One optimizer step's metrics from its micro-batches' ``/forward-backward`` metrics and ``/step``'s.
+
+    ``summed``: the loss was scaled by the step's token count (``loss_scale_tokens``), so the
+    loss-valued metrics of the micro-batches add up to the step's value.
+    """
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for metrics in micro:
+        for raw, value in metrics.items():
+            name = raw[len("actor/"):] if raw.startswith("actor/") else raw
+            target = _LOSS_VALUED.get(name) or _AVERAGED.get(name) or _COUNTED.get(name)
+            number = _scalar(value)
+            if target is None or number is None:
+                continue
+            sums[target] = sums.get(target, 0.0) + number
+            counts[target] = counts.get(target, 0) + 1
+    out: dict[str, float] = {}
+    loss_targets, count_targets = set(_LOSS_VALUED.values()), set(_COUNTED.values())
+    for target, total in sums.items():
+        add_up = target in count_targets or (summed and target in loss_targets)
+        out[target] = total if add_up else total / counts[target]
+    if kl_coef is not None and "kl_loss" in out:
+        out["kl_coef"] = float(kl_coef)
+    grad_norm = _scalar(step.get("grad_norm"))
+    if grad_norm is not None:
+        out["grad_norm"] = grad_norm
+    lr = _scalar(step.get("last_lr", step.get("lr")))
+    if lr is not None:
+        out["lr"] = lr
+    return out
+
+
+class FlopsEstimator:
+    """``mfu`` from a parameter count (read from the model config without loading weights)."""
+
+    def __init__(self, model_path: str, *, peak_tflops_per_device: float | None, trust_remote_code: bool = False,
+                 num_params: int | None = None) -> None:
+        self.model_path = model_path
+        self.peak_tflops_per_device = peak_tflops_per_device
+        self.trust_remote_code = trust_remote_code
+        self._num_params = num_params
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the model, counted on the ``meta`` device (no memory, no download of weights)."""
+        if self._num_params is None:
+            self._num_params = 0
+            try:
+                import torch
+                from transformers import AutoConfig, AutoModelForCausalLM
+
+                config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config, trust_remote_code=self.trust_remote_code)
+                self._num_params = sum(p.numel() for p in model.parameters())
+            except Exception as exc:  # noqa: BLE001 - a metric must never fail a training step
+                logger.warning("mfu: cannot count the parameters of %s (%s); reporting mfu 0.0", self.model_path, exc)
+        return self._num_params
+
+    def flops(self, tokens: int, *, training: bool) -> float:
+        return (6.0 if training else 2.0) * self.num_params * float(tokens)
+
+    def mfu(self, tokens: int, seconds: float, *, devices: int, training: bool) -> float:
+        if not self.peak_tflops_per_device or seconds <= 0 or tokens <= 0:
+            return 0.0
+        value = self.flops(tokens, training=training) / seconds / (self.peak_tflops_per_device * 1e12 * devices)
+        return value if math.isfinite(value) else 0.0
