@@ -114,7 +114,8 @@ def from_validation_error(exc: ValidationError, *, prefix: str = "") -> BadReque
     """A pydantic error as a 400 naming the first offending field (dotted, under ``prefix``)."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": str(exc), "input": None}
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "__root__")
+    # drop pydantic's union-member tags ("list[str]", "function-after[...]") from the location
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "__root__" and not (isinstance(p, str) and "[" in p))
     field = ".".join(p for p in (prefix, loc) if p) or None
     allowed = (first.get("ctx") or {}).get("expected")
     message = f"{field or 'body'}: {first.get('msg')}"

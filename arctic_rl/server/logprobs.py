@@ -9,7 +9,9 @@ layout of a plain pass and :func:`to_shifted` moves response-aligned values into
 
 Memory: the LM head runs only at the positions whose logits are needed (``R`` per row, or one per
 unique prompt plus ``R-1`` per row with ZoRRO), and the fp32 log-softmax is computed a few rows at
-a time. Everything is differentiable when grad is enabled and works under ``torch.no_grad()``.
+a time, forward and backward, by a small autograd function that keeps no fp32 copy of the logits
+for the backward (it recomputes the softmax there). Everything is differentiable when grad is
+enabled and works under ``torch.no_grad()``.
 
 What is not here: losses (:mod:`arctic_rl.server.losses`), HTTP or engines.
 """
@@ -36,8 +38,8 @@ _FP32_CHUNK_BYTES = 256 * 1024 * 1024
 class TokenLogprobs:
     """Response-aligned per-token values of a batch (see the module docstring)."""
 
-    logprobs: torch.Tensor  # [B, R] fp32
-    entropy: torch.Tensor | None  # [B, R] fp32, entropy of the temperature-scaled distribution
+    logprobs: torch.Tensor  # [B, R] fp32 (fp64 for an fp64 model)
+    entropy: torch.Tensor | None  # [B, R] likewise, entropy of the temperature-scaled distribution
     tokens_computed: int  # tokens pushed through the model (ZoRRO: U*P + B*R; plain: B*(P+R))
     unique_prompts: int  # U (== B for the plain path)
 
@@ -59,30 +61,87 @@ def _check_inputs(
         raise ValueError(f"temperature: expected a value > 0, got {temperature!r}")
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 logits."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _TokenStats(torch.autograd.Function):
+    """Log-prob of the targets and entropy of ``softmax(logits / T)``, fp32, row chunk by row chunk.
+
+    Autograd would keep an fp32 copy of every logit for the backward; this saves only the logits
+    as they are (the model's output, alive anyway) and two fp32 numbers per position, and
+    recomputes the softmax chunk by chunk in the backward. Gradients, with ``z = logits / T``,
+    ``p = softmax(z)``: ``d lp / d z = onehot(target) - p``; ``d H / d z = -p * (log p + H)``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, want_entropy: bool, step: int):
+        lps, lses, ents = [], [], []
+        for chunk, chunk_targets in zip(logits.split(step), targets.split(step), strict=True):
+            z = chunk.to(_compute_dtype(chunk.dtype))
+            if temperature != 1.0:
+                z = z / temperature
+            lse = torch.logsumexp(z, dim=-1)
+            lps.append(z.gather(-1, chunk_targets.unsqueeze(-1)).squeeze(-1) - lse)
+            lses.append(lse)
+            if want_entropy:
+                ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+            del z
+        lp = torch.cat(lps)
+        entropy = torch.cat(ents) if want_entropy else lp.new_zeros(lp.shape)
+        ctx.save_for_backward(logits, targets, torch.cat(lses), entropy)
+        ctx.temperature, ctx.want_entropy, ctx.step = temperature, want_entropy, step
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return lp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_lp, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        temperature, step = ctx.temperature, ctx.step
+        use_entropy = ctx.want_entropy and grad_entropy is not None
+        if grad_lp is None:
+            grad_lp = torch.zeros_like(lse)
+        grads = []
+        parts = zip(
+            logits.split(step), targets.split(step), lse.split(step), entropy.split(step), grad_lp.split(step),
+            grad_entropy.split(step) if use_entropy else [None] * len(lse.split(step)),
+            strict=True,
+        )  # fmt: skip
+        for chunk, chunk_targets, chunk_lse, chunk_ent, g_lp, g_ent in parts:
+            z = chunk.to(_compute_dtype(chunk.dtype))
+            if temperature != 1.0:
+                z = z / temperature
+            logp = z - chunk_lse.unsqueeze(-1)
+            probs = logp.exp()
+            grad_z = probs * (-g_lp.unsqueeze(-1))
+            if g_ent is not None:
+                grad_z -= probs * (logp + chunk_ent.unsqueeze(-1)) * g_ent.unsqueeze(-1)
+            grad_z.scatter_add_(-1, chunk_targets.unsqueeze(-1), g_lp.unsqueeze(-1))
+            if temperature != 1.0:
+                grad_z /= temperature
+            grads.append(grad_z.to(logits.dtype))
+            del z, logp, probs, grad_z
+        return torch.cat(grads), None, None, None, None
+
+
 def _token_stats(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of ``targets`` and entropy under ``softmax(logits / temperature)`` in fp32.
+    """Log-prob of ``targets`` and entropy under ``softmax(logits / temperature)``, in fp32.
 
-    ``logits``: ``[N, K, V]`` (any float dtype), ``targets``: ``[N, K]``. Rows are upcast in chunks
-    so no more than ~``_FP32_CHUNK_BYTES`` of fp32 logits exist at once (outside autograd's saves).
+    ``logits``: ``[N, K, V]`` (any float dtype), ``targets``: ``[N, K]``. No more than about
+    ``_FP32_CHUNK_BYTES`` of fp32 logits exist at once, forward or backward.
     """
     n, k, v = logits.shape
-    per_row = max(1, k * v * 4)
-    step = max(1, _FP32_CHUNK_BYTES // per_row)
-    lps, ents = [], []
-    for s in range(0, n, step):
-        z = logits[s : s + step].float()
-        if temperature != 1.0:
-            z = z / temperature
-        lse = torch.logsumexp(z, dim=-1)
-        lps.append(z.gather(-1, targets[s : s + step].long().unsqueeze(-1)).squeeze(-1) - lse)
-        if want_entropy:
-            ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
-    if not lps:  # N == 0
-        empty = logits.new_zeros((0, k), dtype=torch.float32)
+    if n == 0 or k == 0:
+        empty = logits.new_zeros((n, k), dtype=_compute_dtype(logits.dtype))
         return empty, (empty if want_entropy else None)
-    return torch.cat(lps, 0), (torch.cat(ents, 0) if want_entropy else None)
+    step = max(1, _FP32_CHUNK_BYTES // max(1, k * v * 4))
+    lp, entropy = _TokenStats.apply(logits, targets.long(), float(temperature), bool(want_entropy), step)
+    return lp, (entropy if want_entropy else None)
 
 
 def _zorro_logprobs(
@@ -95,20 +154,15 @@ def _zorro_logprobs(
     want_entropy: bool,
 ) -> TokenLogprobs:
     out = zorro_forward(model, input_ids, attention_mask, position_ids, p)
-    targets = input_ids[:, p:].long()
-    groups = out.row_to_group
-    # the first response token: its distribution is the (shared) one at the prompt's last position
-    z0 = out.first_logits.float()
-    if temperature != 1.0:
-        z0 = z0 / temperature
-    lse0 = torch.logsumexp(z0, dim=-1)  # [U]
-    lp0 = z0[groups, targets[:, 0]] - lse0[groups]  # [B]
+    targets = input_ids[:, p:]
+    # the first response token: every row of a group shares the prompt's last-position logits
+    # ([B, V] rows picked from [U, V]; the backward of index_select sums them per prompt)
+    first_lp, first_ent = _token_stats(
+        out.first_logits.index_select(0, out.row_to_group).unsqueeze(1), targets[:, :1], temperature, want_entropy
+    )
     rest_lp, rest_ent = _token_stats(out.rest_logits, targets[:, 1:], temperature, want_entropy)
-    logprobs = torch.cat([lp0.unsqueeze(1), rest_lp], dim=1)
-    entropy = None
-    if want_entropy:
-        ent0 = lse0 - (torch.softmax(z0, dim=-1) * z0).sum(-1)  # [U]
-        entropy = torch.cat([ent0[groups].unsqueeze(1), rest_ent], dim=1)
+    logprobs = torch.cat([first_lp, rest_lp], dim=1)
+    entropy = torch.cat([first_ent, rest_ent], dim=1) if want_entropy else None
     return TokenLogprobs(logprobs, entropy, out.tokens_computed, int(out.unique_row_index.numel()))
 
 

@@ -117,7 +117,9 @@ def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> t
     if mode == "seq-mean-token-mean":
         seq_losses = seq_losses / tokens_per_seq.clamp_min(1)
     elif mode != "seq-mean-token-sum":
-        raise ValueError(f"loss_agg_mode: expected one of token-mean, seq-mean-token-sum, seq-mean-token-mean, got {mode!r}")
+        raise ValueError(
+            f"loss_agg_mode: expected one of token-mean, seq-mean-token-sum, seq-mean-token-mean, got {mode!r}"
+        )
     seq_mask = tokens_per_seq > 0  # fully masked sequences do not count
     return _masked_sum(seq_losses, seq_mask) / seq_mask.sum().clamp_min(1)
 

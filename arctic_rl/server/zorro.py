@@ -197,7 +197,8 @@ def zorro_forward(
     _check_batch(input_ids, attention_mask, prompt_len)
     if tuple(position_ids.shape) != tuple(input_ids.shape):
         raise ValueError(
-            f"position_ids: expected shape {tuple(input_ids.shape)} (that of input_ids), got {tuple(position_ids.shape)}"
+            f"position_ids: expected shape {tuple(input_ids.shape)} (that of input_ids), "
+            f"got {tuple(position_ids.shape)}"
         )
     reason = zorro_unsupported_reason(model)
     if reason is not None:
@@ -205,16 +206,23 @@ def zorro_forward(
     p = int(prompt_len)
     batch, total = input_ids.shape
     r = total - p
-    unique_rows, row_to_group = group_prompts(input_ids, attention_mask, p, position_ids=position_ids)
-    num_unique = int(unique_rows.numel())
+    # group on the host: one small copy now instead of device syncs between the two passes
+    cpu = torch.device("cpu")
+    unique_cpu, groups_cpu = group_prompts(
+        input_ids.to(cpu), attention_mask.to(cpu), p, position_ids=position_ids.to(cpu)
+    )
+    num_unique = int(unique_cpu.numel())
+    identity = num_unique == batch and bool(torch.equal(groups_cpu, torch.arange(batch)))
     device = input_ids.device
+    unique_rows = unique_cpu.to(device, non_blocking=True)
+    row_to_group = groups_cpu.to(device, non_blocking=True)
 
     cache = DynamicCache(config=_unwrap(model).config)
     first_logits = causal_lm_logits(
         model,
-        input_ids.index_select(0, unique_rows)[:, :p],
-        attention_mask.index_select(0, unique_rows)[:, :p],
-        position_ids.index_select(0, unique_rows)[:, :p],
+        input_ids[:, :p].index_select(0, unique_rows),
+        attention_mask[:, :p].index_select(0, unique_rows),
+        position_ids[:, :p].index_select(0, unique_rows),
         torch.tensor([p - 1], device=device),
         past_key_values=cache,
     )[:, 0]
@@ -227,7 +235,7 @@ def zorro_forward(
         rest = first_logits.new_zeros((batch, 0, first_logits.shape[-1]))
         return ZorroOutput(first_logits, rest, unique_rows, row_to_group, num_unique * p)
 
-    if num_unique != batch or not torch.equal(row_to_group, torch.arange(batch, device=device)):
+    if not identity:
         for layer in cache.layers:  # U -> B rows; index_select's backward sums the copies
             layer.keys = layer.keys.index_select(0, row_to_group)
             layer.values = layer.values.index_select(0, row_to_group)

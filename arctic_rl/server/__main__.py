@@ -1,0 +1,105 @@
+"""``python -m arctic_rl.server``: serve the reference Arctic RL server with uvicorn.
+
+Binds 127.0.0.1:7000 by default. A non-loopback ``--host`` needs ``--token`` (every endpoint but
+``/health`` then requires ``Authorization: Bearer <token>``), or ``--insecure-no-token`` to
+accept an open server (a loud warning is logged). ``ARCTIC_RL_SERVER_TOKEN`` may carry the
+token instead of the command line (which other users of the machine can read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main", "parse_args"]
+
+TOKEN_ENV = "ARCTIC_RL_SERVER_TOKEN"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m arctic_rl.server", description="The reference Arctic RL server.")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=7000, help="bind port (default 7000; 0 = any free port)")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token (or ${TOKEN_ENV})")
+    p.add_argument("--insecure-no-token", action="store_true", help="allow a non-loopback bind without a token")
+    p.add_argument("--checkpoint-root", type=Path, default=Path("arctic_rl_checkpoints"), help="checkpoint directory")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="compute device (default cpu)")
+    p.add_argument(
+        "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1") or 1), help="torch threads"
+    )
+    p.add_argument("--max-body-mb", type=float, default=512.0, help="largest request body (default 512 MiB)")
+    p.add_argument("--generate-batch-size", type=int, default=32, help="rows per generation forward (default 32)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("arctic_rl.server")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from arctic_rl.server.settings import ServerSettings, is_loopback_host
+
+    if not is_loopback_host(args.host) and not args.token:
+        if not args.insecure_no_token:
+            log.error(
+                "refusing to bind %s without --token: anyone who reaches the port could train, read and overwrite "
+                "the model. Pass --token (or $%s), or --insecure-no-token to accept that.",
+                args.host,
+                TOKEN_ENV,
+            )
+            return 2
+        log.warning("!" * 72)
+        log.warning("INSECURE: serving on %s WITHOUT a token; anyone who can reach it controls the jobs", args.host)
+        log.warning("!" * 72)
+
+    import torch
+    import uvicorn
+
+    torch.set_num_threads(args.threads)
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        token=args.token or None,
+        checkpoint_root=args.checkpoint_root,
+        device=args.device,
+        threads=args.threads,
+        max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)),
+        generate_batch_size=args.generate_batch_size,
+    )
+    settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
+    from arctic_rl.server.app import create_app
+
+    app = create_app(settings)
+    log.info(
+        "arctic_rl reference server on http://%s:%d (device=%s, checkpoint root=%s, auth=%s, instance=%s)",
+        args.host,
+        args.port,
+        args.device,
+        settings.checkpoint_root,
+        "token" if settings.token else "none",
+        app.state.server.instance_id,
+    )
+    uvicorn_level = args.log_level if args.log_level != "info" else "warning"  # our own logger says enough
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=uvicorn_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The reference server's engines, one class per job type.
+
+==============  ============================================  =====================================
+job type        class                                         does
+==============  ============================================  =====================================
+``training``    :class:`~.training.TrainingEngine`            DeepSpeed fwd/bwd, step, checkpoints
+``log_prob``    :class:`~.logprob.LogProbEngine`              no-grad log-probs (reference policy)
+``sampling``    :class:`~.sampling.SamplingEngine`            generation with ``transformers``
+==============  ============================================  =====================================
+
+Engines are synchronous and not thread-safe; the server calls each from a worker thread under
+the job's lock. Modules are imported lazily so that ``import arctic_rl.server.app`` stays light.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from arctic_rl.protocol import JobConfig, JobType
+from arctic_rl.server.settings import ServerSettings
+
+__all__ = ["create_engine"]
+
+
+def create_engine(config: JobConfig, settings: ServerSettings, job_dir: Path | None) -> Any:
+    """Build the engine of ``config.job_type`` (slow: loads the model)."""
+    if config.job_type == JobType.TRAINING:
+        from arctic_rl.server.engines.training import TrainingEngine
+
+        if job_dir is None:
+            raise ValueError("a training engine needs a job directory")
+        return TrainingEngine(config, settings, job_dir)
+    if config.job_type == JobType.LOG_PROB:
+        from arctic_rl.server.engines.logprob import LogProbEngine
+
+        return LogProbEngine(config, settings)
+    if config.job_type == JobType.SAMPLING:
+        from arctic_rl.server.engines.sampling import SamplingEngine
+
+        return SamplingEngine(config, settings)
+    raise ValueError(f"job_type: expected one of {[t.value for t in JobType]}, got {config.job_type!r}")

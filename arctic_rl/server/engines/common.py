@@ -1,0 +1,192 @@
+"""What the three engines share: device and dtype choice, model loading, the process group, and
+the no-grad ``/forward`` computation.
+
+Models come from ``JobConfig.model_name`` (a local Hugging Face directory, or a hub id when the
+machine has the files cached) through ``AutoModelForCausalLM`` with ``trust_remote_code=False``:
+a request never makes the server import code. The process group is one ``gloo`` (CPU) or
+``nccl`` (CUDA) group of world size 1, created once per process; DeepSpeed's shared-memory
+communication op is disabled before DeepSpeed is used so that nothing is JIT-compiled.
+
+What is not here: optimizer steps (training), generation (sampling), HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
+from arctic_rl.server.errors import BadRequest
+from arctic_rl.server.validation import ParsedBatch
+
+__all__ = [
+    "compute_dtype",
+    "ensure_process_group",
+    "forward_logprobs",
+    "load_model",
+    "load_tokenizer",
+    "model_vocab_size",
+    "resolve_device",
+]
+
+logger = logging.getLogger("arctic_rl.server")
+_PG_LOCK = threading.Lock()
+_ATTN_IMPLS = ("eager", "sdpa")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is visible")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a CUDA device that supports it, fp32 otherwise (CPU always fp32)."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _model_source(model_name: str) -> str:
+    if not isinstance(model_name, str) or not model_name.strip():
+        raise BadRequest(
+            "model_name: expected a local model directory or hub id", field="model_name", received=model_name
+        )
+    return str(Path(model_name).expanduser()) if Path(model_name).expanduser().exists() else model_name
+
+
+def load_model(
+    model_name: str, *, device: torch.device, dtype: torch.dtype, attn_implementation: str | None = None
+) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` on ``device`` (400 if it cannot be loaded)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False}
+    if attn_implementation in _ATTN_IMPLS:
+        kwargs["attn_implementation"] = attn_implementation
+    elif attn_implementation is not None:
+        logger.info("attn_implementation=%r is not used on this server (allowed: %s)", attn_implementation, _ATTN_IMPLS)
+    source = _model_source(model_name)
+    t0 = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise BadRequest(
+            f"model_name: cannot load {model_name!r}: {exc}", field="model_name", received=model_name
+        ) from None
+    model.to(device)
+    logger.info("loaded %s (%s, %s) in %.1fs", model_name, type(model).__name__, dtype, time.perf_counter() - t0)
+    return model
+
+
+def load_tokenizer(model_name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(_model_source(model_name), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise BadRequest(
+            f"model_name: cannot load the tokenizer of {model_name!r}: {exc}", field="model_name", received=model_name
+        ) from None
+
+
+def model_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the input embedding (what a token id must index)."""
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A world-size-1 process group (gloo on CPU, nccl on CUDA), created once per process."""
+    import torch.distributed as dist
+
+    with _PG_LOCK:
+        if dist.is_initialized():
+            return
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        if device.type == "cuda":
+            dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+        else:
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        backend = dist.get_backend()
+        logger.info("process group: %s, world size 1 (MASTER_PORT=%s)", backend, os.environ["MASTER_PORT"])
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    batch: ParsedBatch,
+    *,
+    zorro: bool,
+    temperature: float,
+    max_token_len: int | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, float], LogprobAlignment]:
+    """No-grad log-probs of a validated batch: ``(batch dict, metrics, alignment)``.
+
+    ZoRRO on: response-aligned ``[B, R]``; off: shifted ``[B, P+R]``
+    (:class:`~arctic_rl.protocol.LogprobAlignment`). Rows are processed in chunks of at most
+    ``max_token_len`` tokens (at least one row) to bound memory.
+    """
+    from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs
+
+    device = next(model.parameters()).device
+    rows, total = batch.rows, batch.total_len
+    step = rows if not max_token_len else max(1, max_token_len // total)
+    want_entropy = batch.wants_entropy
+    lps, ents = [], []
+    tokens_computed, unique = 0, 0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, rows, step):
+            part = batch.slice_rows(start, start + step)
+            ids, mask, pos = (t.to(device) for t in (part.input_ids, part.attention_mask, part.position_ids))
+            if zorro:
+                out = response_logprobs(
+                    model,
+                    ids,
+                    mask,
+                    pos,
+                    part.prompt_len,
+                    temperature=temperature,
+                    calculate_entropy=want_entropy,
+                    zorro=True,
+                )
+                lp, ent = out.logprobs, out.entropy
+                tokens_computed += out.tokens_computed
+                unique += out.unique_prompts
+            else:
+                lp, ent = shifted_logprobs(
+                    model, ids, mask, pos, temperature=temperature, calculate_entropy=want_entropy
+                )
+                tokens_computed += part.rows * total
+                unique += part.rows
+            lps.append(lp.float().cpu())
+            if ent is not None:
+                ents.append(ent.float().cpu())
+    result = {LOGPROBS_KEY: torch.cat(lps)}
+    if want_entropy:
+        result[ENTROPY_KEY] = torch.cat(ents)
+    metrics = {
+        "tokens_computed": float(tokens_computed),
+        "unique_prompts": float(unique),
+        "num_rows": float(rows),
+        "seconds": time.perf_counter() - t0,
+    }
+    return result, metrics, LogprobAlignment.RESPONSE if zorro else LogprobAlignment.SHIFTED

@@ -1,0 +1,252 @@
+"""Job configuration of the engines: ``ds_worker_config`` knobs and the DeepSpeed config.
+
+Two pure functions of a :class:`~arctic_rl.protocol.JobConfig`'s dicts:
+
+* :func:`parse_worker_knobs` validates the ``ds_worker_config`` keys the reference server reads
+  (a wrong type is a 400 naming ``ds_worker_config.<key>``); keys it knows but does not use, and
+  unknown keys, are returned so the caller can log them once;
+* :func:`build_training_ds_config` turns the client's ``ds_config`` into one DeepSpeed accepts on
+  this device: AdamW through ``torch.optim`` (``torch_adam``: no JIT op build), bf16 only where
+  the device supports it, ``managed_gradient_accumulation=false`` (the server's ``/step`` is the
+  accumulation boundary; ``gradient_accumulation_steps`` is the number of ``/forward-backward``
+  calls per ``/step``), batch sizes made consistent, ZeRO stage 0-2, and an allow-listed
+  scheduler. Every rewrite is reported as a note.
+
+What is not here: building the engine (:mod:`arctic_rl.server.engines.training`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from arctic_rl.server.errors import BadRequest, from_validation_error
+
+__all__ = [
+    "SCHEDULERS",
+    "ZERO_STAGES",
+    "WorkerKnobs",
+    "build_training_ds_config",
+    "parse_worker_knobs",
+]
+
+#: DeepSpeed schedulers the reference server builds (``constant``/absent: no scheduler)
+SCHEDULERS = ("WarmupLR", "WarmupCosineLR", "WarmupDecayLR", "constant")
+ZERO_STAGES = (0, 1, 2)
+_OPTIMIZERS = ("adamw", "adam")
+_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay")
+#: top-level ds_config keys passed to DeepSpeed (after the rewrites below); others are dropped
+_KEPT_KEYS = (
+    "optimizer",
+    "scheduler",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "train_micro_batch_size_per_gpu",
+    "bf16",
+    "fp16",
+    "zero_optimization",
+    "data_types",
+    "communication_data_type",
+    "seed",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+)
+#: zero_optimization keys kept (offload would JIT-build cpu_adam; stage 3 is refused)
+_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter")
+#: ds_worker_config keys a client may send that this server accepts but does not act on
+_KNOWN_UNUSED = (
+    "use_unpad",
+    "use_liger",
+    "zorro_train_load_balancer",
+    "logits_compute_from_fp32_inputs",
+    "use_autocast",
+    "world_size",
+)
+
+
+class WorkerKnobs(BaseModel):
+    """The ``ds_worker_config`` keys the reference server reads."""
+
+    model_config = ConfigDict(extra="allow")
+
+    zorro_train_enable: bool = False
+    logits_optimization: Literal["none", "memory", "compute"] | None = "none"
+    logits_optimization_peak_mem_size_in_gib: float = Field(4.0, gt=0)
+    logits_compute_in_fp32: bool = False
+    response_len: int | None = Field(None, ge=1)
+    max_token_len: int | None = Field(None, ge=1)
+    rollout_n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, gt=0)
+    enable_gradient_checkpointing: bool = False
+    attn_implementation: str | None = None
+
+
+def parse_worker_knobs(raw: dict[str, Any] | None) -> tuple[WorkerKnobs, list[str], list[str]]:
+    """``(knobs, known-but-unused keys, unknown keys)``; 400 on a wrong type."""
+    raw = dict(raw or {})
+    try:
+        knobs = WorkerKnobs.model_validate(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix="ds_worker_config") from None
+    extra = sorted((knobs.model_extra or {}).keys())
+    unused = [k for k in extra if k in _KNOWN_UNUSED]
+    unknown = [k for k in extra if k not in _KNOWN_UNUSED]
+    return knobs, unused, unknown
+
+
+def _num(cfg: dict, key: str, field: str, *, minimum: float | None = None, integer: bool = False) -> Any:
+    value = cfg[key]
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or (minimum is not None and value < minimum):
+        kind = "an integer" if integer else "a number"
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise BadRequest(f"{field}: expected {kind}{bound}", field=field, received=value)
+    return value
+
+
+def _optimizer(cfg: dict, notes: list[str]) -> dict:
+    opt = cfg.get("optimizer") or {}
+    if not isinstance(opt, dict):
+        raise BadRequest("ds_config.optimizer: expected an object", field="ds_config.optimizer", received=opt)
+    kind = str(opt.get("type", "AdamW"))
+    if kind.lower() not in _OPTIMIZERS:
+        raise BadRequest(
+            "ds_config.optimizer.type: the reference server trains with AdamW",
+            field="ds_config.optimizer.type",
+            allowed=["AdamW", "Adam"],
+            received=kind,
+        )
+    given = opt.get("params") or {}
+    if not isinstance(given, dict):
+        raise BadRequest(
+            "ds_config.optimizer.params: expected an object", field="ds_config.optimizer.params", received=given
+        )
+    params: dict[str, Any] = {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    for key in _ADAM_PARAMS:
+        if key in given:
+            params[key] = given[key]
+    for key in ("lr", "eps", "weight_decay"):
+        _num(params, key, f"ds_config.optimizer.params.{key}", minimum=0)
+    betas = params["betas"]
+    if not (
+        isinstance(betas, (list, tuple))
+        and len(betas) == 2
+        and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
+    ):
+        raise BadRequest(
+            "ds_config.optimizer.params.betas: expected two numbers in [0, 1)",
+            field="ds_config.optimizer.params.betas",
+            received=betas,
+        )
+    params["betas"] = [float(b) for b in betas]
+    params["torch_adam"] = True  # torch.optim.AdamW: never JIT-build FusedAdam / cpu_adam
+    dropped = sorted(set(given) - set(_ADAM_PARAMS) - {"torch_adam", "adam_w_mode"})
+    if dropped:
+        notes.append(f"ds_config.optimizer.params: ignored {dropped}")
+    if kind.lower() == "adam":
+        notes.append("ds_config.optimizer.type 'Adam' is built as AdamW (decoupled weight decay)")
+    return {"type": "AdamW", "params": params}
+
+
+def _scheduler(cfg: dict) -> dict | None:
+    sched = cfg.get("scheduler")
+    if sched is None:
+        return None
+    if not isinstance(sched, dict) or sched.get("type") not in SCHEDULERS:
+        raise BadRequest(
+            "ds_config.scheduler.type: unsupported scheduler",
+            field="ds_config.scheduler.type",
+            allowed=list(SCHEDULERS),
+            received=sched.get("type") if isinstance(sched, dict) else sched,
+        )
+    if sched["type"] == "constant":
+        return None
+    params = sched.get("params") or {}
+    if not isinstance(params, dict):
+        raise BadRequest(
+            "ds_config.scheduler.params: expected an object", field="ds_config.scheduler.params", received=params
+        )
+    return {"type": sched["type"], "params": dict(params)}
+
+
+def build_training_ds_config(
+    ds_config: dict[str, Any] | None, *, device: str, bf16_supported: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """A DeepSpeed config for a training engine on ``device`` and the notes on what was changed."""
+    src = copy.deepcopy(ds_config or {})
+    if not isinstance(src, dict):
+        raise BadRequest("ds_config: expected an object", field="ds_config", received=type(src).__name__)
+    notes: list[str] = []
+    dropped = sorted(k for k in src if k not in _KEPT_KEYS and k != "train_batch_size")
+    if dropped:
+        notes.append(f"ds_config: ignored keys {dropped}")
+    out: dict[str, Any] = {k: src[k] for k in _KEPT_KEYS if k in src}
+
+    out["optimizer"] = _optimizer(src, notes)
+    sched = _scheduler(src)
+    if sched is None:
+        out.pop("scheduler", None)
+    else:
+        out["scheduler"] = sched
+
+    out.setdefault("gradient_accumulation_steps", 1)
+    gas = _num(out, "gradient_accumulation_steps", "ds_config.gradient_accumulation_steps", minimum=1, integer=True)
+    out.setdefault("train_micro_batch_size_per_gpu", 1)
+    micro = _num(
+        out, "train_micro_batch_size_per_gpu", "ds_config.train_micro_batch_size_per_gpu", minimum=1, integer=True
+    )
+    if "train_batch_size" in src and src["train_batch_size"] != micro * gas:
+        notes.append(
+            f"ds_config.train_batch_size={src['train_batch_size']} replaced by {micro * gas} "
+            "(rows per call are not fixed; accumulation counts /forward-backward calls)"
+        )
+    out["train_batch_size"] = micro * gas  # one process: micro * gas * world_size(1)
+    out.setdefault("gradient_clipping", 1.0)
+    _num(out, "gradient_clipping", "ds_config.gradient_clipping", minimum=0)
+    out["managed_gradient_accumulation"] = False
+
+    zero = src.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise BadRequest(
+            "ds_config.zero_optimization: expected an object", field="ds_config.zero_optimization", received=zero
+        )
+    stage = zero.get("stage", 0)
+    if stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise BadRequest(
+            "ds_config.zero_optimization.stage: the reference server runs ZeRO stages 0-2",
+            field="ds_config.zero_optimization.stage",
+            allowed=list(ZERO_STAGES),
+            received=stage,
+        )
+    ignored_zero = sorted(k for k in zero if k not in _ZERO_KEYS)
+    if ignored_zero:
+        notes.append(f"ds_config.zero_optimization: ignored {ignored_zero}")
+    out["zero_optimization"] = {k: zero[k] for k in _ZERO_KEYS if k in zero}
+    out["zero_optimization"]["stage"] = stage
+    out["zero_optimization"]["overlap_comm"] = False  # unmanaged accumulation allows it only with stage 2
+
+    bf16 = bool((src.get("bf16") or {}).get("enabled")) if isinstance(src.get("bf16"), dict) else False
+    fp16 = bool((src.get("fp16") or {}).get("enabled")) if isinstance(src.get("fp16"), dict) else False
+    if device == "cpu" or not bf16_supported:
+        if bf16 or fp16:
+            notes.append(f"ds_config: bf16/fp16 requested but {device} runs fp32 here")
+        out["bf16"] = {"enabled": False}
+        out["fp16"] = {"enabled": False}
+    else:
+        if fp16:
+            notes.append("ds_config.fp16: replaced by bf16 (no loss scaling in the reference server)")
+        out["bf16"] = {"enabled": bf16 or fp16}
+        out["fp16"] = {"enabled": False}
+    if out["bf16"]["enabled"]:
+        if stage == 0:  # DeepSpeed's stage-0 bf16 path keeps fp32 master weights itself and refuses fp32 accumulation
+            out.pop("data_types", None)
+        else:
+            out.setdefault("data_types", {"grad_accum_dtype": "fp32"})
+    else:
+        out.pop("data_types", None)
+        out.pop("communication_data_type", None)
+    out["steps_per_print"] = 2**31 - 1
+    out["wall_clock_breakdown"] = False
+    return out, notes

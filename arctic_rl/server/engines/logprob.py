@@ -1,0 +1,73 @@
+"""The log_prob engine: a forward-only copy of the model (the reference policy for KL).
+
+It keeps the weights it was initialised with unless a ``/weight-sync`` names it as a target.
+``forward`` is the same no-grad computation as the training engine's
+(:func:`~arctic_rl.server.engines.common.forward_logprobs`). No optimizer, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arctic_rl.protocol import JobConfig, JobType, LogprobAlignment
+from arctic_rl.server.engines.common import (
+    compute_dtype,
+    forward_logprobs,
+    load_model,
+    model_vocab_size,
+    resolve_device,
+)
+from arctic_rl.server.engines.config import parse_worker_knobs
+from arctic_rl.server.engines.weights import copy_weights
+from arctic_rl.server.settings import ServerSettings
+from arctic_rl.server.validation import ParsedBatch
+
+__all__ = ["LogProbEngine"]
+
+logger = logging.getLogger("arctic_rl.server")
+
+
+class LogProbEngine:
+    job_type = JobType.LOG_PROB
+
+    def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(settings.device)
+        self.knobs, _, unknown = parse_worker_knobs(config.ds_worker_config)
+        if unknown:
+            logger.info("log_prob job: unknown ds_worker_config keys ignored: %s", unknown)
+        self.dtype = compute_dtype(self.device)
+        self.model = load_model(
+            config.model_name, device=self.device, dtype=self.dtype, attn_implementation=self.knobs.attn_implementation
+        )
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.vocab_size = model_vocab_size(self.model)
+        self.weight_version = 0
+
+    def forward(self, batch: ParsedBatch) -> tuple[dict, dict, LogprobAlignment]:
+        temperature = batch.meta.temperature
+        if "temperature" not in batch.meta_keys and self.knobs.temperature is not None:
+            temperature = self.knobs.temperature
+        return forward_logprobs(
+            self.model,
+            batch,
+            zorro=bool(self.knobs.zorro_train_enable or batch.meta.zorro_train_enable),
+            temperature=float(temperature),
+            max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
+        )
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        copy_weights(self.model, weights)
+        self.weight_version += 1
+        return self.weight_version
+
+    def info(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "device": str(self.device), "dtype": str(self.dtype)}
+
+    def close(self) -> None:
+        del self.model

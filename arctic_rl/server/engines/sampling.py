@@ -1,0 +1,193 @@
+"""The sampling engine: generation from its own copy of the weights (``transformers``).
+
+A ``/generate`` request is ``{prompts, sampling_params}``; prompts are strings (tokenised with
+the model's tokenizer) or token-id lists (used as given -- :data:`Features.TOKEN_PROMPTS`).
+``n`` samples per prompt are really generated; results are grouped by prompt
+(``results[i*n:(i+1)*n]`` belong to prompt ``i``) and carry ``prompt_index``, ``sample_index``
+and the engine's ``weight_version`` (bumped by every ``/weight-sync``). Rows are generated in
+chunks of at most ``generate_batch_size`` (``vllm_config.max_num_seqs`` when the job sets it).
+One :class:`torch.Generator` per request, seeded from ``seed`` (random when absent), makes a
+seeded request reproducible. The loop itself is :mod:`.generation`.
+
+This is the only sampler implemented; a vLLM-backed engine would expose the same three methods
+(``generate``, ``load_weights``, ``info``) and be chosen in :func:`arctic_rl.server.engines.create_engine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
+from arctic_rl.server.engines.common import compute_dtype, load_model, load_tokenizer, model_vocab_size, resolve_device
+from arctic_rl.server.engines.generation import generate_batch
+from arctic_rl.server.engines.weights import copy_weights
+from arctic_rl.server.errors import BadRequest, from_validation_error
+from arctic_rl.server.settings import ServerSettings
+
+__all__ = ["SamplingEngine", "parse_generate_request"]
+
+logger = logging.getLogger("arctic_rl.server")
+
+#: prompts x n of one request
+MAX_ROWS_PER_REQUEST = 65536
+
+
+def parse_generate_request(obj: Any) -> tuple[GenerateRequest, SamplingParams]:
+    """Validate a decoded ``/generate`` body (400 naming the field)."""
+    if not isinstance(obj, dict):
+        raise BadRequest(
+            "body: expected an object {prompts, sampling_params}", field="body", received=type(obj).__name__
+        )
+    try:
+        request = GenerateRequest.model_validate(obj)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    try:
+        params = SamplingParams.model_validate(request.sampling_params or {})
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix="sampling_params") from None
+    if len(request.prompts) * params.n > MAX_ROWS_PER_REQUEST:
+        raise BadRequest(
+            f"prompts x n = {len(request.prompts) * params.n} exceeds {MAX_ROWS_PER_REQUEST}",
+            field="sampling_params.n",
+            allowed=MAX_ROWS_PER_REQUEST,
+            received=len(request.prompts) * params.n,
+        )
+    return request, params
+
+
+class SamplingEngine:
+    job_type = JobType.SAMPLING
+
+    def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(settings.device)
+        self.dtype = compute_dtype(self.device)
+        vllm_config = config.vllm_config or {}
+        attn = (config.ds_worker_config or {}).get("attn_implementation")
+        self.model = load_model(config.model_name, device=self.device, dtype=self.dtype, attn_implementation=attn)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = load_tokenizer(config.model_name)
+        self.vocab_size = model_vocab_size(self.model)
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        max_seqs = vllm_config.get("max_num_seqs")
+        self.batch_size = int(max_seqs) if isinstance(max_seqs, int) and max_seqs > 0 else settings.generate_batch_size
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else next(iter(self.eos_ids), 0))
+        self.weight_version = 0
+        if vllm_config:
+            logger.info("sampling job: vllm_config is read for max_num_seqs only (transformers sampler)")
+
+    # ------------------------------------------------------------------ prompts
+
+    def _prompt_ids(self, prompts: list) -> list[list[int]]:
+        ids: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                tokens = list(self.tokenizer(prompt)["input_ids"])
+            else:
+                tokens = [int(t) for t in prompt]
+                bad = [t for t in tokens if t < 0 or t >= self.vocab_size]
+                if bad:
+                    raise BadRequest(
+                        f"prompts[{i}]: token ids must lie in [0, {self.vocab_size})",
+                        field=f"prompts.{i}",
+                        allowed=f"[0, {self.vocab_size})",
+                        received=bad[0],
+                    )
+            if not tokens:
+                raise BadRequest(f"prompts[{i}]: empty prompt", field=f"prompts.{i}", received=prompt)
+            ids.append(tokens)
+        return ids
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, request: GenerateRequest, params: SamplingParams) -> list[dict[str, Any]]:
+        prompts = self._prompt_ids(list(request.prompts))
+        longest = max(len(p) for p in prompts)
+        if self.max_positions and longest + params.max_tokens > self.max_positions:
+            raise BadRequest(
+                f"sampling_params.max_tokens: prompt length {longest} + max_tokens {params.max_tokens} exceeds "
+                f"the model's context of {self.max_positions}",
+                field="sampling_params.max_tokens",
+                allowed=max(1, self.max_positions - longest),
+                received=params.max_tokens,
+            )
+        bad_stop = [t for t in params.stop_token_ids or [] if t < 0 or t >= self.vocab_size]
+        if bad_stop:
+            raise BadRequest(
+                f"sampling_params.stop_token_ids: ids must lie in [0, {self.vocab_size})",
+                field="sampling_params.stop_token_ids",
+                received=bad_stop[0],
+            )
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids |= self.eos_ids
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(int(seed))
+        rows = [(pi, si) for pi in range(len(prompts)) for si in range(params.n)]
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+        want_lps = params.logprobs is not None and params.logprobs is not False
+        results: list[dict[str, Any]] = []
+        t0 = time.perf_counter()
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            samples = generate_batch(
+                self.model,
+                [prompts[pi] for pi, _ in chunk],
+                params,
+                generator=generator,
+                stop_ids=stop_ids,
+                pad_id=self.pad_id,
+                decode=decode,
+            )
+            for (pi, si), sample in zip(chunk, samples, strict=True):
+                results.append(
+                    {
+                        "text": sample.text,
+                        "token_ids": sample.token_ids,
+                        "finish_reason": sample.finish_reason,
+                        "prompt_len": len(prompts[pi]),
+                        "generation_len": len(sample.token_ids),
+                        "prefix_cache_len": 0,
+                        "logprobs": sample.logprobs if want_lps else None,
+                        "prompt_index": pi,
+                        "sample_index": si,
+                        "weight_version": self.weight_version,
+                    }
+                )
+        logger.debug("generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
+        return results
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        copy_weights(self.model, weights)
+        self.weight_version += 1
+        return self.weight_version
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "weight_version": self.weight_version,
+            "device": str(self.device),
+            "dtype": str(self.dtype),
+            "batch_size": self.batch_size,
+        }
+
+    def close(self) -> None:
+        del self.model

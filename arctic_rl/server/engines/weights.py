@@ -1,0 +1,39 @@
+"""Weight transfer between engines of one process (what ``/weight-sync`` does here).
+
+The reference server holds every job in one process, so a sync is a tensor copy: the training
+model's state dict is copied, name by name, into the target model (cast to its dtype and
+device). Names and shapes must match exactly -- a target built from another model is a 400.
+The real Arctic server does this over NCCL or CUDA IPC between processes; that is not here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arctic_rl.server.errors import BadRequest
+
+__all__ = ["copy_weights"]
+
+
+def copy_weights(target: torch.nn.Module, weights: dict[str, torch.Tensor]) -> int:
+    """Copy ``weights`` into ``target`` in place; returns the number of tensors copied."""
+    own = target.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise BadRequest(
+            "target_sub_job_ids: the target job's model does not match the training model "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})",
+            field="target_sub_job_ids",
+        )
+    for name, tensor in own.items():
+        if tuple(tensor.shape) != tuple(weights[name].shape):
+            raise BadRequest(
+                f"target_sub_job_ids: tensor {name} has shape {list(tensor.shape)} in the target, "
+                f"{list(weights[name].shape)} in the training model",
+                field="target_sub_job_ids",
+            )
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(weights[name].detach().to(device=tensor.device, dtype=tensor.dtype))
+    return len(own)

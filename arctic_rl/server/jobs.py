@@ -1,0 +1,103 @@
+"""The jobs of a running server: ids, types, states and the per-job lock.
+
+One job per type (a second ``/initialize`` of a type is a 409 until the first is destroyed); ids
+are integers counting from 1 for the life of the process. A job is reserved (state
+``INITIALIZING``) before its engine is built, so concurrent ``/initialize`` calls cannot both
+win; it becomes ``RUNNING`` when the engine is ready, and is removed if building fails. Every
+compute call on a job holds its :class:`asyncio.Lock`, so calls on one job run one at a time,
+in arrival order, while ``/health`` and other jobs stay responsive.
+
+Jobs live in memory only: a restarted server has none (its ``instance_id`` tells clients so).
+What is not here: the engines (:mod:`arctic_rl.server.engines`), HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arctic_rl.protocol import JobConfig, JobType
+from arctic_rl.server.errors import BadRequest, Conflict, NotFound
+
+__all__ = ["Job", "JobRegistry", "JobState"]
+
+
+class JobState:
+    INITIALIZING = "INITIALIZING"
+    RUNNING = "RUNNING"
+
+
+@dataclass
+class Job:
+    job_id: int
+    job_type: JobType
+    config: JobConfig
+    job_dir: Path | None = None
+    state: str = JobState.INITIALIZING
+    engine: Any = None
+    created_at: float = field(default_factory=time.time)
+    calls: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def info(self) -> dict[str, Any]:
+        """``GET /job/{id}`` (:class:`arctic_rl.protocol.JobInfo` plus engine details)."""
+        info: dict[str, Any] = {
+            "job_id": self.job_id,
+            "job_type": self.job_type.value,
+            "model_name": self.config.model_name,
+            "status": self.state,
+            "running": self.state == JobState.RUNNING,
+            "checkpoint_path": str(self.job_dir) if self.job_dir is not None else None,
+            "created_at": self.created_at,
+            "calls": self.calls,
+        }
+        if self.engine is not None and hasattr(self.engine, "info"):
+            info.update(self.engine.info())
+        return info
+
+
+class JobRegistry:
+    """The server's jobs (one per type)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, Job] = {}
+        self._next_id = 1
+
+    def reserve(self, config: JobConfig, job_dir: Path | None) -> Job:
+        for job in self._jobs.values():
+            if job.job_type == config.job_type:
+                raise Conflict(
+                    f"a {config.job_type.value} job already exists (job {job.job_id}); destroy it first",
+                    field="job_type",
+                    received=config.job_type.value,
+                )
+        job = Job(self._next_id, config.job_type, config, job_dir)
+        self._next_id += 1
+        self._jobs[job.job_id] = job
+        return job
+
+    def remove(self, job_id: int) -> Job | None:
+        return self._jobs.pop(job_id, None)
+
+    def get(self, job_id: int, *types: JobType, running: bool = True) -> Job:
+        """The job, checked for type (400) and readiness (409); 404 if unknown."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"job {job_id} not found", field="job_id", allowed=sorted(self._jobs), received=job_id)
+        if types and job.job_type not in types:
+            wanted = " or ".join(t.value for t in types)
+            raise BadRequest(
+                f"job {job_id} is a {job.job_type.value} job; this call needs a {wanted} job",
+                field="job_id",
+                allowed=[t.value for t in types],
+                received=job.job_type.value,
+            )
+        if running and job.state != JobState.RUNNING:
+            raise Conflict(f"job {job_id} is {job.state}", field="job_id", received=job_id)
+        return job
+
+    def all(self) -> list[Job]:
+        return list(self._jobs.values())

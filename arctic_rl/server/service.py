@@ -1,0 +1,338 @@
+"""What each endpoint does, on top of the job registry (the HTTP layer, :mod:`.app`, stays thin).
+
+:class:`ServerState` owns the jobs, the idempotency cache and a small thread pool. Every compute
+call takes the job's lock and runs in a worker thread, so the event loop -- and ``/health`` --
+stay responsive during training or generation. Inside the thread, ``ValueError``s raised by the
+compute modules on bad input (ZoRRO layout, loss arguments) become 400s; anything else is a 500.
+
+Decisions documented here (and in ``docs/SERVER.md``):
+
+* ZoRRO is on for a call when the job's ``ds_worker_config.zorro_train_enable`` or the call's
+  ``meta.zorro_train_enable`` is true; ``/forward`` then answers response-aligned log-probs,
+  otherwise shifted ones, and says which in ``logprob_alignment``.
+* ``/save``'s ``path`` names a *base* directory (default: the job's directory); the checkpoint is
+  written to ``<base>/checkpoint-<step>`` (``step`` defaults to the global step) and
+  ``<base>/latest`` points at it.
+* ``/weight-sync``'s query ``job_id`` must be its ``source_sub_job_id`` (the training job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+import arctic_rl
+from arctic_rl.protocol import (
+    DestroyRequest,
+    Features,
+    JobConfig,
+    JobType,
+    LoadCheckpointRequest,
+    ProtocolVersion,
+    SaveRequest,
+    StepRequest,
+    WeightSyncRequest,
+)
+from arctic_rl.server import checkpoint as ckpt
+from arctic_rl.server.errors import ApiError, BadRequest, from_validation_error
+from arctic_rl.server.idempotency import IdempotencyCache
+from arctic_rl.server.jobs import Job, JobRegistry, JobState
+from arctic_rl.server.settings import ServerSettings
+from arctic_rl.server.validation import parse_batch_body
+
+__all__ = ["FEATURES", "SERVER_NAME", "ServerState"]
+
+logger = logging.getLogger("arctic_rl.server")
+
+SERVER_NAME = "arctic_rl-reference"
+FEATURES = (
+    Features.TOKEN_PROMPTS,
+    Features.N_SAMPLES,
+    Features.IDEMPOTENCY,
+    Features.LOAD_CHECKPOINT,
+    Features.INSTANCE_ID,
+)
+
+
+def _translate_errors(fn, *args):
+    """Run ``fn`` (in a worker thread); bad-input ``ValueError``s become 400s."""
+    try:
+        return fn(*args)
+    except ApiError:
+        raise
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except ValueError as exc:  # raised by logprobs / zorro / losses on invalid batches
+        raise BadRequest(str(exc)) from None
+
+
+class ServerState:
+    """The server's jobs and what every endpoint does with them."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.jobs = JobRegistry()
+        self.idempotency = IdempotencyCache(settings.idempotency_capacity)
+        self.instance_id = uuid.uuid4().hex
+        self.started_at = time.time()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="arctic-job")
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _in_thread(self, fn, *args):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(_translate_errors, fn, *args))
+
+    async def _on_job(self, job: Job, fn, *args):
+        async with job.lock:
+            if self.jobs.get(job.job_id, running=False) is not job:  # destroyed while we waited
+                raise BadRequest(f"job {job.job_id} was destroyed", field="job_id", received=job.job_id)
+            job.calls += 1
+            return await self._in_thread(fn, *args)
+
+    def shutdown(self) -> None:
+        for job in self.jobs.all():
+            if job.engine is not None and hasattr(job.engine, "close"):
+                try:
+                    job.engine.close()
+                except Exception:  # noqa: BLE001 - best effort at exit
+                    logger.exception("closing job %d failed", job.job_id)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _log_jobs(self) -> None:
+        jobs = ", ".join(f"{j.job_id}:{j.job_type.value}({j.state})" for j in self.jobs.all()) or "none"
+        logger.info("jobs: %s", jobs)
+
+    # ------------------------------------------------------------------ control plane
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "OK",
+            "server": SERVER_NAME,
+            "version": arctic_rl.__version__,
+            "protocol": int(ProtocolVersion.V2),
+            "instance_id": self.instance_id,
+            "features": list(FEATURES),
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "status": "OK",
+            "server": SERVER_NAME,
+            "instance_id": self.instance_id,
+            "device": self.settings.device,
+            "uptime_s": time.time() - self.started_at,
+            "jobs": {str(job.job_id): job.info() for job in self.jobs.all()},
+        }
+
+    def job_info(self, job_id: int) -> dict[str, Any]:
+        return self.jobs.get(job_id, running=False).info()
+
+    async def initialize(self, config: JobConfig) -> dict[str, Any]:
+        from arctic_rl.server.engines import create_engine
+
+        job_dir = None
+        if config.job_type == JobType.TRAINING:
+            job_dir = ckpt.job_directory(self.settings.checkpoint_root, config.checkpoint_path, "training")
+        job = self.jobs.reserve(config, job_dir)
+        logger.info("initialize: job %d (%s) from %s", job.job_id, job.job_type.value, config.model_name)
+        t0 = time.perf_counter()
+        try:
+            async with job.lock:
+                if job_dir is not None:
+                    job_dir.mkdir(parents=True, exist_ok=True)
+                job.engine = await self._in_thread(create_engine, config, self.settings, job_dir)
+                job.state = JobState.RUNNING
+        except BaseException:
+            self.jobs.remove(job.job_id)
+            raise
+        logger.info("initialize: job %d ready in %.1fs", job.job_id, time.perf_counter() - t0)
+        self._log_jobs()
+        return {"job_id": job.job_id, "job_type": job.job_type.value, "running": True}
+
+    async def destroy(self, job_id: int, request: DestroyRequest | None) -> dict[str, Any]:
+        job = self.jobs.get(job_id, running=False)
+        if request is not None and request.job_type != job.job_type:
+            raise BadRequest(
+                f"job {job_id} is a {job.job_type.value} job",
+                field="job_type",
+                allowed=[job.job_type.value],
+                received=request.job_type.value,
+            )
+        async with job.lock:
+            self.jobs.remove(job_id)
+            if job.engine is not None:
+                await self._in_thread(job.engine.close)
+                job.engine = None
+        self.idempotency.drop_scope(f"job:{job_id}")
+        logger.info("destroy: job %d (%s)", job_id, job.job_type.value)
+        self._log_jobs()
+        return {"job_id": job_id, "job_type": job.job_type.value, "destroyed": True}
+
+    # ------------------------------------------------------------------ training data plane
+
+    async def forward_backward(self, job_id: int, body: Any) -> dict[str, Any]:
+        job = self.jobs.get(job_id, JobType.TRAINING)
+
+        def run():
+            batch = parse_batch_body(body, vocab_size=job.engine.vocab_size, train=True)
+            return batch, job.engine.forward_backward(batch)
+
+        t0 = time.perf_counter()
+        batch, out = await self._on_job(job, run)
+        m = out["metrics"]
+        logger.info(
+            "forward-backward job=%d loss_fn=%s rows=%d tokens=%d computed=%d loss=%.5g micro=%d/%d %.2fs",
+            job_id,
+            batch.loss_name,
+            batch.rows,
+            batch.rows * batch.total_len,
+            m["tokens_computed"],
+            m.get("loss", float("nan")),
+            m["micro_step"],
+            m["gradient_accumulation_steps"],
+            time.perf_counter() - t0,
+        )
+        return {"job_id": job_id, **out}
+
+    async def forward(self, job_id: int, body: Any) -> dict[str, Any]:
+        job = self.jobs.get(job_id, JobType.TRAINING, JobType.LOG_PROB)
+
+        def run():
+            batch = parse_batch_body(body, vocab_size=job.engine.vocab_size, train=False)
+            return batch, job.engine.forward(batch)
+
+        t0 = time.perf_counter()
+        batch, (tensors, metrics, alignment) = await self._on_job(job, run)
+        logger.info(
+            "forward job=%d (%s) rows=%d tokens=%d alignment=%s %.2fs",
+            job_id,
+            job.job_type.value,
+            batch.rows,
+            batch.rows * batch.total_len,
+            alignment.value,
+            time.perf_counter() - t0,
+        )
+        return {"job_id": job_id, "batch": tensors, "metrics": metrics, "logprob_alignment": alignment.value}
+
+    async def step(self, job_id: int, request: StepRequest) -> dict[str, Any]:
+        job = self.jobs.get(job_id, JobType.TRAINING)
+        t0 = time.perf_counter()
+        out = await self._on_job(job, job.engine.step, request.learning_rate)
+        m = out["metrics"]
+        logger.info(
+            "step job=%d global_step=%d grad_norm=%s lr=%.3g %.2fs",
+            job_id,
+            m["global_step"],
+            m["grad_norm"],
+            m["last_lr"],
+            time.perf_counter() - t0,
+        )
+        return {"job_id": job_id, **out}
+
+    def _base(self, job: Job, path: str | None) -> Path:
+        if path is None:
+            if job.job_dir is None:
+                raise BadRequest("path: required (the job has no directory)", field="path")
+            return job.job_dir
+        return ckpt.resolve_request_path(self.settings.checkpoint_root, path)
+
+    async def save(self, job_id: int, request: SaveRequest) -> dict[str, Any]:
+        job = self.jobs.get(job_id, JobType.TRAINING)
+        base = self._base(job, request.path)
+        if request.checkpoint_type not in ("resumable", "full"):
+            logger.info("save: checkpoint_type=%r saved as a resumable checkpoint", request.checkpoint_type)
+
+        def run():
+            step = request.step if request.step is not None else job.engine.global_step
+            target = ckpt.checkpoint_dir(base, step)
+            out = job.engine.save(target, export_hf=request.export_hf)
+            ckpt.write_latest(base, target.name)
+            pruned = (
+                ckpt.prune_checkpoints(base, request.save_total_limit, protect=target)
+                if request.save_total_limit
+                else []
+            )
+            return {**out, "pruned": [str(p) for p in pruned]}
+
+        t0 = time.perf_counter()
+        out = await self._on_job(job, run)
+        logger.info(
+            "save job=%d -> %s (step %d) %.2fs", job_id, out["path"], out["global_step"], time.perf_counter() - t0
+        )
+        return {"job_id": job_id, **out}
+
+    async def load_checkpoint(self, job_id: int, request: LoadCheckpointRequest) -> dict[str, Any]:
+        job = self.jobs.get(job_id, JobType.TRAINING)
+        base = self._base(job, request.path)
+        target = ckpt.find_checkpoint(self.settings.checkpoint_root, base, request.step)
+        t0 = time.perf_counter()
+        out = await self._on_job(job, job.engine.load, target)
+        logger.info(
+            "load-checkpoint job=%d <- %s (step %d) %.2fs", job_id, target, out["global_step"], time.perf_counter() - t0
+        )
+        return {"job_id": job_id, **out}
+
+    # ------------------------------------------------------------------ weight sync and generation
+
+    async def weight_sync(self, job_id: int | None, request: WeightSyncRequest) -> dict[str, Any]:
+        if job_id is not None and job_id != request.source_sub_job_id:
+            raise BadRequest(
+                "source_sub_job_id: must be the training job named by ?job_id=",
+                field="source_sub_job_id",
+                allowed=job_id,
+                received=request.source_sub_job_id,
+            )
+        source = self.jobs.get(request.source_sub_job_id, JobType.TRAINING)
+        targets = [
+            self.jobs.get(t, JobType.SAMPLING, JobType.LOG_PROB) for t in dict.fromkeys(request.target_sub_job_ids)
+        ]
+        ordered = sorted([source, *targets], key=lambda j: j.job_id)
+
+        def run():
+            weights = source.engine.weights()
+            return {t.job_id: t.engine.load_weights(weights) for t in targets}
+
+        t0 = time.perf_counter()
+        for job in ordered:  # fixed order: no deadlock with a concurrent sync
+            await job.lock.acquire()
+        try:
+            versions = await self._in_thread(run)
+        finally:
+            for job in reversed(ordered):
+                job.lock.release()
+        logger.info(
+            "weight-sync %d -> %s versions=%s %.2fs", source.job_id, list(versions), versions, time.perf_counter() - t0
+        )
+        return {
+            "job_id": source.job_id,
+            "synced": list(versions),
+            "weight_version": max(versions.values()),
+            "weight_versions": {str(k): v for k, v in versions.items()},
+            "seconds": time.perf_counter() - t0,
+        }
+
+    async def generate(self, job_id: int, body: Any) -> dict[str, Any]:
+        from arctic_rl.server.engines.sampling import parse_generate_request
+
+        job = self.jobs.get(job_id, JobType.SAMPLING)
+        request, params = parse_generate_request(body)
+        t0 = time.perf_counter()
+        results = await self._on_job(job, job.engine.generate, request, params)
+        logger.info(
+            "generate job=%d prompts=%d n=%d tokens=%d %.2fs",
+            job_id,
+            len(request.prompts),
+            params.n,
+            sum(r["generation_len"] for r in results),
+            time.perf_counter() - t0,
+        )
+        return {"job_id": job_id, "results": results}

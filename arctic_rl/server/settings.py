@@ -1,0 +1,59 @@
+"""Process-wide settings of the reference server (what the command line decides).
+
+One frozen dataclass, built by ``python -m arctic_rl.server`` from its flags and handed to
+:func:`arctic_rl.server.app.create_app`. Nothing here reads a request.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["ServerSettings", "is_loopback_host"]
+
+Device = Literal["cpu", "cuda"]
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (``127.0.0.0/8``, ``::1``)."""
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server was started with.
+
+    ``checkpoint_root`` is the only directory the server writes checkpoints to or reads them from;
+    request paths are resolved inside it (see :mod:`arctic_rl.server.checkpoint`).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 7000
+    token: str | None = None
+    checkpoint_root: Path = field(default_factory=lambda: Path(os.getcwd()) / "arctic_rl_checkpoints")
+    device: Device = "cpu"
+    threads: int = 1
+    max_body_bytes: int = 512 * 1024 * 1024
+    #: rows per generation forward (requests with more prompts x n are chunked)
+    generate_batch_size: int = 32
+    #: remembered ``X-Request-Id`` per job
+    idempotency_capacity: int = 256
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected one of ['cpu', 'cuda'], got {self.device!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads: expected >= 1, got {self.threads}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: expected >= 1, got {self.max_body_bytes}")
+        if self.generate_batch_size < 1:
+            raise ValueError(f"generate_batch_size: expected >= 1, got {self.generate_batch_size}")
+        object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

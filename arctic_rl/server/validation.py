@@ -1,0 +1,304 @@
+"""Validation of ``/forward`` and ``/forward-backward`` bodies: ``{batch, meta, processing}``.
+
+Everything a client can get wrong is checked here, before any compute, and answered with a 400
+naming the field, the allowed values and the value received: missing tensors
+(:data:`~arctic_rl.protocol.REQUIRED_FORWARD_TENSORS`, :data:`~arctic_rl.protocol.REQUIRED_TRAIN_TENSORS`),
+non-tensors, wrong rank or dtype, mismatched batch sizes or widths, ``input_ids`` that disagree
+with ``prompts | responses``, token ids outside the vocabulary, non-0/1 masks, NaN/inf in the
+float RL tensors, unknown loss or post-processor names, and invalid ``meta``/``processing.config``.
+
+The result, :class:`ParsedBatch`, holds ``[B, P+R]`` model inputs as int64 and the RL tensors
+*response-sliced* to ``[B, R]`` (a body may send them left-padded to ``P+R`` or already ``[B, R]``).
+What is not here: running the model or the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from arctic_rl.protocol import (
+    LOSS_NAMES,
+    POST_PROCESSORS,
+    REQUIRED_FORWARD_TENSORS,
+    REQUIRED_TRAIN_TENSORS,
+    SFT_LOSS_NAMES,
+    BatchMeta,
+    LossConfig,
+    Processing,
+)
+from arctic_rl.server.errors import BadRequest, from_validation_error
+
+__all__ = ["ParsedBatch", "parse_batch_body"]
+
+_ID_TENSORS = ("input_ids", "prompts", "responses")
+_MASKS = ("response_mask", "loss_mask")
+_FLOAT_TENSORS = ("advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
+_ENTROPY_POSTS = ("compute_entropy", "compute_entropy_and_logprobs")
+
+
+@dataclass
+class ParsedBatch:
+    """A validated body. ``rl`` holds response-sliced ``[B, R]`` tensors (masks as bool)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    prompt_len: int
+    meta: BatchMeta
+    meta_keys: frozenset[str]
+    processing: Processing
+    loss_name: str | None = None
+    loss_config: LossConfig | None = None
+    rl: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def total_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def response_len(self) -> int:
+        return self.total_len - self.prompt_len
+
+    @property
+    def wants_entropy(self) -> bool:
+        posts = self.processing.post
+        posts = [posts] if isinstance(posts, str) else list(posts or [])
+        return bool(self.meta.calculate_entropy) or any(p in _ENTROPY_POSTS for p in posts)
+
+    def slice_rows(self, start: int, stop: int) -> ParsedBatch:
+        """Rows ``start:stop`` (for chunked no-grad forwards)."""
+        return ParsedBatch(
+            self.input_ids[start:stop],
+            self.attention_mask[start:stop],
+            self.position_ids[start:stop],
+            self.prompt_len,
+            self.meta,
+            self.meta_keys,
+            self.processing,
+            self.loss_name,
+            self.loss_config,
+            {k: v[start:stop] for k, v in self.rl.items()},
+        )
+
+
+def _section(obj: dict, key: str) -> dict:
+    value = obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{key}: expected an object", field=key, received=type(value).__name__)
+    return value
+
+
+def _tensor(batch: dict, name: str, required: bool) -> torch.Tensor | None:
+    value = batch.get(name)
+    if value is None:
+        if required:
+            raise BadRequest(f"batch.{name}: required tensor is missing", field=f"batch.{name}", received=None)
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise BadRequest(f"batch.{name}: expected a tensor", field=f"batch.{name}", received=type(value).__name__)
+    if value.ndim != 2:
+        raise BadRequest(
+            f"batch.{name}: expected a 2-D [B, ...] tensor", field=f"batch.{name}", received=list(value.shape)
+        )
+    if value.is_complex():
+        raise BadRequest(
+            f"batch.{name}: complex dtypes are not accepted", field=f"batch.{name}", received=str(value.dtype)
+        )
+    return value
+
+
+def _as_ids(value: torch.Tensor, name: str) -> torch.Tensor:
+    if value.is_floating_point() or value.dtype == torch.bool:
+        raise BadRequest(
+            f"batch.{name}: expected an integer dtype",
+            field=f"batch.{name}",
+            allowed=["int64", "int32", "int16", "int8", "uint8"],
+            received=str(value.dtype).replace("torch.", ""),
+        )
+    return value.to(torch.int64)
+
+
+def _as_mask(value: torch.Tensor, name: str) -> torch.Tensor:
+    if value.dtype != torch.bool:
+        if value.numel() and not bool(((value == 0) | (value == 1)).all()):
+            raise BadRequest(f"batch.{name}: expected 0/1 values", field=f"batch.{name}", allowed=[0, 1])
+    return value != 0
+
+
+def _check_rows(name: str, value: torch.Tensor, rows: int) -> None:
+    if value.shape[0] != rows:
+        raise BadRequest(
+            f"batch.{name}: batch size {value.shape[0]} differs from input_ids' {rows}",
+            field=f"batch.{name}",
+            allowed=rows,
+            received=int(value.shape[0]),
+        )
+
+
+def _response_slice(name: str, value: torch.Tensor, total: int, resp: int) -> torch.Tensor:
+    width = value.shape[1]
+    if width == total:
+        return value[:, total - resp :]
+    if width == resp:
+        return value
+    raise BadRequest(
+        f"batch.{name}: width {width} is neither P+R={total} (left-padded) nor R={resp}",
+        field=f"batch.{name}",
+        allowed=[total, resp],
+        received=int(width),
+    )
+
+
+def _parse_processing(raw: dict, *, train: bool) -> tuple[Processing, str | None, LossConfig | None]:
+    try:
+        processing = Processing.model_validate(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix="processing") from None
+    posts = processing.post
+    for post in [posts] if isinstance(posts, str) else list(posts or []):
+        if post not in POST_PROCESSORS:
+            raise BadRequest(
+                f"processing.post: unknown post-processor {post!r}",
+                field="processing.post",
+                allowed=list(POST_PROCESSORS),
+                received=post,
+            )
+    if not train:
+        return processing, None, None
+    from arctic_rl.server.losses import DEFAULT_LOSS, LossNameError, resolve_loss
+
+    try:
+        resolve_loss(processing.loss_fn)
+    except LossNameError as exc:
+        raise BadRequest(
+            str(exc), field="processing.loss_fn", allowed=list(LOSS_NAMES), received=exc.received
+        ) from None
+    try:
+        config = LossConfig.model_validate(processing.config)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix="processing.config") from None
+    return processing, processing.loss_fn or DEFAULT_LOSS, config
+
+
+def parse_batch_body(obj: Any, *, vocab_size: int, train: bool) -> ParsedBatch:
+    """Validate a decoded ``{batch, meta, processing}`` body (see the module docstring)."""
+    if not isinstance(obj, dict):
+        raise BadRequest(
+            "body: expected an object {batch, meta, processing}",
+            field="body",
+            allowed=["batch", "meta", "processing"],
+            received=type(obj).__name__,
+        )
+    if obj.get("batch") is None:
+        raise BadRequest("batch: required", field="batch", received=None)
+    batch = _section(obj, "batch")
+    raw_meta = _section(obj, "meta")
+    try:
+        meta = BatchMeta.model_validate(raw_meta)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix="meta") from None
+    processing, loss_name, loss_config = _parse_processing(_section(obj, "processing"), train=train)
+
+    sft = loss_name in SFT_LOSS_NAMES
+    required = REQUIRED_TRAIN_TENSORS if train and not sft else REQUIRED_FORWARD_TENSORS
+    missing = [name for name in required if batch.get(name) is None]
+    if missing:
+        raise BadRequest(
+            f"batch.{missing[0]}: required tensor is missing (missing: {missing})",
+            field=f"batch.{missing[0]}",
+            allowed=list(required),
+            received=sorted(batch.keys()),
+        )
+    tensors = {name: _tensor(batch, name, required=False) for name in set(required) | set(_MASKS) | set(_FLOAT_TENSORS)}
+
+    input_ids = _as_ids(tensors["input_ids"], "input_ids")
+    rows, total = input_ids.shape
+    if rows < 1:
+        raise BadRequest(
+            "batch.input_ids: expected at least one row", field="batch.input_ids", received=list(input_ids.shape)
+        )
+    for name, value in tensors.items():
+        if value is not None:
+            _check_rows(name, value, rows)
+    prompts = _as_ids(tensors["prompts"], "prompts")
+    responses = _as_ids(tensors["responses"], "responses")
+    p, r = prompts.shape[1], responses.shape[1]
+    if p < 1 or r < 1 or p + r != total:
+        raise BadRequest(
+            f"batch: prompts width P={p} + responses width R={r} must equal input_ids width {total} (P, R >= 1)",
+            field="batch.responses",
+            allowed=total,
+            received=p + r,
+        )
+    for name in ("attention_mask", "position_ids"):
+        if tuple(tensors[name].shape) != (rows, total):
+            raise BadRequest(
+                f"batch.{name}: expected shape {[rows, total]} (that of input_ids)",
+                field=f"batch.{name}",
+                allowed=[rows, total],
+                received=list(tensors[name].shape),
+            )
+    if not torch.equal(input_ids[:, :p], prompts) or not torch.equal(input_ids[:, p:], responses):
+        raise BadRequest(
+            "batch.input_ids: expected input_ids == cat(prompts, responses) along dim 1",
+            field="batch.input_ids",
+        )
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise BadRequest(
+            f"batch.input_ids: token ids must lie in [0, {vocab_size})",
+            field="batch.input_ids",
+            allowed=f"[0, {vocab_size})",
+            received=lo if lo < 0 else hi,
+        )
+    attention_mask = _as_mask(tensors["attention_mask"], "attention_mask").to(torch.int64)
+    position_ids = _as_ids(tensors["position_ids"], "position_ids")
+    if int(position_ids.min()) < 0:
+        raise BadRequest("batch.position_ids: expected non-negative positions", field="batch.position_ids")
+
+    rl: dict[str, torch.Tensor] = {}
+    for name in _MASKS:
+        if tensors[name] is not None:
+            rl[name] = _as_mask(_response_slice(name, tensors[name], total, r), name)
+    for name in _FLOAT_TENSORS:
+        value = tensors[name]
+        if value is None:
+            continue
+        if not value.is_floating_point():
+            raise BadRequest(
+                f"batch.{name}: expected a floating-point dtype",
+                field=f"batch.{name}",
+                allowed=["float32", "float64", "bfloat16", "float16"],
+                received=str(value.dtype).replace("torch.", ""),
+            )
+        bad = int((~torch.isfinite(value)).sum())  # anywhere, padding included
+        if bad:
+            raise BadRequest(
+                f"batch.{name}: {bad} non-finite value(s) (NaN/inf)",
+                field=f"batch.{name}",
+                received=f"{bad} non-finite",
+            )
+        rl[name] = _response_slice(name, value, total, r).float()
+    if train:
+        if "response_mask" not in rl and "loss_mask" not in rl:
+            rl["response_mask"] = attention_mask[:, p:] != 0  # SFT bodies may rely on the attention mask
+        rl.setdefault("loss_mask", rl.get("response_mask"))
+        rl.setdefault("response_mask", rl["loss_mask"])
+        if loss_config is not None and loss_config.use_kl_loss and not sft and "ref_log_prob" not in rl:
+            raise BadRequest(
+                "batch.ref_log_prob: required when processing.config.use_kl_loss is true",
+                field="batch.ref_log_prob",
+            )
+    return ParsedBatch(
+        input_ids, attention_mask, position_ids, p, meta, frozenset(raw_meta), processing, loss_name, loss_config, rl
+    )

@@ -1,0 +1,161 @@
+"""Checkpoints of the reference server, against a real server process that is killed and restarted.
+
+Covers: save -> SIGKILL -> restart -> initialize -> load gives a next step (losses, grad norm, LR
+schedule, weights) bit-for-bit equal to the uninterrupted run; ``save_total_limit`` pruning; the
+``export_hf`` directory loads with ``transformers``; request paths cannot escape the checkpoint root.
+"""
+
+import sys, pathlib  # noqa: E401
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import pytest
+import requests
+import torch
+
+from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("server")) as server:
+        yield server
+
+
+def training_config(model_dir, checkpoint_path="run"):
+    return {
+        "model_name": str(model_dir),
+        "job_type": "training",
+        "checkpoint_path": checkpoint_path,
+        "ds_config": {
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.01}},
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 6, "warmup_type": "linear"},
+            },
+        },
+    }
+
+
+def bodies():
+    batch_a = make_batch([[5, 6, 7], [8, 9]], [[20, 21, 22], [23]])
+    batch_b = make_batch([[10, 11], [12, 13, 14]], [[24, 25], [26, 27, 28]])
+    return [{"batch": b, "meta": {}, "processing": {"loss_fn": "sft"}} for b in (batch_a, batch_b)]
+
+
+def train_step(srv, job_id):
+    losses = [
+        decode(post_frame(srv, f"/forward-backward?job_id={job_id}", body))["metrics"]["loss"] for body in bodies()
+    ]
+    return losses, decode(requests.post(f"{srv.url}/step?job_id={job_id}", json={}, timeout=60))["metrics"]
+
+
+def probe(srv, job_id):
+    return decode(post_frame(srv, f"/forward?job_id={job_id}", bodies()[0]))["batch"]["logprobs"]
+
+
+def hf_weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(pathlib.Path(path) / "model.safetensors"))
+
+
+def save(srv, job_id, **body):
+    response = requests.post(f"{srv.url}/save?job_id={job_id}", json=body, timeout=120)
+    return response
+
+
+def test_resume_after_a_kill_is_bit_for_bit(srv, model_dir):
+    init = decode(requests.post(srv.url + "/initialize", json=training_config(model_dir), timeout=300))
+    jid = init["job_id"]
+    for _ in range(2):
+        train_step(srv, jid)
+    saved = decode(save(srv, jid))
+    assert saved["global_step"] == 2 and saved["path"].endswith("run/checkpoint-2")
+    assert (srv.checkpoint_root / "run" / "latest").read_text() == "checkpoint-2"
+    losses, metrics = train_step(srv, jid)  # the uninterrupted step 3
+    logprobs = probe(srv, jid)
+    weights = hf_weights(decode(save(srv, jid, path="uninterrupted", export_hf=True))["hf_path"])
+
+    instance = requests.get(srv.url + "/health").json()["instance_id"]
+    srv.restart()  # SIGKILL: no chance to flush anything
+    assert requests.get(srv.url + "/health").json()["instance_id"] != instance
+    assert requests.get(srv.url + "/status").json()["jobs"] == {}
+
+    jid = decode(requests.post(srv.url + "/initialize", json=training_config(model_dir), timeout=300))["job_id"]
+    loaded = decode(requests.post(f"{srv.url}/load-checkpoint?job_id={jid}", json={}, timeout=120))
+    assert loaded["global_step"] == 2 and loaded["path"] == saved["path"]
+    losses2, metrics2 = train_step(srv, jid)
+    assert losses2 == losses
+    assert metrics2 == metrics and metrics2["global_step"] == 3
+    assert torch.equal(probe(srv, jid), logprobs)
+    weights2 = hf_weights(decode(save(srv, jid, path="resumed", export_hf=True))["hf_path"])
+    assert weights2.keys() == weights.keys() and all(torch.equal(weights2[k], weights[k]) for k in weights)
+    requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
+
+
+def test_total_limit_export_hf_and_explicit_steps(srv, model_dir):
+    jid = decode(requests.post(srv.url + "/initialize", json=training_config(model_dir, "limits"), timeout=300))[
+        "job_id"
+    ]
+    try:
+        for step in (1, 2, 3):
+            out = decode(save(srv, jid, step=step, save_total_limit=2))
+            assert out["path"].endswith(f"limits/checkpoint-{step}")
+        assert out["pruned"] == [str(srv.checkpoint_root / "limits" / "checkpoint-1")]
+        assert sorted(p.name for p in (srv.checkpoint_root / "limits").glob("checkpoint-*")) == [
+            "checkpoint-2",
+            "checkpoint-3",
+        ]
+        loaded = decode(requests.post(f"{srv.url}/load-checkpoint?job_id={jid}", json={"step": 2}, timeout=60))
+        assert loaded["path"].endswith("checkpoint-2")
+        missing = requests.post(f"{srv.url}/load-checkpoint?job_id={jid}", json={"step": 1}, timeout=60)
+        assert missing.status_code == 404
+
+        exported = decode(save(srv, jid, path="export", export_hf=True))
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(exported["hf_path"], dtype=torch.float32).eval()
+        assert AutoTokenizer.from_pretrained(exported["hf_path"]).eos_token == "<|im_end|>"
+        batch = bodies()[0]["batch"]
+        with torch.no_grad():
+            logits = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+            ).logits
+        lp = (
+            torch.log_softmax(logits[:, :-1].float(), -1)
+            .gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1))
+            .squeeze(-1)
+        )
+        real = batch["response_mask"][:, 1:].bool()
+        assert torch.allclose(probe(srv, jid)[:, :-1][real], lp[real], atol=1e-5)
+    finally:
+        requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
+
+
+def test_paths_cannot_escape_the_checkpoint_root(srv, model_dir, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (srv.checkpoint_root / "link-out").symlink_to(outside, target_is_directory=True)
+    bad_config = training_config(model_dir, "../../escape")
+    response = requests.post(srv.url + "/initialize", json=bad_config, timeout=60)
+    assert response.status_code == 400 and response.json()["detail"]["field"] == "checkpoint_path"
+    jid = decode(requests.post(srv.url + "/initialize", json=training_config(model_dir, "safe"), timeout=300))["job_id"]
+    try:
+        for path in ("../x", "a/../../x", str(outside), "link-out", "link-out/deeper", "/etc"):
+            for endpoint in ("save", "load-checkpoint"):
+                r = requests.post(f"{srv.url}/{endpoint}?job_id={jid}", json={"path": path}, timeout=60)
+                assert r.status_code == 400, (endpoint, path, r.text)
+                assert r.json()["detail"]["field"] == "path"
+        assert list(outside.iterdir()) == []
+        assert requests.get(srv.url + "/health").status_code == 200
+    finally:
+        requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
