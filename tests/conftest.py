@@ -8,7 +8,6 @@ runs against one.
 
 from __future__ import annotations
 
-import importlib
 import os
 import pathlib
 import sys
@@ -27,16 +26,32 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
 if str(TESTS_DIR) not in sys.path:  # test helper modules (server_process.py, ...) import by name
     sys.path.insert(0, str(TESTS_DIR))
 
-_OUR_PACKAGES = ("verl.remote_backend", "arctic_rl")
+# (import name, path of its package relative to a sys.path entry)
+_OUR_PACKAGES = (
+    ("verl.remote_backend", pathlib.Path("verl", "remote_backend")),
+    ("verl.workers.remote_client", pathlib.Path("verl", "workers", "remote_client")),
+    ("arctic_rl", pathlib.Path("arctic_rl")),
+)
 
 
 def _stale_copies() -> list[str]:
+    """Copies of our packages on ``sys.path`` outside this checkout (checked without importing
+    verl, which would cost every test run ~20 s of ray imports)."""
     problems = []
-    for name in _OUR_PACKAGES:
-        mod = importlib.import_module(name)
-        where = pathlib.Path(mod.__file__).resolve()
-        if REPO_ROOT not in where.parents:
-            problems.append(f"{name} is imported from {where}, not from this checkout ({REPO_ROOT})")
+    for name, rel in _OUR_PACKAGES:
+        for entry in sys.path:
+            if not entry:
+                continue
+            candidate = pathlib.Path(entry).resolve() / rel
+            if (candidate / "__init__.py").exists() and REPO_ROOT not in candidate.parents:
+                problems.append(f"{name} has a stale copy at {candidate}, outside this checkout ({REPO_ROOT})")
+    if not problems:
+        import importlib.util
+
+        spec = importlib.util.find_spec("arctic_rl")
+        where = pathlib.Path(spec.origin).resolve() if spec and spec.origin else None
+        if where is None or REPO_ROOT not in where.parents:
+            problems.append(f"arctic_rl resolves to {where}, not to this checkout ({REPO_ROOT})")
     return problems
 
 

@@ -114,7 +114,14 @@ class TrainingEngine:
         model = load_model(
             config.model_name, device=self.device, dtype=dtype, attn_implementation=self.knobs.attn_implementation
         )
-        if self.knobs.enable_gradient_checkpointing:
+        if self.knobs.enable_gradient_checkpointing and self.knobs.zorro_train_enable:
+            # transformers drops the KV cache inside checkpointed layers, and ZoRRO shares exactly that
+            # cache between a prompt and its responses: ZoRRO (the explicit choice) wins.
+            logger.warning(
+                "training job: enable_gradient_checkpointing ignored because zorro_train_enable is on "
+                "(checkpointed layers drop the shared prompt KV cache); ZoRRO already cuts activation memory"
+            )
+        elif self.knobs.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.vocab_size = model_vocab_size(model)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)

@@ -18,7 +18,9 @@ Compute methods take and return ``TensorDict``s exactly like verl 0.9.1's
 * ``generate`` -- one ``/generate`` call for a list of token-id prompts.
 
 The wire layout is built by :mod:`.layout`, the job configs by :mod:`.builders`, HTTP is
-:mod:`.http` and body encoding (v1 ``torch.save`` / v2 DSSST1) :mod:`.wire`.
+:mod:`.http`, body encoding (v1 ``torch.save`` / v2 DSSST1) :mod:`.wire`, and what happens when the
+server fails -- unanswered calls, restarts, the journal of updates since the last checkpoint --
+:mod:`.recovery`. Every job this run creates carries its ``client_tag`` (also in the handle).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 import weakref
 from pathlib import Path
 from typing import Any
@@ -63,10 +66,11 @@ from .arctic_config import ArcticConfig
 from .builders import build_job_config, build_loss_config, build_meta, plan_batches
 from .generation import clean_sampling_params, ordered_results
 from .http import ArcticHttp, resolve_token
-from .jobs import HANDLE_VERSION, JOB_ORDER, check_handle, create_job, destroy_jobs, read_health
+from .jobs import HANDLE_VERSION, JOB_ORDER, check_handle, create_job, destroy_jobs, read_health, tagged_jobs
 from .layout import RESPONSE_KEYS, dense_batch, nested_from_server, plan_layout, shuffled_rows, split_rows
 from .local_server import LocalServer, start_local_server
 from .metrics import FlopsEstimator, mini_batch_metrics
+from .recovery import APPLIED, CheckpointRef, Recovery, read_counter
 from .verl_settings import VerlSettings
 from .wire import decode_response, detect_protocol, encode_body
 
@@ -90,7 +94,7 @@ class ArcticRLClient(RemoteBackend):
 
     def __init__(self, *, arctic: ArcticConfig, verl: VerlSettings, http: ArcticHttp, protocol: ProtocolVersion,
                  health: HealthResponse, job_ids: dict[str, int], owned: bool, step: int = 0,
-                 local_server: LocalServer | None = None) -> None:
+                 local_server: LocalServer | None = None, client_tag: str | None = None) -> None:
         self.arctic = arctic
         self.verl = verl
         self.protocol = ProtocolVersion(protocol)
@@ -101,7 +105,11 @@ class ArcticRLClient(RemoteBackend):
         self._owned: dict[str, int] = dict(job_ids) if owned else {}
         self._step = int(step)
         http.step = self._step
-        http.idempotency = Features.IDEMPOTENCY in self._features
+        http.idempotency = Features.IDEMPOTENCY in self._features and arctic.retry.server_idempotency == "auto"
+        #: this run's label on every job it creates (so restored jobs can be told from others')
+        self.client_tag = client_tag
+        self._recovery = Recovery(self, arctic.recovery)
+        self._recovery_dir: str | None = arctic.recovery.checkpoint_path
         self._local = local_server
         self._plan = plan_batches(verl, arctic)
         self._flops = FlopsEstimator(verl.model_path, peak_tflops_per_device=arctic.mfu.peak_tflops_per_device,
@@ -133,11 +141,12 @@ class ArcticRLClient(RemoteBackend):
                 local_cfg = dataclasses.replace(local_cfg, checkpoint_root=str(root))
             if arctic.train.checkpoint_path is None:  # our own server: checkpoints go to <root>/training
                 arctic = dataclasses.replace(arctic, train=dataclasses.replace(arctic.train, checkpoint_path="training"))
-        bodies = {t: build_job_config(t, verl, arctic) for t in JOB_ORDER}  # every config error before any side effect
+        tag = uuid.uuid4().hex
+        bodies = _tagged_bodies(verl, arctic, tag)  # every config error before any side effect
         if arctic.train.zorro_train.enable and verl.enable_gradient_checkpointing:
-            logger.warning("arctic: ZoRRO is on with actor_rollout_ref.model.enable_gradient_checkpointing=true; the "
-                           "reference server then trains with the plain pass (checkpointed layers drop the KV cache "
-                           "ZoRRO shares). Set it to false to get ZoRRO's savings in update_actor.")
+            logger.info("arctic: ZoRRO is on, so the reference server does not checkpoint activations "
+                        "(actor_rollout_ref.model.enable_gradient_checkpointing=true is ignored there: checkpointed "
+                        "layers would drop the prompt KV cache that ZoRRO shares)")
         local = None
         if arctic.server.url is None:
             local = start_local_server(local_cfg, token=resolve_token(arctic.server.token))
@@ -148,9 +157,9 @@ class ArcticRLClient(RemoteBackend):
             health = read_health(http)
             protocol = detect_protocol(http, arctic.server.protocol)
             client = cls(arctic=arctic, verl=verl, http=http, protocol=protocol, health=health, job_ids={},
-                         owned=True, local_server=local)
+                         owned=True, local_server=local, client_tag=tag)
             for job_type in JOB_ORDER:
-                job_id = create_job(http, job_type, bodies[job_type])
+                job_id = create_job(http, job_type, bodies[job_type], tag=tag)
                 client._job_ids[job_type.value] = client._owned[job_type.value] = job_id
         except BaseException:
             if client is not None:
@@ -179,7 +188,7 @@ class ArcticRLClient(RemoteBackend):
                     f"the server at {h['url']} restarted (instance {health.instance_id}, the handle was made on "
                     f"{h['instance_id']}): jobs {h['job_ids']} are gone; restart the run (or resume it from a checkpoint)")
             return cls(arctic=arctic, verl=verl, http=http, protocol=ProtocolVersion(h["protocol"]), health=health,
-                       job_ids=h["job_ids"], owned=owner, step=h["step"])
+                       job_ids=h["job_ids"], owned=owner, step=h["step"], client_tag=h.get("client_tag"))
         except BaseException:
             http.close()
             raise
@@ -199,6 +208,7 @@ class ArcticRLClient(RemoteBackend):
             "job_ids": dict(self._job_ids),
             "step": int(self._step),
             "instance_id": self._instance_id,
+            "client_tag": self.client_tag,
         }
 
     def destroy(self) -> None:
@@ -208,14 +218,53 @@ class ArcticRLClient(RemoteBackend):
                 return
             self._destroyed = True
         atexit.unregister(self._atexit)
+        self._recovery.close()
         owned, self._owned = self._owned, {}
-        destroy_jobs(self._http, owned)
+        destroy_jobs(self._http, self._still_ours(owned))
         self._http.close()
         if self._local is not None:
             self._local.stop()
 
     def requires_single_forwarder(self) -> bool:
         return True  # the server shards the work itself; one verl worker forwards
+
+    def _still_ours(self, owned: dict[str, int]) -> dict[str, int]:
+        """The jobs to destroy: ``owned`` while the server is the process that created them, plus any
+        job carrying this run's tag (jobs restored after a restart). After a restart the old ids may
+        name another run's jobs, so they are left alone unless tagged ours."""
+        if not owned:
+            return {}
+        health = self._http.probe(Paths.HEALTH)
+        if not isinstance(health, dict):  # unreachable: try the ids we know (destroy_jobs logs failures)
+            return owned
+        now = health.get("instance_id")
+        same = now is None or self._instance_id is None or now == self._instance_id
+        try:
+            tagged = tagged_jobs(self._http, self.client_tag) if self.client_tag else None
+        except RemoteBackendError:
+            tagged = None
+        if same:
+            return {**owned, **(tagged or {})}
+        if tagged is None:
+            logger.warning("arctic: the server restarted (instance %s, jobs were made on %s) and does not echo job "
+                           "tags: not destroying ids %s, which may now be another run's", now, self._instance_id, owned)
+            return {}
+        return tagged
+
+    def _job_bodies(self) -> dict[JobType, dict]:
+        """The ``/initialize`` bodies of this run's jobs (used again to restore them after a restart)."""
+        return _tagged_bodies(self.verl, self.arctic, self.client_tag)
+
+    def _publish_jobs(self, job_ids: dict[str, int], instance_id: str | None, *, owned: bool = True) -> None:
+        """Switch to restored (``owned``: created by this client) or adopted jobs."""
+        self._job_ids = dict(job_ids)
+        self._instance_id = instance_id
+        if owned:
+            self._owned = {k: v for k, v in job_ids.items()}
+
+    def reliability_stats(self) -> dict[str, int]:
+        """What the failure handling did: HTTP retries by reason, replays, restores, journal replays, ..."""
+        return {**self._http.stats, **{f"recovery/{k}": v for k, v in self._recovery.stats.items()}}
 
     # ------------------------------------------------------------------------------ properties
 
@@ -268,11 +317,23 @@ class ArcticRLClient(RemoteBackend):
             logger.info("arctic: no tokenizer at %s (%s); padding with id 0", self.verl.tokenizer_path, exc)
             return 0
 
-    def _post_tensors(self, v2_path: str, v1_path: str, job_id: int, body: dict, *, op: str,
-                      idempotent: bool) -> dict:
+    def _post_tensors(self, v2_path: str, v1_path: str, job_type: JobType, body: dict, *, op: str,
+                      idempotent: bool, counter: tuple[str, int] | None = None) -> dict:
+        """POST a tensor body to the job of ``job_type`` (through :class:`~.recovery.Recovery`); a
+        ``/forward-backward`` is journalled. ``{}`` for a call applied whose answer was lost."""
         path = v2_path if self.protocol is ProtocolVersion.V2 else v1_path
-        resp = self._http.request("POST", path, op=op, params={"job_id": job_id}, data=encode_body(self.protocol, body),
-                                  content_type=OCTET_STREAM, idempotent=idempotent)
+        payload = encode_body(self.protocol, body)
+
+        def send(request_id: str):
+            return self._http.request("POST", path, op=op, params={"job_id": self._job(job_type)}, data=payload,
+                                      content_type=OCTET_STREAM, idempotent=idempotent, request_id=request_id)
+
+        resp = self._recovery.call(f"POST {path}", send, safe=idempotent, counter=counter)
+        if not idempotent:
+            self._recovery.journal.record(path, payload, OCTET_STREAM, is_step=False)
+        if resp is APPLIED:
+            logger.warning("arctic: the metrics of an applied %s are lost (its answer never came)", path)
+            return {}
         out = decode_response(self.protocol, resp, f"POST {path}")
         if not isinstance(out, dict):
             raise RemoteProtocolError(f"POST {path}", f"expected an object, got {type(out).__name__}")
@@ -295,11 +356,18 @@ class ArcticRLClient(RemoteBackend):
 
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
         """Log-probs of the current policy (``/forward`` on the training job)."""
-        return self._log_probs(data, JobType.TRAINING)
+        with self._training_call():
+            return self._log_probs(data, JobType.TRAINING)
 
     def compute_ref_log_prob(self, data: TensorDict) -> TensorDict:
         """Log-probs of the reference policy (``/forward`` on the log_prob job)."""
-        return self._log_probs(data, JobType.LOG_PROB)
+        with self._training_call():
+            return self._log_probs(data, JobType.LOG_PROB)
+
+    def _training_call(self) -> threading.RLock:
+        """Held by calls of the training client: a restore never interleaves with them."""
+        self._recovery.become_primary()
+        return self._recovery.lock
 
     def _log_probs(self, data: TensorDict, job_type: JobType) -> TensorDict:
         t0 = time.perf_counter()
@@ -314,8 +382,7 @@ class ArcticRLClient(RemoteBackend):
                           calculate_entropy=entropy, pad_token_id=self.pad_token_id)
         body = {"batch": dense_batch(data, layout, pad_token_id=self.pad_token_id, keys=()), "meta": meta,
                 "processing": {"loss_fn": None, "post": list(_FORWARD_POST), "config": {}}}
-        out = self._post_tensors(Paths.FORWARD, Paths.V1_FWD_NO_GRAD, self._job(job_type), body, op="forward",
-                                 idempotent=True)
+        out = self._post_tensors(Paths.FORWARD, Paths.V1_FWD_NO_GRAD, job_type, body, op="forward", idempotent=True)
         endpoint = "POST /forward"
         tensors = out.get("batch") if isinstance(out.get("batch"), dict) else {}
         alignment = out.get(LOGPROB_ALIGNMENT_KEY) or (out.get("metrics") or {}).get(LOGPROB_ALIGNMENT_KEY)
@@ -330,6 +397,10 @@ class ArcticRLClient(RemoteBackend):
 
     def update_actor(self, data: TensorDict) -> TensorDict:
         """PPO/GRPO update: ``epochs`` x mini-batches of (``/forward-backward`` x GAS, ``/step``)."""
+        with self._training_call():
+            return self._update_actor(data)
+
+    def _update_actor(self, data: TensorDict) -> TensorDict:
         plan, verl = self._plan, self.verl
         mini_rows = plan.mini_batch_rows
         for name in ("mini_batch_size", "global_batch_size"):
@@ -376,11 +447,12 @@ class ArcticRLClient(RemoteBackend):
                                   global_batch_size=mini_rows, batch_num_tokens=tokens, loss=loss)
                 processing = {"loss_fn": "verl_grpo", "post": list(_TRAIN_POST), "config": loss.model_dump(mode="json")}
                 micro_metrics = []
-                for micro in split_rows(mini, plan.micro_batch_rows):
+                for index, micro in enumerate(split_rows(mini, plan.micro_batch_rows)):
                     body = {"batch": {k: v.index_select(0, micro) for k, v in batch.items()}, "meta": meta,
                             "processing": processing}
-                    res = self._post_tensors(Paths.FORWARD_BACKWARD, Paths.V1_FWD_BWD, self._job(JobType.TRAINING),
-                                             body, op="forward_backward", idempotent=False)
+                    res = self._post_tensors(Paths.FORWARD_BACKWARD, Paths.V1_FWD_BWD, JobType.TRAINING, body,
+                                             op="forward_backward", idempotent=False,
+                                             counter=("pending_micro_batches", index))
                     metrics = dict(res.get("metrics") or {})
                     if res.get("avg_loss") is not None:
                         metrics.setdefault("loss", res["avg_loss"])
@@ -395,16 +467,45 @@ class ArcticRLClient(RemoteBackend):
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": out})
 
     def _optimizer_step(self) -> dict:
-        job = self._job(JobType.TRAINING)
-        if self.protocol is ProtocolVersion.V2:
-            resp = self._http.post_json(Paths.STEP, {}, params={"job_id": job}, op="step")
-        else:  # v1: no body
-            resp = self._http.request("POST", Paths.STEP, op="step", params={"job_id": job})
-        metrics = dict(resp.json().get("metrics") or {})
+        body = {} if self.protocol is ProtocolVersion.V2 else None  # v1: no body
+
+        def send(request_id: str):
+            return self._http.request("POST", Paths.STEP, op="step", params={"job_id": self._job(JobType.TRAINING)},
+                                      json=body, request_id=request_id)
+
+        resp = self._recovery.call(f"POST {Paths.STEP}", send, safe=False, counter=("global_step", self._step))
+        self._recovery.journal.record(Paths.STEP, body, None, is_step=True)
+        if resp is APPLIED:  # applied, answer lost: what the server's job info still tells
+            _, info = read_counter(self._http, self._job(JobType.TRAINING), "global_step")
+            metrics = {"global_step": self._step + 1, "last_lr": info.get("lr"), "grad_norm": None}
+        else:
+            metrics = dict(resp.json().get("metrics") or {})
         step = metrics.get("global_step")
         self._step = int(step) if isinstance(step, int) and not isinstance(step, bool) else self._step + 1
         self._http.step = self._step
+        self._maybe_checkpoint()
         return metrics
+
+    def _maybe_checkpoint(self) -> None:
+        """Save for recovery every ``recovery.checkpoint_every_n_steps`` steps, or early when the journal
+        overflowed (v2 servers: v1 ones cannot load a checkpoint back)."""
+        cfg, journal = self.arctic.recovery, self._recovery.journal
+        if not cfg.enable or self.protocol is not ProtocolVersion.V2:
+            return
+        due = cfg.checkpoint_every_n_steps and self._step % cfg.checkpoint_every_n_steps == 0
+        if not (due or journal.overflowed):
+            return
+        if self._recovery_dir is None:
+            info = self._http.get_json(Paths.job(self._job(JobType.TRAINING)))
+            base = (info or {}).get("checkpoint_path") or self.arctic.train.checkpoint_path
+            if not base:
+                logger.error("arctic: no directory for recovery checkpoints (set remote_backend.recovery.checkpoint_path"
+                             "); a restart will replay the journal from the start of the run")
+                return
+            self._recovery_dir = f"{str(base).rstrip('/')}/recovery"
+        out = self.save_checkpoint(step=self._step, path=self._recovery_dir, save_total_limit=cfg.checkpoint_keep)
+        self._recovery.stats["checkpoints_saved"] += 1
+        logger.info("arctic: recovery checkpoint of step %d at %s", self._step, out.get("path"))
 
     # ------------------------------------------------------------------------------ generation
 
@@ -423,20 +524,28 @@ class ArcticRLClient(RemoteBackend):
             wire_prompts: list = rows
         else:  # the vendor's servers take text only
             wire_prompts = [self.tokenizer.decode(r, skip_special_tokens=False) for r in rows]
-        job = self._job(JobType.SAMPLING)
         if self.protocol is ProtocolVersion.V2:
             body = {"prompts": wire_prompts, "sampling_params": wire_params, "routing_key": None, "strict": False}
-            out = self._post_tensors(Paths.GENERATE, Paths.GENERATE, job, body, op="generate", idempotent=True)
+            out = self._post_tensors(Paths.GENERATE, Paths.GENERATE, JobType.SAMPLING, body, op="generate",
+                                     idempotent=True)
         else:  # v1: JSON in, JSON out
-            out = self._http.request("POST", Paths.GENERATE, op="generate", params={"job_id": job},
-                                     json={"prompts": wire_prompts, "sampling_params": wire_params},
-                                     content_type=JSON_MEDIA_TYPE, idempotent=True).json()
+            def send(request_id: str):
+                return self._http.request("POST", Paths.GENERATE, op="generate",
+                                          params={"job_id": self._job(JobType.SAMPLING)},
+                                          json={"prompts": wire_prompts, "sampling_params": wire_params},
+                                          content_type=JSON_MEDIA_TYPE, idempotent=True, request_id=request_id)
+
+            out = self._recovery.call(f"POST {Paths.GENERATE}", send, safe=True).json()
         return ordered_results(out, len(prompts), n, expanded=expand)
 
     # ------------------------------------------------------------------------------ weights, checkpoints
 
     def update_weights(self) -> dict:
         """Push the training job's weights to the sampler (and to the log_prob job if configured)."""
+        with self._training_call():
+            return self._recovery.call("weight sync", lambda _id: self._sync_weights_now(), safe=True)
+
+    def _sync_weights_now(self) -> dict:
         ws = self.arctic.weight_sync
         training, sampling = self._job(JobType.TRAINING), self._job(JobType.SAMPLING)
         if self.protocol is ProtocolVersion.V2:
@@ -453,31 +562,57 @@ class ArcticRLClient(RemoteBackend):
 
     def save_checkpoint(self, step: int | None = None, *, path: str | None = None, export_hf: bool = False,
                         save_total_limit: int | None = None) -> dict:
-        """Save model + optimizer + step on the server (``step`` names it; default: the server's step)."""
-        job = self._job(JobType.TRAINING)
-        if self.protocol is ProtocolVersion.V2:
-            body: dict[str, Any] = {"export_hf": export_hf, "checkpoint_type": "resumable"}
-            for key, value in (("step", step), ("path", path), ("save_total_limit", save_total_limit)):
-                if value is not None:
-                    body[key] = value
-            resp = self._http.post_json(Paths.SAVE, body, params={"job_id": job}, op="save")
-        else:
-            resp = self._http.request("POST", Paths.V1_SAVE_CHECKPOINT, op="save", params={"job_id": job})
-        return dict(resp.json())
+        """Save model + optimizer + step on the server (``step`` names it; default: the server's step).
+
+        Saving the same state twice is harmless, so an unanswered save is re-sent. A restart after
+        this restores this checkpoint (and replays only what follows it)."""
+        with self._training_call():
+            if self.protocol is ProtocolVersion.V2:
+                body: dict[str, Any] = {"export_hf": export_hf, "checkpoint_type": "resumable"}
+                for key, value in (("step", step), ("path", path), ("save_total_limit", save_total_limit)):
+                    if value is not None:
+                        body[key] = value
+                route = Paths.SAVE
+            else:
+                body, route = None, Paths.V1_SAVE_CHECKPOINT
+
+            def send(request_id: str):
+                return self._http.request("POST", route, op="save", params={"job_id": self._job(JobType.TRAINING)},
+                                          json=body, idempotent=True, request_id=request_id)
+
+            out = dict(self._recovery.call(f"POST {route}", send, safe=True).json())
+            if self.protocol is ProtocolVersion.V2 and out.get("path"):
+                saved = out.get("global_step")
+                self._recovery.journal.reset(CheckpointRef(str(out["path"]), int(saved if saved is not None
+                                                                                  else self._step)))
+            return out
 
     def load_checkpoint(self, step: int | None = None, *, path: str | None = None, sync_weights: bool = True) -> dict:
         """Restore model + optimizer + step (v2 servers only), then refresh the sampler's weights."""
         if self.protocol is not ProtocolVersion.V2:
             raise RemoteProtocolError(Paths.LOAD_CHECKPOINT, "v1 servers cannot load checkpoints")
         body = {k: v for k, v in (("step", step), ("path", path)) if v is not None}
-        resp = self._http.post_json(Paths.LOAD_CHECKPOINT, body, params={"job_id": self._job(JobType.TRAINING)},
-                                    op="save", idempotent=True)  # loading the same state twice is harmless
-        out = LoadCheckpointResponse.model_validate(resp.json())
-        self._step = int(out.global_step)
-        self._http.step = self._step
-        if sync_weights:
-            self.update_weights()
-        return dict(resp.json())
+        with self._training_call():
+            def send(request_id: str):  # loading the same state twice is harmless
+                return self._http.request("POST", Paths.LOAD_CHECKPOINT, op="save", json=body, idempotent=True,
+                                          params={"job_id": self._job(JobType.TRAINING)}, request_id=request_id)
+
+            resp = self._recovery.call(f"POST {Paths.LOAD_CHECKPOINT}", send, safe=True)
+            out = LoadCheckpointResponse.model_validate(resp.json())
+            self._step = int(out.global_step)
+            self._http.step = self._step
+            self._recovery.journal.reset(CheckpointRef(str(out.path), self._step))
+            if sync_weights:
+                self.update_weights()
+            return dict(resp.json())
+
+
+def _tagged_bodies(verl: VerlSettings, arctic: ArcticConfig, tag: str | None) -> dict[JobType, dict]:
+    bodies = {t: build_job_config(t, verl, arctic) for t in JOB_ORDER}
+    if tag:
+        for body in bodies.values():
+            body["client_tag"] = tag  # ignored by servers that do not know it (JobConfig is tolerant)
+    return bodies
 
 
 def _tensor(tensors: dict, names: tuple[str, ...], endpoint: str) -> torch.Tensor:
