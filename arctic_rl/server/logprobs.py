@@ -92,6 +92,7 @@ class _TokenStats(torch.autograd.Function):
         entropy = torch.cat(ents) if want_entropy else lp.new_zeros(lp.shape)
         ctx.save_for_backward(logits, targets, torch.cat(lses), entropy)
         ctx.temperature, ctx.want_entropy, ctx.step = temperature, want_entropy, step
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
         return lp, entropy
