@@ -175,9 +175,13 @@ class JobConfig(BaseModel):
     checkpoint_path: str | None = None
     arctic_inference_config: dict[str, Any] | None = None
     full_determinism: bool = False
-    seed: int = DEFAULT_SEED
+    seed: int = Field(DEFAULT_SEED, ge=-(2**63), le=2**63 - 1)
     cuda_ipc: bool = False
     low_memory: bool = False
+    #: opaque label of the client run that created the job, echoed by ``GET /job/{id}`` and
+    #: ``/status`` of servers that know it (ours); lets a client find its jobs again after a server
+    #: restart and destroy only its own. The vendor's server ignores it.
+    client_tag: str | None = Field(None, max_length=128)
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -277,7 +281,7 @@ class LogprobAlignment(str, enum.Enum):
 class LossConfig(BaseModel):
     """``processing.config`` of a ``/forward-backward`` call: the loss hyper-parameters."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     clip_ratio: float = Field(0.2, ge=0.0)
     clip_ratio_low: float | None = Field(None, ge=0.0)
@@ -307,7 +311,7 @@ class Processing(BaseModel):
 class BatchMeta(BaseModel):
     """``meta`` of a forward/backward body. Tolerant: Arctic clients send many more keys."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     zorro_train_enable: bool = False
     rollout_n: int = Field(1, ge=1)
@@ -343,7 +347,7 @@ class ForwardResponse(BaseModel):
 
 
 class StepRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     #: accepted for parity with the managed service; the on-prem scheduler decides the LR
     learning_rate: float | None = None
@@ -436,9 +440,10 @@ class WeightSyncResponse(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    """``sampling_params`` of ``/generate`` (the subset of vLLM's that the protocol uses)."""
+    """``sampling_params`` of ``/generate`` (the subset of vLLM's that the protocol uses).
+    Non-finite numbers are refused (an infinite temperature is not a distribution)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     temperature: float = Field(1.0, ge=0.0)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -447,7 +452,7 @@ class SamplingParams(BaseModel):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1)
     #: return the log-prob of each sampled token (vLLM: ``logprobs=0`` or ``1``)
     logprobs: int | bool | None = None

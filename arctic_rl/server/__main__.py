@@ -20,6 +20,8 @@ TOKEN_ENV = "ARCTIC_RL_SERVER_TOKEN"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from arctic_rl.server.settings import TORCH_COMPILE_MODES  # light: no torch, no FastAPI
+
     p = argparse.ArgumentParser(prog="python -m arctic_rl.server", description="The reference Arctic RL server.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=7000, help="bind port (default 7000; 0 = any free port)")
@@ -32,6 +34,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-body-mb", type=float, default=512.0, help="largest request body (default 512 MiB)")
     p.add_argument("--generate-batch-size", type=int, default=32, help="rows per generation forward (default 32)")
+    p.add_argument(
+        "--torch-compile",
+        choices=TORCH_COMPILE_MODES,
+        default="off",
+        help="torch.compile the training model: whole decoder layers (fastest; not with ZoRRO), or only their "
+        "norms and MLPs (works with ZoRRO). Default off. See docs/PERFORMANCE.md",
+    )
+    p.add_argument("--body-timeout-s", type=float, default=300.0,
+                   help="longest time to receive one request body; slower clients get a 408 (default 300)")
+    p.add_argument("--head-timeout-s", type=float, default=30.0,
+                   help="longest time a connection may take to send a request head; then it is closed (default 30)")
+    p.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="connections + requests in flight above which new requests get a 503; 0 = unbounded")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return p.parse_args(argv)
 
@@ -75,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)),
         generate_batch_size=args.generate_batch_size,
+        torch_compile=args.torch_compile,
+        body_timeout_s=args.body_timeout_s,
+        head_timeout_s=args.head_timeout_s,
+        limit_concurrency=args.limit_concurrency,
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     from arctic_rl.server.app import create_app
@@ -90,10 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         app.state.server.instance_id,
     )
     uvicorn_level = args.log_level if args.log_level != "info" else "warning"  # our own logger says enough
+    from arctic_rl.server.connection import head_timeout_protocol
+
     uvicorn.run(
         app,
         host=args.host,
         port=args.port,
+        http=head_timeout_protocol(settings.head_timeout_s),
+        limit_concurrency=settings.limit_concurrency or None,
         log_level=uvicorn_level,
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=5,

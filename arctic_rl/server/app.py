@@ -61,6 +61,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     if settings.token:
         app.add_middleware(BearerTokenMiddleware, token=settings.token)
     limit = settings.max_body_bytes
+    body_timeout = settings.body_timeout_s
 
     async def idempotent(
         request: Request, scope: str, body: bytes | bytearray, handler: Callable[[], Awaitable[Response]]
@@ -104,7 +105,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.INITIALIZE)
     async def initialize(request: Request) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             config = bodies.decode_model(body, JobConfig, required=True)
@@ -114,7 +115,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.DESTROY)
     async def destroy(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             req = bodies.decode_model(body, DestroyRequest) if body.strip() else None
@@ -126,7 +127,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.FORWARD_BACKWARD)
     async def forward_backward(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             return bodies.dssst1_response(await state.forward_backward(job_id, bodies.decode_dssst1(body)))
@@ -135,7 +136,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.V1_FWD_BWD)
     async def v1_fwd_bwd(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             return bodies.v1_response(await state.forward_backward(job_id, bodies.decode_v1(body)))
@@ -144,17 +145,17 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.FORWARD)
     async def forward(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
         return bodies.dssst1_response(await state.forward(job_id, bodies.decode_dssst1(body)))
 
     @app.post(Paths.V1_FWD_NO_GRAD)
     async def v1_fwd_no_grad(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
         return bodies.v1_response(await state.forward(job_id, bodies.decode_v1(body)))
 
     @app.post(Paths.STEP)
     async def step(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             return bodies.json_response(await state.step(job_id, bodies.decode_model(body, StepRequest)))
@@ -164,7 +165,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     # ---------------------------------------------------------------- checkpoints
 
     async def _save(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             return bodies.json_response(await state.save(job_id, bodies.decode_model(body, SaveRequest)))
@@ -176,7 +177,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.LOAD_CHECKPOINT)
     async def load_checkpoint(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             req = bodies.decode_model(body, LoadCheckpointRequest)
@@ -188,7 +189,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.WEIGHT_SYNC)
     async def weight_sync(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             req = bodies.decode_model(body, WeightSyncRequest, required=True)
@@ -198,7 +199,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.V1_SYNC_WEIGHTS)
     async def v1_sync_weights(request: Request) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
 
         async def handler() -> Response:
             v1 = bodies.decode_model(body, V1SyncWeightsRequest, required=True)
@@ -209,7 +210,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @app.post(Paths.GENERATE)
     async def generate(request: Request, job_id: int) -> Response:
-        body = await bodies.read_body(request, limit)
+        body = await bodies.read_body(request, limit, body_timeout)
         if bodies.is_json(request):  # v1: JSON in, JSON out
             return bodies.json_response(await state.generate(job_id, bodies.decode_json(body)))
         return bodies.dssst1_response(await state.generate(job_id, bodies.decode_dssst1(body)))

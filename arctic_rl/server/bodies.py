@@ -6,12 +6,14 @@
   :func:`arctic_rl.v1compat.torch_load_safe` (``weights_only=True``) -- never plain unpickling;
 * JSON (control calls, v1 ``/generate``).
 
-Bodies are read with a size cap (``--max-body-mb``): a larger one is a 413. Decoding errors are
-400s naming the body. What is not here: what a body must contain (:mod:`.validation`).
+Bodies are read with a size cap (``--max-body-mb``): a larger one is a 413; and a time limit
+(``--body-timeout-s``): a body still incomplete then is a 408 (a trickling client cannot hold a
+request open). Decoding errors, JSON nested too deeply included, are 400s naming the body. What is not here: what a body must contain (:mod:`.validation`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from arctic_rl import dssst1
 from arctic_rl.protocol import JSON_MEDIA_TYPE, OCTET_STREAM
-from arctic_rl.server.errors import BadRequest, PayloadTooLarge, from_validation_error
+from arctic_rl.server.errors import BadRequest, PayloadTooLarge, RequestTimeout, from_validation_error
 
 __all__ = [
     "decode_dssst1",
@@ -48,14 +50,33 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The raw body as one ``bytearray`` (no extra copy); 413 above ``limit`` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytearray:
+    """The raw body as one ``bytearray`` (no extra copy); 413 above ``limit`` bytes, 408 when it is
+    not complete within ``timeout_s`` seconds."""
     declared = request.headers.get("content-length")
     size_hint = int(declared) if declared and declared.isdigit() else None
     body = bytearray()
     over = size_hint is not None and size_hint > limit
     received = 0
-    async for chunk in request.stream():
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            if deadline is None:
+                chunk = await chunks.__anext__()
+            else:
+                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise RequestTimeout(
+                f"body: {received} of {size_hint if size_hint is not None else '?'} bytes received in {timeout_s:g} s "
+                "(--body-timeout-s)",
+                field="body",
+                allowed=timeout_s,
+                received=received,
+            ) from None
         received += len(chunk)
         if over or received > limit:
             over = True
@@ -79,6 +100,8 @@ def decode_dssst1(body: bytearray) -> Any:
         return dssst1.loads(body)
     except dssst1.WireError as exc:
         raise BadRequest(f"body: malformed DSSST1 frame: {exc}", field="body") from None
+    except RecursionError:
+        raise BadRequest("body: malformed DSSST1 frame: nested too deeply", field="body") from None
 
 
 def decode_v1(body: bytearray) -> Any:
@@ -102,6 +125,8 @@ def decode_json(body: bytearray, *, required: bool = True) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"body: invalid JSON: {exc}", field="body") from None
+    except RecursionError:
+        raise BadRequest("body: invalid JSON: nested too deeply", field="body") from None
 
 
 def decode_model(body: bytearray, model: type[BaseModel], *, required: bool = False) -> BaseModel:

@@ -7,6 +7,7 @@ Hierarchy::
      +-- Unauthorized        401  missing or wrong bearer token
      +-- NotFound            404  unknown job, missing checkpoint
      +-- Conflict            409  a second job of a type, a reused request id with another payload
+     +-- RequestTimeout      408  body not received within ``--body-timeout-s``
      +-- PayloadTooLarge     413  body over ``--max-body-mb``
 
 Every 4xx body is ``{"detail": {"message", "field", "allowed", "received"}}``
@@ -18,6 +19,7 @@ message; the server keeps serving. What is not here: *which* input is invalid (t
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +34,7 @@ __all__ = [
     "Conflict",
     "NotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
     "Unauthorized",
     "from_validation_error",
     "install_error_handlers",
@@ -44,6 +47,8 @@ _MAX_RECEIVED_CHARS = 200
 
 def _short(value: Any) -> Any:
     """Keep echoed values small and JSON-safe."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # NaN/inf: JSON cannot carry them
     if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, (list, tuple)) and len(value) <= 16 and all(isinstance(v, (int, float, str)) for v in value):
@@ -110,6 +115,10 @@ class PayloadTooLarge(ApiError):
     status_code = 413
 
 
+class RequestTimeout(ApiError):
+    status_code = 408
+
+
 def from_validation_error(exc: ValidationError, *, prefix: str = "") -> BadRequest:
     """A pydantic error as a 400 naming the first offending field (dotted, under ``prefix``)."""
     errors = exc.errors()
@@ -136,6 +145,8 @@ def install_error_handlers(app: FastAPI) -> None:
         level = logging.WARNING if exc.status_code != 404 else logging.INFO
         logger.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        if exc.status_code == 408:  # the client is still (slowly) sending: stop reading, free the connection
+            headers = {"Connection": "close"}
         return _json_error(exc.status_code, exc.detail(), headers)
 
     @app.exception_handler(RequestValidationError)

@@ -53,6 +53,7 @@ class Job:
             "checkpoint_path": str(self.job_dir) if self.job_dir is not None else None,
             "created_at": self.created_at,
             "calls": self.calls,
+            "client_tag": self.config.client_tag,
         }
         if self.engine is not None and hasattr(self.engine, "info"):
             info.update(self.engine.info())

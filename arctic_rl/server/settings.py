@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["ServerSettings", "is_loopback_host"]
+__all__ = ["TORCH_COMPILE_MODES", "ServerSettings", "is_loopback_host"]
 
 Device = Literal["cpu", "cuda"]
+#: ``torch.compile`` of the training model: off, whole decoder layers, or only the layers' norms and MLPs
+TORCH_COMPILE_MODES = ("off", "layers", "modules")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -46,6 +48,14 @@ class ServerSettings:
     generate_batch_size: int = 32
     #: remembered ``X-Request-Id`` per job
     idempotency_capacity: int = 256
+    #: ``torch.compile`` the training model (:data:`TORCH_COMPILE_MODES`; see ``docs/PERFORMANCE.md``)
+    torch_compile: str = "off"
+    #: longest time to receive a request body (a client trickling bytes gets a 408)
+    body_timeout_s: float = 300.0
+    #: longest time a connection may take to send a complete request head (then it is closed)
+    head_timeout_s: float = 30.0
+    #: connections + running requests above which new requests get a 503 (retryable); 0 = unbounded
+    limit_concurrency: int = 1024
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -56,4 +66,11 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes: expected >= 1, got {self.max_body_bytes}")
         if self.generate_batch_size < 1:
             raise ValueError(f"generate_batch_size: expected >= 1, got {self.generate_batch_size}")
+        for name in ("body_timeout_s", "head_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected > 0 seconds, got {getattr(self, name)}")
+        if self.limit_concurrency < 0:
+            raise ValueError(f"limit_concurrency: expected >= 0 (0 = unbounded), got {self.limit_concurrency}")
+        if self.torch_compile not in TORCH_COMPILE_MODES:
+            raise ValueError(f"torch_compile: expected one of {list(TORCH_COMPILE_MODES)}, got {self.torch_compile!r}")
         object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

@@ -32,6 +32,7 @@ import torch
 from arctic_rl.protocol import JobConfig, JobType, LogprobAlignment
 from arctic_rl.server import checkpoint as ckpt_layout
 from arctic_rl.server.engines.common import (
+    compile_model,
     ensure_process_group,
     forward_logprobs,
     load_model,
@@ -129,6 +130,10 @@ class TrainingEngine:
         wrapper = _PolicyModule(model)
         params = [p for p in wrapper.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=wrapper, model_parameters=params, config=self.ds_config)
+        if settings.torch_compile == "layers" and self.knobs.zorro_train_enable:
+            logger.warning("training job: --torch-compile layers with ZoRRO recompiles per layer and runs ZoRRO's "
+                           "cached passes eager; --torch-compile modules keeps a fusion on both paths")
+        compile_model(self.model, settings.torch_compile)  # after DeepSpeed wrapped it (opt-in; default off)
         self.gas = int(self.engine.gradient_accumulation_steps())
         self.pending = 0  # forward_backward calls since the last step
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])

@@ -27,6 +27,7 @@ __all__ = [
     "LogProbJobConfig",
     "LogitsConfig",
     "MfuConfig",
+    "RecoveryConfig",
     "RetryConfig",
     "RolloutJobConfig",
     "ServerConfig",
@@ -41,6 +42,7 @@ PROTOCOLS = ("auto", "v1", "v2")
 DEVICES = ("cpu", "cuda")
 LOGITS_OPTIMIZATIONS = ("none", "memory", "compute")
 ZERO_STAGES = (0, 1, 2, 3)
+SERVER_IDEMPOTENCY = ("auto", "off")
 
 
 def _require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> None:
@@ -109,6 +111,7 @@ class RetryConfig:
     max_attempts: int = 5
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
+    server_idempotency: Literal["auto", "off"] = "auto"
 
     def _validate(self, p: str) -> None:
         _require(self.max_attempts >= 1, f"{p}.max_attempts", "must be positive", ">= 1", self.max_attempts)
@@ -120,6 +123,27 @@ class RetryConfig:
             f">= {self.backoff_initial_s}",
             self.backoff_max_s,
         )
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    enable: bool = True
+    checkpoint_every_n_steps: int = 10
+    checkpoint_path: str | None = None
+    checkpoint_keep: int = 2
+    journal_max_mb: float = 2048.0
+    wait_s: float = 900.0
+    watch_interval_s: float = 5.0
+
+    def _validate(self, p: str) -> None:
+        _require(self.checkpoint_every_n_steps >= 0, f"{p}.checkpoint_every_n_steps", "negative",
+                 ">= 0 (0 = only verl's own checkpoints)", self.checkpoint_every_n_steps)
+        _require(self.checkpoint_keep >= 1, f"{p}.checkpoint_keep", "must be positive", ">= 1", self.checkpoint_keep)
+        _require(self.journal_max_mb >= 0, f"{p}.journal_max_mb", "negative", ">= 0 (0 = no journal)",
+                 self.journal_max_mb)
+        _require(self.wait_s > 0, f"{p}.wait_s", "must be positive", "> 0 seconds", self.wait_s)
+        _require(self.watch_interval_s >= 0, f"{p}.watch_interval_s", "negative", ">= 0 (0 = no watcher)",
+                 self.watch_interval_s)
 
 
 @dataclass(frozen=True)
@@ -236,6 +260,7 @@ class ArcticConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     rollout: RolloutJobConfig = field(default_factory=RolloutJobConfig)
     mfu: MfuConfig = field(default_factory=MfuConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def _validate(self, p: str) -> None:
         _require(self.name == "arctic", f"{p}.name", "this adapter is the `arctic` backend", ["arctic"], self.name)

@@ -17,6 +17,10 @@ Every call goes through :meth:`ArcticHttp.request`, which
 * maps failures onto the error tree of :mod:`verl.remote_backend.errors` with the endpoint, the
   status and the server's own message (``{"detail": ...}``: a string, ``{message, field, allowed,
   received}`` or FastAPI's list); a 404 for a call that names a job is ``RemoteJobNotFoundError``.
+  A mutating call that may have reached the server but got no answer, and may not be re-sent here,
+  raises :class:`AmbiguousCallError` (a ``RemoteConnectionError``): whether it was applied is for
+  the caller to find out (:mod:`.recovery` reads the server's counters);
+* counts what it did in :attr:`ArcticHttp.stats` (retries by reason, replays the server reported).
 
 Request bodies are passed to ``requests`` as they are: a DSSST1 ``bytearray`` is sent without a copy.
 What is not here: body encoding (:mod:`.wire`) and what the calls mean (:mod:`.arctic_rl`).
@@ -28,7 +32,9 @@ import logging
 import os
 import random
 import time
+import threading
 import uuid
+from collections import Counter
 from typing import Any, Mapping
 
 import requests
@@ -45,14 +51,34 @@ from verl.remote_backend.errors import (
 
 from .arctic_config import RetryConfig, TimeoutsConfig
 
-__all__ = ["TOKEN_ENV", "ArcticHttp", "parse_error_detail", "resolve_token"]
+__all__ = ["REPLAY_HEADER", "TOKEN_ENV", "AmbiguousCallError", "ArcticHttp", "new_request_id", "parse_error_detail",
+           "resolve_token"]
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 RETRYABLE_STATUS = (429, 502, 503, 504)
+#: response header of a server that answered a replayed ``X-Request-Id`` from its cache
+REPLAY_HEADER = "X-Idempotent-Replay"
 #: operation name -> TimeoutsConfig field
 OPERATIONS = ("initialize", "forward_backward", "forward", "step", "generate", "weight_sync", "save", "default")
+
+
+class AmbiguousCallError(RemoteConnectionError):
+    """A mutating call may have reached the server, but no answer came and it was not re-sent.
+
+    ``request_id`` is the ``X-Request-Id`` it was sent with (re-sending it to a server that replays
+    ids is safe). Picklable like the rest of the error tree.
+    """
+
+    def __init__(self, endpoint: str, reason: str, request_id: str | None = None) -> None:
+        super().__init__(endpoint, f"sent, but no answer ({reason}); it may or may not have been applied")
+        self.request_id = request_id
+
+
+def new_request_id() -> str:
+    """A fresh ``X-Request-Id``."""
+    return str(uuid.uuid4())
 
 
 def resolve_token(configured: str | None) -> str | None:
@@ -124,6 +150,9 @@ class ArcticHttp:
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)
         self._sleep = time.sleep  # tests replace it
+        #: what this session did: ``retries``, ``retry <endpoint>: <why>``, ``replayed``, ``ambiguous``
+        self.stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()
 
     def __repr__(self) -> str:  # no token
         return f"ArcticHttp({self.base_url!r}, idempotency={self.idempotency})"
@@ -150,9 +179,14 @@ class ArcticHttp:
         content_type: str | None = None,
         idempotent: bool = False,
         accept_status: tuple[int, ...] = (),
+        request_id: str | None = None,
     ) -> requests.Response:
         """Send one logical call (retrying as the module docstring says); the response is 2xx or in
-        ``accept_status``, anything else raises a :class:`~verl.remote_backend.RemoteBackendError`."""
+        ``accept_status``, anything else raises a :class:`~verl.remote_backend.RemoteBackendError`.
+
+        ``request_id``: the ``X-Request-Id`` of a mutating call (default: a fresh one); a caller that
+        re-sends a call after :class:`AmbiguousCallError` passes the same id again.
+        """
         method = method.upper()
         mutating = method != "GET"
         endpoint = f"{method} {path}" + (f"?{'&'.join(f'{k}={v}' for k, v in params.items())}" if params else "")
@@ -162,7 +196,8 @@ class ArcticHttp:
         if self._token:
             headers[AUTH_HEADER] = f"Bearer {self._token}"
         if mutating:
-            headers[REQUEST_ID_HEADER] = str(uuid.uuid4())
+            request_id = request_id or new_request_id()
+            headers[REQUEST_ID_HEADER] = request_id
             headers[STEP_HEADER] = str(int(self.step))
         if content_type is not None:
             headers["Content-Type"] = content_type
@@ -170,6 +205,7 @@ class ArcticHttp:
             headers["Content-Type"] = JSON_MEDIA_TYPE
         safe = not mutating or idempotent or self.idempotency
         attempts = self.retry.max_attempts
+        maybe_sent = False  # an attempt may have reached the server
         for attempt in range(1, attempts + 1):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -180,15 +216,22 @@ class ArcticHttp:
                     timeout=(min(self.timeouts.connect_s, remaining), remaining),
                 )
             except requests.exceptions.ConnectionError as exc:  # includes ConnectTimeout
-                if (safe or _never_sent(exc)) and self._backoff(endpoint, attempt, deadline, _short(exc)):
+                never_sent = _never_sent(exc)
+                maybe_sent = maybe_sent or not never_sent
+                if (safe or never_sent) and self._backoff(endpoint, attempt, deadline, _short(exc)):
                     continue
-                raise RemoteConnectionError(endpoint, _short(exc)) from None
+                raise self._unreachable(endpoint, _short(exc), mutating and maybe_sent, request_id) from None
             except requests.exceptions.Timeout as exc:  # read timeout: the budget is spent
                 raise RemoteTimeoutError(endpoint, budget, _short(exc)) from None
             except requests.exceptions.RequestException as exc:  # broken chunked body, ...
+                maybe_sent = True
                 if safe and self._backoff(endpoint, attempt, deadline, _short(exc)):
                     continue
-                raise RemoteConnectionError(endpoint, _short(exc)) from None
+                raise self._unreachable(endpoint, _short(exc), mutating, request_id) from None
+            if resp.headers.get(REPLAY_HEADER):
+                self._count("replayed")
+                logger.info("%s: the server answered X-Request-Id %s from its replay cache (applied once)",
+                            endpoint, request_id)
             if resp.status_code < 400 or resp.status_code in accept_status:
                 return resp
             if resp.status_code in RETRYABLE_STATUS and safe:
@@ -198,6 +241,17 @@ class ArcticHttp:
                     continue
             raise self._error(endpoint, path, params, resp)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _count(self, *keys: str) -> None:
+        with self._stats_lock:
+            for key in keys:
+                self.stats[key] += 1
+
+    def _unreachable(self, endpoint: str, reason: str, ambiguous: bool, request_id: str | None) -> RemoteConnectionError:
+        if ambiguous:
+            self._count("ambiguous")
+            return AmbiguousCallError(endpoint, reason, request_id)
+        return RemoteConnectionError(endpoint, reason)
 
     def _backoff(self, endpoint: str, attempt: int, deadline: float, why: str, *, retry_after: str | None = None) -> bool:
         """Sleep before the next attempt; False when no attempt or time is left (the caller raises)."""
@@ -214,6 +268,7 @@ class ArcticHttp:
             return False
         logger.warning("%s: attempt %d/%d failed (%s); retrying in %.2f s", endpoint, attempt,
                        self.retry.max_attempts, why, delay)
+        self._count("retries", f"retry {endpoint.split('?')[0]}: {why.split(':')[0]}")
         self._sleep(delay)
         return True
 
@@ -228,6 +283,17 @@ class ArcticHttp:
         return RemoteServerError(endpoint, resp.status_code, message, detail=detail)
 
     # ------------------------------------------------------------------------------------------
+
+    def probe(self, path: str, timeout_s: float = 5.0) -> Any:
+        """``GET path`` once, no retries, no raising: the parsed JSON of a 2xx answer, else ``None``
+        (the background health watcher uses it)."""
+        headers = {AUTH_HEADER: f"Bearer {self._token}"} if self._token else {}
+        try:
+            resp = self._session.get(self.base_url + path, headers=headers, timeout=(min(self.timeouts.connect_s,
+                                                                                         timeout_s), timeout_s))
+            return resp.json() if resp.status_code < 400 else None
+        except (requests.exceptions.RequestException, ValueError):
+            return None
 
     def get_json(self, path: str, *, op: str = "default", params: Mapping[str, Any] | None = None) -> Any:
         return self.request("GET", path, op=op, params=params).json()

@@ -27,9 +27,9 @@ from verl.remote_backend.errors import (
     RemoteTimeoutError,
 )
 
-from .http import ArcticHttp
+from .http import AmbiguousCallError, ArcticHttp
 
-__all__ = ["HANDLE_VERSION", "JOB_ORDER", "check_handle", "create_job", "destroy_jobs", "read_health"]
+__all__ = ["HANDLE_VERSION", "JOB_ORDER", "check_handle", "create_job", "destroy_jobs", "read_health", "tagged_jobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,24 @@ def read_health(http: ArcticHttp) -> HealthResponse:
         raise RemoteProtocolError(f"GET {Paths.HEALTH}", f"unexpected answer {body!r}: {exc}") from None
 
 
-def create_job(http: ArcticHttp, job_type: JobType, body: dict) -> int:
-    """Create one job and wait until it runs; returns its id."""
+def create_job(http: ArcticHttp, job_type: JobType, body: dict, *, tag: str | None = None) -> int:
+    """Create one job and wait until it runs; returns its id.
+
+    An ``/initialize`` that got no answer from a server that does not replay request ids is looked
+    up in ``/status`` (a job of that type carrying ``tag``) before it is sent again.
+    """
     try:
-        resp = http.post_json(Paths.INITIALIZE, body, op="initialize")
+        try:
+            resp = http.post_json(Paths.INITIALIZE, body, op="initialize")
+        except AmbiguousCallError as exc:
+            found = _find_tagged(http, job_type, tag)
+            if found is not None:
+                logger.warning("arctic: %s; the server has the %s job %d it created: using it", exc, job_type.value,
+                               found)
+                _wait_running(http, found, job_type)
+                return found
+            logger.warning("arctic: %s; no %s job was created: sending /initialize again", exc, job_type.value)
+            resp = http.post_json(Paths.INITIALIZE, body, op="initialize")
     except RemoteServerError as exc:
         if exc.status != 409:
             raise
@@ -79,6 +93,26 @@ def _wait_running(http: ArcticHttp, job_id: int, job_type: JobType) -> None:
             raise RemoteServerError(f"GET {Paths.job(job_id)}", 500, f"{job_type.value} job {job_id} is {status}")
         time.sleep(_POLL_S)
     raise RemoteTimeoutError(f"GET {Paths.job(job_id)}", budget, f"{job_type.value} job {job_id} still {status}")
+
+
+def _find_tagged(http: ArcticHttp, job_type: JobType, tag: str | None) -> int | None:
+    """The one job of ``job_type`` in ``/status`` that carries ``tag`` (servers that echo tags only)."""
+    if tag is None:
+        return None
+    jobs = http.get_json(Paths.STATUS).get("jobs", {})
+    ids = [int(k) for k, v in jobs.items() if isinstance(v, dict) and v.get("job_type") == job_type.value
+           and v.get("client_tag") == tag]
+    return ids[0] if len(ids) == 1 else None
+
+
+def tagged_jobs(http: ArcticHttp, tag: str) -> dict[str, int] | None:
+    """``{job type: id}`` of the jobs in ``/status`` carrying ``tag``; ``None`` when the server does not
+    echo tags (then nobody can tell whose its jobs are)."""
+    jobs = http.get_json(Paths.STATUS).get("jobs", {})
+    infos = [v for v in jobs.values() if isinstance(v, dict)] if isinstance(jobs, dict) else []
+    if infos and not any("client_tag" in v for v in infos):
+        return None
+    return {str(v.get("job_type")): int(v["job_id"]) for v in infos if v.get("client_tag") == tag and "job_id" in v}
 
 
 def _describe_jobs(http: ArcticHttp, job_type: JobType) -> str:
@@ -125,4 +159,7 @@ def check_handle(handle: Any) -> dict:
     if unknown:
         raise RemoteBackendConfigError("handle.job_ids", "unknown job type", allowed=[t.value for t in JobType],
                                        received=unknown)
+    tag = handle.get("client_tag")
+    if tag is not None and not isinstance(tag, str):
+        raise RemoteBackendConfigError("handle.client_tag", "must be a string or absent", allowed="str", received=tag)
     return {**handle, "job_ids": job_ids, "instance_id": handle.get("instance_id")}

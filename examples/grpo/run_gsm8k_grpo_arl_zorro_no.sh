@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# GSM8K GRPO on Qwen3-0.6B through verl + an Arctic RL server, ZoRRO off (every rollout trained as is: the baseline).
+#
+# verl (PyPI 0.9.1) runs the GRPO loop on this machine; training, log-probs and generation run on the Arctic
+# RL server at ARCTIC_RL_URL (a real Arctic deployment, or `python -m arctic_rl.server --device cuda ...`).
+# Without ARCTIC_RL_URL the adapter starts the bundled reference server locally on DEVICE (cuda by default).
+# Same hyper-parameters as run_gsm8k_grpo_arl_zorro_yes.sh; only remote_backend.train.zorro_train.enable differs.
+#
+# Data: python examples/data_preprocess/gsm8k.py --local_dataset_path /path/to/gsm8k --local_save_dir "$DATA_DIR"
+# Token: export ARCTIC_RL_TOKEN=... when the server requires one (read from the environment, never logged).
+set -xeuo pipefail
+
+############################ User-adjustable ############################
+
+MODEL_DIR="${MODEL_DIR:-Qwen/Qwen3-0.6B}"
+DATA_DIR="${DATA_DIR:-${HOME}/data/gsm8k}"
+OUT_DIR="${OUT_DIR:-${PWD}/outputs/gsm8k}"
+STEPS="${STEPS:-80}"
+ZORRO="${ZORRO:-false}"
+SEED="${SEED:-42}"
+# A running Arctic RL server; empty/unset: start the bundled reference server on DEVICE.
+ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
+DEVICE="${DEVICE:-cuda}"
+RUN_NAME="${RUN_NAME:-qwen3_0p6b_gsm8k_grpo_arl_zorro_${ZORRO}}"
+PYTHON="${PYTHON:-python3}"
+
+export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+# verl's file logger (trainer.logger has "file") writes one JSON line of metrics per step here.
+export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-${OUT_DIR}/${RUN_NAME}/metrics.jsonl}"
+mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
+
+SERVER_URL="null"
+if [ -n "${ARCTIC_RL_URL}" ]; then SERVER_URL="'${ARCTIC_RL_URL}'"; fi
+
+############################ Parameter groups ############################
+
+DATA=(
+    data.train_files="${DATA_DIR}/train.parquet"
+    data.val_files="${DATA_DIR}/test.parquet"
+    data.train_batch_size=16
+    data.max_prompt_length=512
+    data.max_response_length=1024
+    data.filter_overlong_prompts=True
+    data.truncation=error
+    data.shuffle=False
+    data.seed="${SEED}"
+)
+
+MODEL=(
+    actor_rollout_ref.model.path="${MODEL_DIR}"
+    actor_rollout_ref.model.use_remove_padding=False
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+)
+
+ACTOR=(
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.ppo_mini_batch_size=16
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.loss_agg_mode=token-mean
+    actor_rollout_ref.actor.data_loader_seed="${SEED}"
+)
+
+ROLLOUT=(
+    actor_rollout_ref.rollout.name=arctic
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.rollout.temperature=1.0
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
+    actor_rollout_ref.rollout.agent.num_workers=1
+)
+
+REF=(
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16
+)
+
+ALGO=(
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False
+)
+
+REWARD=(
+    # data_source "openai/gsm8k" is scored by verl's built-in gsm8k rule reward: no custom function.
+    reward.num_workers=1
+)
+
+TRAINER=(
+    trainer.logger=[console,file]
+    trainer.project_name=gsm8k_grpo_arl
+    trainer.experiment_name="${RUN_NAME}"
+    trainer.total_training_steps="${STEPS}"
+    trainer.total_epochs=15
+    trainer.val_before_train=False
+    trainer.test_freq=-1
+    trainer.save_freq=-1
+    trainer.default_local_dir="${OUT_DIR}/${RUN_NAME}/checkpoints"
+)
+
+REMOTE_BACKEND=(
+    remote_backend.server.url="${SERVER_URL}"
+    remote_backend.server.local.device="${DEVICE}"
+    remote_backend.train.zorro_train.enable="${ZORRO}"
+    remote_backend.train.deepspeed.zero_stage=2
+    remote_backend.train.deepspeed.bf16=true
+    remote_backend.train.deepspeed.offload_optimizer=false
+    remote_backend.weight_sync.cuda_ipc=false
+)
+
+############################ Launch ############################
+
+"${PYTHON}" -m verl.remote_backend.main_ppo \
+    "${DATA[@]}" \
+    "${MODEL[@]}" \
+    "${ACTOR[@]}" \
+    "${ROLLOUT[@]}" \
+    "${REF[@]}" \
+    "${ALGO[@]}" \
+    "${REWARD[@]}" \
+    "${TRAINER[@]}" \
+    "${REMOTE_BACKEND[@]}" \
+    remote_backend=arctic \
+    hydra.run.dir="${OUT_DIR}/${RUN_NAME}/hydra" \
+    "$@"

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Submit a verl GRPO job that uses an Arctic RL server to a running Ray cluster (`ray job submit`).
+#
+# The job's runtime_env carries what every Ray process of the job needs:
+#   * the package: this checkout as working_dir, pip-installed (--no-deps) into the job's environment
+#     (PACKAGE_MODE=pip, default), or nothing when verl-remote-backend is already installed on every node
+#     next to verl (PACKAGE_MODE=preinstalled); see README.md for when each applies;
+#   * VERL_USE_EXTERNAL_MODULES=verl.remote_backend.register, so `import verl` registers the backend in
+#     the driver and in every worker;
+#   * ARCTIC_RL_URL / ARCTIC_RL_TOKEN, the server to talk to (the token stays out of the command line
+#     and of verl's config; the adapter reads it from the environment).
+# The GRPO recipe itself is a run_*.sh script (default: the ZoRRO GSM8K one), run on the cluster with the
+# same Hydra overrides; extra arguments of this script are appended to them.
+#
+#   ARCTIC_RL_URL=http://arctic-head:7000 ARCTIC_RL_TOKEN=... DATA_DIR=/shared/gsm8k \
+#   RAY_ADDRESS=http://ray-head:8265 bash examples/ray_cluster/submit_grpo.sh trainer.total_training_steps=10
+set -xeuo pipefail
+
+############################ User-adjustable ############################
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "${SCRIPT_DIR}/../.." && pwd)"
+# Ray dashboard / job server of the cluster.
+RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
+# The recipe to run (a path relative to the checkout, as it will be inside the job's working_dir).
+RECIPE="${RECIPE:-examples/grpo/run_gsm8k_grpo_arl_zorro_yes.sh}"
+# pip: install this checkout into the job's environment; preinstalled: the nodes already have it.
+PACKAGE_MODE="${PACKAGE_MODE:-pip}"
+# Data and model as the cluster nodes see them (shared storage or a hub name).
+DATA_DIR="${DATA_DIR:-/shared/data/gsm8k}"
+MODEL_DIR="${MODEL_DIR:-Qwen/Qwen3-0.6B}"
+OUT_DIR="${OUT_DIR:-/shared/outputs/gsm8k}"
+SUBMISSION_ID="${SUBMISSION_ID:-verl_grpo_arl_$(date -u +%Y%m%dT%H%M%SZ)}"
+# DRY_RUN=1: print the runtime_env (token redacted) and the entrypoint, submit nothing.
+DRY_RUN="${DRY_RUN:-0}"
+: "${ARCTIC_RL_URL:?set ARCTIC_RL_URL to the Arctic RL server (e.g. http://arctic-head:7000)}"
+ARCTIC_RL_TOKEN="${ARCTIC_RL_TOKEN:-}"
+PYTHON="${PYTHON:-python3}"
+
+############################ runtime_env ############################
+
+# Built by Python so that every value is JSON-escaped; the token only ever travels inside it.
+set +x  # do not echo the token
+RUNTIME_ENV_JSON="$(PACKAGE_MODE="${PACKAGE_MODE}" REPO_ROOT="${REPO_ROOT}" ARCTIC_RL_URL="${ARCTIC_RL_URL}" \
+    ARCTIC_RL_TOKEN="${ARCTIC_RL_TOKEN}" "${PYTHON}" - <<'PY'
+import json, os
+
+mode = os.environ["PACKAGE_MODE"]
+if mode not in ("pip", "preinstalled"):
+    raise SystemExit(f"PACKAGE_MODE: expected 'pip' or 'preinstalled', got {mode!r}")
+env_vars = {
+    "VERL_USE_EXTERNAL_MODULES": "verl.remote_backend.register",
+    "ARCTIC_RL_URL": os.environ["ARCTIC_RL_URL"],
+    "PYTHONUNBUFFERED": "1",
+    "HYDRA_FULL_ERROR": "1",
+}
+if os.environ.get("ARCTIC_RL_TOKEN"):
+    env_vars["ARCTIC_RL_TOKEN"] = os.environ["ARCTIC_RL_TOKEN"]
+runtime_env = {
+    "working_dir": os.environ["REPO_ROOT"],
+    # keep the upload small: no virtualenvs, build trees, outputs or caches
+    "excludes": [".venv/", ".git/", "build/", "dist/", "outputs/", "runs/", "*.egg-info/", "__pycache__/",
+                 ".pytest_cache/", "*.parquet", "*.whl"],
+    "env_vars": env_vars,
+}
+if mode == "pip":
+    # Ray unpacks working_dir first; ${RAY_RUNTIME_ENV_CREATE_WORKING_DIR} is that directory on each node.
+    # --no-deps: verl 0.9.1, torch, ... come from the nodes' own environment.
+    runtime_env["pip"] = {
+        "packages": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}"],
+        "pip_install_options": ["--no-deps", "--disable-pip-version-check", "--no-cache-dir"],
+        "pip_check": False,
+    }
+print(json.dumps(runtime_env))
+PY
+)"
+
+############################ Submit ############################
+
+# Not traced (set +x above): the runtime_env holds the token. Print it redacted instead.
+echo "[submit] runtime_env: $(printf '%s' "${RUNTIME_ENV_JSON}" | sed -E 's/("ARCTIC_RL_TOKEN": ")[^"]*"/\1***"/')"
+echo "[submit] ${RAY_ADDRESS}: ${SUBMISSION_ID}: bash ${RECIPE} $*"
+if [ "${DRY_RUN}" = 1 ]; then exit 0; fi
+ray job submit \
+    --address "${RAY_ADDRESS}" \
+    --submission-id "${SUBMISSION_ID}" \
+    --runtime-env-json "${RUNTIME_ENV_JSON}" \
+    -- env DATA_DIR="${DATA_DIR}" MODEL_DIR="${MODEL_DIR}" OUT_DIR="${OUT_DIR}" \
+    bash "${RECIPE}" \
+    "$@"

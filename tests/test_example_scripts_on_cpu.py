@@ -1,0 +1,139 @@
+"""The example GRPO scripts compose the config they promise, through our real entry point.
+
+Each script is run as a user runs it, with Hydra's ``--cfg job`` appended (the scripts pass ``"$@"``
+through to ``python -m verl.remote_backend.main_ppo``), so the YAML on stdout is exactly the job
+config the run would use -- after the entry point derived its remote-backend settings. Nothing is
+trained and no server starts.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+GRPO_DIR = REPO_ROOT / "examples" / "grpo"
+SECRET = "tok-3f9c-never-print-me"
+
+
+def _compose(script: str, env_extra: dict[str, str], tmp_path: pathlib.Path) -> tuple[dict, str]:
+    """Run ``bash <script> --cfg job``; return the composed config and the whole output."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"ZORRO", "STEPS", "SEED", "MODEL_DIR", "DATA_DIR", "OUT_DIR", "ARCTIC_RL_URL",
+                        "ARCTIC_RL_TOKEN", "RUN_NAME", "RUN_DIR", "DEVICE", "VERL_FILE_LOGGER_PATH"}}
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHON"] = sys.executable
+    env.update(env_extra)
+    proc = subprocess.run(["bash", str(GRPO_DIR / script), "--cfg", "job"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return yaml.safe_load(proc.stdout), output  # Hydra prints only the config on stdout
+
+
+def _get(cfg: dict, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+@pytest.fixture(scope="module")
+def gsm8k_configs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gsm8k")
+    common = {"DATA_DIR": "/data/gsm8k", "MODEL_DIR": "/models/qwen3-0.6b", "OUT_DIR": str(tmp / "out")}
+    yes, yes_out = _compose("run_gsm8k_grpo_arl_zorro_yes.sh",
+                            {**common, "ARCTIC_RL_URL": "http://10.1.2.3:7000", "ARCTIC_RL_TOKEN": SECRET}, tmp)
+    no, no_out = _compose("run_gsm8k_grpo_arl_zorro_no.sh", common, tmp)
+    return yes, no, yes_out + no_out
+
+
+def test_gsm8k_scripts_select_the_arctic_backend(gsm8k_configs):
+    for cfg in gsm8k_configs[:2]:
+        assert _get(cfg, "remote_backend.name") == "arctic"
+        assert _get(cfg, "actor_rollout_ref.rollout.name") == "arctic"
+        assert _get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size") == 1  # derived, not in the script
+        assert _get(cfg, "trainer.v1.trainer_mode") == "remote_backend"
+        assert _get(cfg, "algorithm.adv_estimator") == "grpo"
+        assert _get(cfg, "actor_rollout_ref.rollout.n") == 5
+        assert _get(cfg, "actor_rollout_ref.actor.use_kl_loss") is False
+        assert _get(cfg, "data.train_files") == "/data/gsm8k/train.parquet"
+        assert _get(cfg, "data.val_files") == "/data/gsm8k/test.parquet"
+        assert _get(cfg, "actor_rollout_ref.model.path") == "/models/qwen3-0.6b"
+        assert _get(cfg, "remote_backend.train.deepspeed.zero_stage") == 2
+        assert _get(cfg, "remote_backend.train.deepspeed.bf16") is True
+        assert _get(cfg, "remote_backend.train.deepspeed.offload_optimizer") is False
+        assert "file" in _get(cfg, "trainer.logger")
+    if not torch.cuda.is_available():
+        assert _get(cfg, "trainer.device") == "cpu"  # derived by the entry point
+
+
+def test_gsm8k_zorro_flag_is_the_only_difference(gsm8k_configs):
+    yes, no, _ = gsm8k_configs
+    assert _get(yes, "remote_backend.train.zorro_train.enable") is True
+    assert _get(no, "remote_backend.train.zorro_train.enable") is False
+
+    def normalised(cfg: dict) -> dict:
+        cfg = yaml.safe_load(yaml.safe_dump(cfg))
+        cfg["remote_backend"]["train"]["zorro_train"]["enable"] = None
+        cfg["remote_backend"]["server"]["url"] = None  # given to one script only (next test)
+        name = cfg["trainer"]["experiment_name"]
+        cfg["trainer"]["experiment_name"] = None
+        cfg["trainer"]["default_local_dir"] = cfg["trainer"]["default_local_dir"].replace(name, "RUN")
+        return cfg
+
+    assert normalised(yes) == normalised(no)
+
+
+def test_gsm8k_server_url_comes_from_the_environment(gsm8k_configs):
+    yes, no, output = gsm8k_configs
+    assert _get(yes, "remote_backend.server.url") == "http://10.1.2.3:7000"
+    assert _get(no, "remote_backend.server.url") is None  # unset: the adapter starts the reference server
+    assert _get(no, "remote_backend.server.local.device") == "cuda"
+    # the token is read from the environment by the adapter; it is never put on a command line or in the config
+    assert _get(yes, "remote_backend.server.token") is None
+    assert SECRET not in output
+
+
+def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
+    cfg, output = _compose("run_reverse_text_grpo_arl_local.sh", {"OUT_DIR": str(tmp_path / "rt"), "ZORRO": "true",
+                                                                 "STEPS": "12"}, tmp_path)
+    assert not (tmp_path / "rt").exists()  # --cfg job builds, runs and deletes nothing
+    expected = {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.norm_adv_by_std_in_grpo": True,
+        "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+        "data.train_batch_size": 32,
+        "actor_rollout_ref.rollout.n": 8,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 32,
+        "actor_rollout_ref.actor.ppo_epochs": 1,
+        "actor_rollout_ref.actor.optim.lr": 1e-3,
+        "actor_rollout_ref.actor.optim.betas": [0.9, 0.99],
+        "actor_rollout_ref.actor.optim.weight_decay": 0.0,
+        "actor_rollout_ref.actor.clip_ratio": 0.2,
+        "actor_rollout_ref.actor.use_kl_loss": False,
+        "actor_rollout_ref.rollout.temperature": 1.0,
+        "data.dataloader_num_workers": 0,
+        "trainer.val_before_train": False,
+        "trainer.total_training_steps": 12,
+        "reward.custom_reward_function.name": "compute_score",
+        "remote_backend.server.url": None,
+        "remote_backend.train.zorro_train.enable": True,
+        "remote_backend.train.deepspeed.bf16": False,
+        "actor_rollout_ref.rollout.name": "arctic",
+    }
+    got = {key: _get(cfg, key) for key in expected}
+    assert got == expected
+    assert 10 <= _get(cfg, "data.max_response_length") <= 16
+    reward_path = pathlib.Path(_get(cfg, "reward.custom_reward_function.path"))
+    assert reward_path == REPO_ROOT / "examples" / "reverse_text" / "reward.py"
+    assert _get(cfg, "actor_rollout_ref.model.path") == str(tmp_path / "rt" / "model_warm")
+    assert "file" in _get(cfg, "trainer.logger")
+    if not torch.cuda.is_available():
+        assert _get(cfg, "trainer.device") == "cpu"  # derived by the entry point

@@ -1,0 +1,127 @@
+"""A run survives ``kill -9`` of the server: restore from the last checkpoint + replay of the journal.
+
+The real reference server is killed (SIGKILL) and started again on the same port and checkpoint
+root by a supervisor thread, three times in one run of 6 optimizer steps (checkpoints every 2):
+
+1. between steps, while only a rollout-replica-like client (attached, generation only) is calling:
+   the training client's watcher restores the jobs, the other client adopts them;
+2. during a step, before the 2nd ``/forward-backward`` of step 4 (the journal holds step 3 and one
+   micro-batch of step 4);
+3. during a step, *after* the server applied ``/step`` 5 but before its answer left (the proxy
+   reads the answer, kills the server, drops the answer).
+
+The final weights (``/forward`` log-probs of a fixed batch) must equal those of the same run
+without faults bit for bit, and the server's step counter must be 6: no step applied twice, none
+lost. The journal's own rules (bound, overflow, reset) are unit-tested at the bottom.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import requests
+import torch
+
+from _helpers_reliability import DropProxy, Supervisor, client_config, final_logprobs, train_batch
+from server_process import running_server, tiny_model_dir
+from verl.workers.remote_client.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.recovery import CheckpointRef, UpdateJournal
+
+
+@pytest.mark.slow
+def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, caplog):
+    caplog.set_level(logging.INFO, logger="verl.workers.remote_client")
+    model = tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
+    with running_server(tmp_path_factory.mktemp("server")) as srv, DropProxy(srv.port) as proxy:
+        supervisor = Supervisor(srv)
+        cfg = client_config(model, proxy.url, recovery={"checkpoint_every_n_steps": 2, "watch_interval_s": 1.0,
+                                                        "wait_s": 600})
+        client = ArcticRLClient.from_config(cfg)
+        follower = None
+        try:
+            start = client.save_checkpoint(step=0, path="start")["path"]
+            for i in range(3):  # the undisturbed reference: 6 steps
+                client.update_actor(train_batch(i))
+            reference = final_logprobs(client)
+            assert client.step == 6
+            client.load_checkpoint(path=start)
+            assert client.step == 0
+
+            client.update_actor(train_batch(0))  # steps 1, 2 -> recovery checkpoint of step 2
+            first_instance = client.reconnect_handle()["instance_id"]
+
+            # 1) kill -9 between steps; the first caller is a generation-only client (a rollout replica)
+            follower = ArcticRLClient.from_config(client_config(model, srv.url),
+                                                  handle=dict(client.reconnect_handle(), url=srv.url))
+            supervisor.kill_and_restart()
+            results = follower.generate([[5, 6, 7]], {"max_tokens": 2, "temperature": 0.0})
+            assert len(results) == 1 and results[0].prompt_len == 3
+            # adopted what the trainer restored (a new server numbers its jobs from 1 again)
+            assert follower.job_ids == client.job_ids
+            restored = client.reconnect_handle()["instance_id"]
+            assert follower.reconnect_handle()["instance_id"] == restored != first_instance
+            assert client.reliability_stats()["recovery/restores"] == 1
+            assert follower.reliability_stats()["recovery/adoptions"] == 1
+
+            # 2) kill -9 before the 2nd /forward-backward of step 4
+            proxy.counts.clear()
+            proxy.drop("POST", "/forward-backward", 4, "drop_request", callback=supervisor.kill_and_restart)
+            client.update_actor(train_batch(1))  # steps 3, 4 -> recovery checkpoint of step 4
+            assert client.step == 4
+
+            # 3) kill -9 after the server applied /step 5, before its answer reached the client
+            proxy.counts.clear()
+            proxy.rules.clear()
+            proxy.drop("POST", "/step", 1, "drop_response", callback=supervisor.kill_and_restart)
+            client.update_actor(train_batch(2))  # steps 5, 6
+            assert len(proxy.fired) == 2 and supervisor.kills == 3
+
+            got = final_logprobs(client)
+            assert torch.equal(got, reference), (got - reference).abs().max()
+            assert client.step == 6
+            info = requests.get(f"{srv.url}/job/{client.job_ids['training']}", timeout=30).json()
+            assert info["global_step"] == 6 and info["pending_micro_batches"] == 0
+            stats = client.reliability_stats()
+            assert stats["recovery/restores"] == 3
+            assert stats["recovery/checkpoints_loaded"] == 3
+            # replayed: nothing after checkpoint 2; step 3 + one micro-batch (4); two micro-batches of step 5 (2)
+            assert stats["recovery/journal_replayed"] == 0 + 4 + 2
+            assert "restoring the training state" in caplog.text and "LOST" not in caplog.text
+            status = requests.get(srv.url + "/status", timeout=30).json()["jobs"]
+            assert sorted(int(k) for k in status) == sorted(client.job_ids.values())
+            assert {v["client_tag"] for v in status.values()} == {client.client_tag}
+        finally:
+            if follower is not None:
+                follower.destroy()  # attached: destroys nothing
+            client.destroy()
+            supervisor.wait()
+        assert requests.get(srv.url + "/status", timeout=30).json()["jobs"] == {}
+
+
+# ------------------------------------------------------------------------------------------------ journal
+
+
+def test_journal_records_in_order_and_resets_at_checkpoints():
+    journal = UpdateJournal(max_bytes=1000)
+    assert journal.complete and journal.base is None and journal.steps == 0
+    journal.record("/forward-backward", b"x" * 100, "application/octet-stream", is_step=False)
+    journal.record("/step", {}, None, is_step=True)
+    assert [e.path for e in journal.entries] == ["/forward-backward", "/step"] and journal.steps == 1
+    assert journal.nbytes == 100 + 64
+    journal.reset(CheckpointRef("/ckpt/checkpoint-1", 1))
+    assert journal.entries == [] and journal.nbytes == 0 and journal.base.step == 1
+
+
+def test_journal_overflow_is_loud_and_counts_the_steps_it_cannot_replay(caplog):
+    journal = UpdateJournal(max_bytes=250)
+    journal.record("/forward-backward", b"x" * 100, "application/octet-stream", is_step=False)
+    journal.record("/step", {}, None, is_step=True)
+    with caplog.at_level(logging.ERROR):
+        journal.record("/forward-backward", b"x" * 100, "application/octet-stream", is_step=False)
+    assert not journal.complete and journal.entries == [] and journal.nbytes == 0
+    assert "journal is full" in caplog.text and "LOSES the steps" in caplog.text
+    journal.record("/step", {}, None, is_step=True)
+    assert journal.steps == 2  # both steps since the base are gone
+    journal.reset(None)
+    assert journal.complete and journal.steps == 0

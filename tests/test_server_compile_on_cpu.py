@@ -1,0 +1,123 @@
+"""The reference server's opt-in ``--torch-compile`` (``ServerSettings.torch_compile``).
+
+``compile_model`` picks whole decoder layers (``layers``) or only their norms and MLPs
+(``modules``); the compiled model must give the eager model's log-probs and gradients, on the
+plain pass and on ZoRRO's cached passes (the reason ``modules`` exists). Compilation runs
+inductor on CPU, so the numerical tests are marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arctic_rl.server.__main__ import parse_args
+from arctic_rl.server.engines.common import compile_model
+from arctic_rl.server.logprobs import response_logprobs
+from arctic_rl.server.settings import TORCH_COMPILE_MODES, ServerSettings
+from arctic_rl.tiny_models import tiny_config
+
+LAYERS = 2
+
+
+def _model(seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config("qwen3", vocab_size=64, hidden_size=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+
+
+def test_setting_and_flag_accept_only_known_modes():
+    assert TORCH_COMPILE_MODES == ("off", "layers", "modules")
+    assert ServerSettings().torch_compile == "off"
+    assert ServerSettings(torch_compile="modules").torch_compile == "modules"
+    with pytest.raises(ValueError, match=r"torch_compile: expected one of \['off', 'layers', 'modules'\], got 'fast'"):
+        ServerSettings(torch_compile="fast")
+    assert parse_args([]).torch_compile == "off"
+    assert parse_args(["--torch-compile", "layers"]).torch_compile == "layers"
+    with pytest.raises(SystemExit):
+        parse_args(["--torch-compile", "fast"])
+
+
+def test_compile_model_picks_layers_or_norms_and_mlps():
+    assert compile_model(_model(), "off") == 0
+    model = _model()
+    assert compile_model(model, "layers") == LAYERS
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    model = _model()
+    # per layer: input/post-attention norms, q_norm and k_norm (Qwen3), and the MLP
+    assert compile_model(model, "modules") == 5 * LAYERS
+    compiled = {type(m).__name__ for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    assert compiled == {"Qwen3RMSNorm", "Qwen3MLP"}
+    assert model.model.layers[0]._compiled_call_impl is None  # the cache-touching attention stays eager
+
+
+def _batch(rows: int = 4, p: int = 6, r: int = 5, n: int = 2):
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(1, 64, (rows // n, p), generator=g).repeat_interleave(n, 0)
+    ids = torch.cat([prompts, torch.randint(1, 64, (rows, r), generator=g)], 1)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0  # a left-padded prompt (its group shares it)
+    mask[1, 0] = 0
+    mask[2, -1] = 0  # a right-padded response
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids, mask, pos, p
+
+
+def _run(model, zorro: bool):
+    ids, mask, pos, p = _batch()
+    out = response_logprobs(model, ids, mask, pos, p, calculate_entropy=True, zorro=zorro)
+    (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
+    grads = torch.cat([q.grad.flatten() for q in model.parameters()])
+    return out.logprobs.detach(), grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, zorro", [("modules", False), ("modules", True), ("layers", False)])
+def test_compiled_model_matches_eager(mode, zorro):
+    torch._dynamo.reset()
+    want_lp, want_grad = _run(_model(), zorro)
+    model = _model()
+    assert compile_model(model, mode) > 0
+    got_lp, got_grad = _run(model, zorro)
+    torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-4)
+    assert (want_grad != 0).any()
+
+
+@pytest.mark.slow
+def test_training_engine_applies_the_setting_and_trains_like_eager(tmp_path):
+    """``TrainingEngine`` under ``torch_compile="modules"``: compiled norms/MLPs, the eager losses."""
+    from arctic_rl.protocol import JobConfig, JobType
+    from arctic_rl.server.engines.training import TrainingEngine
+    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", "qwen3", seed=0)
+    ids, mask, pos, p = _batch()
+    ids = ids % 90 + 3  # inside the char tokenizer's vocabulary
+    g = torch.Generator().manual_seed(5)
+    body = {"batch": {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "prompts": ids[:, :p],
+                      "responses": ids[:, p:], "response_mask": mask[:, p:],
+                      "advantages": torch.randn(ids.shape[0], ids.shape[1] - p, generator=g),
+                      "old_log_probs": torch.full((ids.shape[0], ids.shape[1] - p), -4.0)},
+            "meta": {"zorro_train_enable": True, "rollout_n": 2}, "processing": {"loss_fn": "grpo", "config": {}}}
+    losses = {}
+    for mode in ("off", "modules"):
+        config = JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING,
+                           ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+        engine = TrainingEngine(config, ServerSettings(torch_compile=mode, checkpoint_root=tmp_path / "ck"),
+                                tmp_path / mode)
+        try:
+            compiled = [m for m in engine.model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+            assert len(compiled) == (0 if mode == "off" else 5 * engine.model.config.num_hidden_layers)
+            batch = parse_batch_body(body, vocab_size=engine.vocab_size, train=True)
+            losses[mode] = []
+            for _ in range(2):  # the second call runs on the weights the first step changed
+                losses[mode].append(engine.forward_backward(batch)["metrics"]["loss"])
+                engine.step()
+        finally:
+            engine.close()
+    assert losses["off"][0] != losses["off"][1]
+    torch.testing.assert_close(losses["modules"], losses["off"], atol=1e-5, rtol=1e-4)

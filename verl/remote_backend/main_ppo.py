@@ -1,0 +1,160 @@
+"""``python -m verl.remote_backend.main_ppo <stock verl overrides> remote_backend=arctic``.
+
+The same command line as verl's ``python -m verl.trainer.main_ppo`` (a GRPO recipe's override
+arrays work unchanged), plus ``remote_backend=<name>``; no plugin variable, no ``+``. Steps:
+
+1. rewrite the overrides: settings a remote-backend run needs (``settings.forced_settings``)
+   replace the recipe's values, each replacement reported on stderr;
+2. compose ``remote_backend_ppo_trainer`` (verl's ``ppo_trainer`` + the backend's option group);
+3. size Ray's logical CPUs for a local run, validate with verl's own ``validate_config``;
+4. create the backend once, in this process (a local reference server is our child), write its
+   handle into the config, run verl's V1 (or, with ``trainer.use_v1=False``, legacy) trainer
+   through Ray, and destroy the backend at the end -- also on failure, Ctrl-C, SIGTERM and SIGHUP
+   (see :func:`start_ray` for the two Ray start-up details this needs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from verl.remote_backend.settings import ensure_ray_cpus, rewrite_overrides
+
+__all__ = ["CONFIG_DIR", "CONFIG_NAME", "main", "register_searchpath_plugin", "run", "start_ray"]
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
+CONFIG_NAME = "remote_backend_ppo_trainer"
+_PLUGIN = "hydra_plugins.verl_remote_backend_searchpath"
+#: Ray gives its local node a fixed 30 s to start; on a loaded machine that is not always enough
+RAY_START_ATTEMPTS = 3
+_RAY_START_TIMEOUT = "timed out during startup"
+
+
+def register_searchpath_plugin() -> None:
+    """Register our Hydra search-path plugin explicitly (Hydra also discovers it when installed;
+    registering twice is harmless). Falls back to the file next to this package's root."""
+    from hydra.core.plugins import Plugins
+
+    try:
+        module = importlib.import_module(_PLUGIN)
+    except ImportError:
+        root = Path(__file__).resolve().parents[2]
+        path = root / "hydra_plugins" / "verl_remote_backend_searchpath" / "__init__.py"
+        spec = importlib.util.spec_from_file_location(_PLUGIN, path)
+        if spec is None or spec.loader is None or not path.exists():
+            raise
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    Plugins.instance().register(module.VerlRemoteBackendSearchPathPlugin)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def run(config: DictConfig) -> None:
+    """Run verl's trainer on the backend selected in ``config`` (a composed main config)."""
+    import ray
+
+    from verl.remote_backend.lifecycle import BackendOwner, resolve_total_training_steps, signals_raise
+    from verl.remote_backend.trainer import RemoteBackendTaskRunnerV0, RemoteBackendTaskRunnerV1, prepare_remote_backend_config
+    from verl.trainer.main_ppo import run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    auto_set_device(config)
+    prepare_remote_backend_config(config)
+    note = ensure_ray_cpus(config)
+    if note:
+        print(f"[remote_backend] {note}", file=sys.stderr)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    resolve_total_training_steps(config)
+    runner = RemoteBackendTaskRunnerV1 if config.trainer.use_v1 else RemoteBackendTaskRunnerV0
+    with signals_raise(), BackendOwner.create(config):
+        try:
+            start_ray(config)
+            run_ppo(config, task_runner_class=runner)
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()  # stop the workers before the backend they talk to goes away
+
+
+class _NoTask:
+    @staticmethod
+    def remote(config: DictConfig):
+        import ray
+
+        return ray.put(None)
+
+
+class _StartRayOnly:
+    """Stands in for a task runner class so that verl's ``run_ppo`` performs exactly its own Ray
+    start-up (environment variables, runtime env, ``ray.init``) and returns at once."""
+
+    run = _NoTask
+
+    @classmethod
+    def remote(cls) -> type["_StartRayOnly"]:
+        return cls
+
+    @classmethod
+    def options(cls, **kwargs) -> type["_StartRayOnly"]:
+        return cls
+
+
+def start_ray(config: DictConfig) -> None:
+    """Start Ray the way verl's ``run_ppo`` does, with two fixes for this process:
+
+    * Ray gives its local node a fixed 30 s to come up; on a loaded machine that fails now and
+      then, so the start is retried (``RAY_START_ATTEMPTS``);
+    * Ray's native failure-signal handler takes SIGTERM over and kills the process right after the
+      Python handler ran, before any ``finally``; the Python handlers are put back on top.
+    """
+    import ray
+
+    from verl.remote_backend.lifecycle import restore_python_signal_handlers
+    from verl.trainer.main_ppo import run_ppo
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            run_ppo(config, task_runner_class=_StartRayOnly)
+            break
+        except Exception as exc:  # noqa: BLE001 - only Ray's own start-up timeout is retried
+            if ray.is_initialized() or _RAY_START_TIMEOUT not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            print(f"[remote_backend] Ray did not start ({exc}); retrying ({attempt}/{RAY_START_ATTEMPTS})", file=sys.stderr)
+            ray.shutdown()
+    restore_python_signal_handlers()
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
+def _hydra_main(config: DictConfig) -> None:
+    run(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry: rewrite the overrides (step 1), then hand over to Hydra."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    args, notes = rewrite_overrides(args, has_accelerator=_has_accelerator())
+    for note in notes:
+        print(f"[remote_backend] {note}", file=sys.stderr)
+    register_searchpath_plugin()
+    sys.argv = [sys.argv[0], *args]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

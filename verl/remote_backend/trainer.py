@@ -1,0 +1,229 @@
+"""How stock verl 0.9.1 drives a remote backend: a V1 trainer mode, CPU resource pools, task runners.
+
+* :class:`RemoteBackendTrainer` -- verl's synchronous V1 trainer (``PPOTrainerSync``) registered
+  as ``trainer.v1.trainer_mode=remote_backend``. It swaps verl's local FSDP actor worker for the
+  backend's forwarder worker (``RemoteBackendRegistry.get_worker``), puts that one worker in a
+  resource pool that needs no GPU (:class:`CpuResourcePoolManager`), hands the backend's handle
+  to the worker and the rollout replica through the config (:mod:`verl.remote_backend.context`),
+  creates the backend itself when nobody did (plugin route) and then destroys it at the end, and
+  polls the replay buffer every ``poll_interval_s`` instead of verl's fixed 2 s, and prints one
+  progress line per step (``verl.remote_backend.progress``) next to verl's long metric line.
+  Semantics are verl's ``sync`` mode: ``trainer.v1.trainer_mode`` is only the registry name.
+* :data:`RemoteBackendTaskRunnerV1` -- verl's V1 task runner, but imported from here so that the
+  trainer mode is registered in the runner process without ``VERL_USE_EXTERNAL_MODULES``.
+* :data:`RemoteBackendTaskRunnerV0` -- the legacy ``RayPPOTrainer`` route (``trainer.use_v1=False``)
+  with the same worker and pools.
+
+Not here: config derivation (``settings.py``), backend lifetime (``lifecycle.py``), the entry point.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl.remote_backend.base import RemoteBackendRegistry
+from verl.remote_backend.context import ensure_backends_registered, install_context, read_context
+from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.lifecycle import BackendOwner, backend_name
+from verl.remote_backend.progress import format_progress
+from verl.remote_backend.settings import FORWARDER_BUNDLE_CPUS, SCHEDULING_HEADROOM_CPUS, TRAINER_MODE, apply_forced_settings
+from verl.single_controller.ray.base import RayResourcePool, RayWorkerGroup, ResourcePoolManager
+from verl.trainer.main_ppo import TaskRunnerV1
+from verl.trainer.main_ppo_v0 import BaseTaskRunner, TaskRunner
+from verl.trainer.ppo.utils import Role, need_critic, need_reference_policy
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+__all__ = [
+    "CpuResourcePoolManager",
+    "RemoteBackendTaskRunnerV0",
+    "RemoteBackendTaskRunnerV1",
+    "RemoteBackendTrainer",
+    "prepare_remote_backend_config",
+]
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+
+GLOBAL_POOL = "global_pool"
+
+
+class CpuResourcePoolManager(ResourcePoolManager):
+    """A ``ResourcePoolManager`` whose pools reserve CPUs only (forwarder workers own no GPU).
+
+    Checks that Ray has the CPUs before asking for them: a placement group that cannot be
+    placed waits forever, so an error naming ``ray_kwargs.ray_init.num_cpus`` is better.
+    """
+
+    def create_resource_pool(self) -> None:
+        self.check_cpus()
+        for name, process_on_nodes in self.resource_pool_spec.items():
+            self.resource_pool_dict[name] = RayResourcePool(
+                process_on_nodes=process_on_nodes,
+                use_gpu=False,
+                max_colocate_count=self.max_colocate_count,
+                name_prefix=name,
+            )
+
+    def check_cpus(self) -> None:
+        """Raise :class:`RemoteBackendConfigError` when Ray lacks the CPUs of these pools."""
+        needed = sum(sum(procs) for procs in self.resource_pool_spec.values()) * self.max_colocate_count
+        free = ray.available_resources().get("CPU", 0.0)
+        if free < needed:
+            total = ray.cluster_resources().get("CPU", 0.0)
+            raise RemoteBackendConfigError(
+                "ray_kwargs.ray_init.num_cpus",
+                f"Ray has {free:g} of {total:g} logical CPUs free, the forwarder worker pool needs {needed}; "
+                "verl would wait for them forever",
+                allowed=f">= {int(total - free) + needed + SCHEDULING_HEADROOM_CPUS}",
+                received=total,
+            )
+
+
+def prepare_remote_backend_config(config: DictConfig) -> str:
+    """Check and complete a composed config for a remote-backend run (in place); return the
+    backend name. Refuses what a forwarder cannot do (critic, reward-model or teacher pools,
+    ``rollout.name`` of another engine) with errors naming the key; derives the rest."""
+    name = backend_name(config)
+    notes = apply_forced_settings(
+        config,
+        name,
+        has_accelerator=True,  # never flip trainer.device here: Ray actors see no GPU anyway
+        strict_keys=("actor_rollout_ref.rollout.name",),
+    )
+    for note in notes:
+        logger.info("remote backend setting: %s", note)
+    if need_critic(config):
+        raise RemoteBackendConfigError(
+            "algorithm.adv_estimator", "a critic would train locally; the remote backend runs critic-free estimators",
+            allowed="grpo, rloo, reinforce_plus_plus, ... (no critic)", received=config.algorithm.adv_estimator,
+        )
+    if config.reward.reward_model.get("enable", False):
+        raise RemoteBackendConfigError(
+            "reward.reward_model.enable", "a model-based reward would run a local inference engine; use a rule-based "
+            "or custom reward function with a remote backend", allowed=False, received=True,
+        )
+    distillation = config.get("distillation")
+    if distillation is not None and distillation.get("enabled", False):
+        raise RemoteBackendConfigError("distillation.enabled", "distillation is not supported with a remote backend", allowed=False, received=True)
+    return name
+
+
+@register_trainer(TRAINER_MODE)
+class RemoteBackendTrainer(PPOTrainerSync):
+    """verl's sync V1 trainer with the actor, reference and rollout on a remote backend."""
+
+    #: seconds between the replay buffer's checks for finished rollouts (verl: fixed 2.0)
+    poll_interval_s: float = 0.05
+
+    def __init__(self, config: DictConfig):
+        self.backend_name = prepare_remote_backend_config(config)
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = "sync"  # verl's sync semantics everywhere it branches on the name
+        self._owner: BackendOwner | None = None
+        super().__init__(config)
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
+        print(f"[remote_backend] {format_progress(metrics, global_steps, self.total_training_steps)}", flush=True)
+
+    def _build_replay_buffer(self):
+        buffer = super()._build_replay_buffer()
+        if hasattr(buffer, "poll_interval"):
+            buffer.poll_interval = self.poll_interval_s
+        return buffer
+
+    def _init_resource_pool_mgr(self) -> None:
+        """One forwarder worker in a CPU-only pool; create or re-attach the backend now that
+        the data loader has set ``optim.total_training_steps``."""
+        config = self.config
+        ensure_backends_registered()
+        worker_cls = RemoteBackendRegistry.get_worker(self.backend_name)
+        role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
+        self.role_worker_mapping = {role: ray.remote(worker_cls)}
+        self.mapping = {role: GLOBAL_POOL, Role.RewardModel: GLOBAL_POOL}
+        with open_dict(config):
+            config.reward.reward_model.nnodes = 1
+            config.reward.reward_model.n_gpus_per_node = 1
+        self.resource_pool_manager = CpuResourcePoolManager(
+            resource_pool_spec={GLOBAL_POOL: [1]}, mapping=self.mapping, max_colocate_count=FORWARDER_BUNDLE_CPUS
+        )
+        self.resource_pool_manager.check_cpus()  # before creating remote jobs we could not use
+        self._attach_or_create_backend()
+
+    def _attach_or_create_backend(self) -> None:
+        try:
+            handle = read_context(self.config).handle
+        except RemoteBackendConfigError:
+            handle = None
+        if handle:
+            install_context(self.config, name=self.backend_name, handle=handle)  # refresh the config snapshot
+        else:
+            logger.info("creating remote backend %r in the trainer (plugin route)", self.backend_name)
+            self._owner = BackendOwner.create(self.config)
+
+    def init(self) -> None:
+        try:
+            super().init()
+        except BaseException:
+            self._destroy_owned()
+            raise
+
+    def fit(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().fit(*args, **kwargs)
+        finally:
+            self._destroy_owned()
+
+    def _destroy_owned(self) -> None:
+        if self._owner is not None:
+            self._owner.destroy()
+
+
+class _TaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
+    """verl's V1 task runner; defined here so that unpickling it registers our trainer mode."""
+
+
+RemoteBackendTaskRunnerV1 = ray.remote(_TaskRunnerV1)
+
+
+class _TaskRunnerV0(BaseTaskRunner):
+    """verl's legacy task runner with the forwarder worker and the CPU-only pool."""
+
+    def add_actor_rollout_worker(self, config: DictConfig):
+        name = prepare_remote_backend_config(config)
+        ensure_backends_registered()
+        worker_cls = RemoteBackendRegistry.get_worker(name)
+        role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
+        self.role_worker_mapping[role] = ray.remote(worker_cls)
+        self.mapping[role] = GLOBAL_POOL
+        return worker_cls, RayWorkerGroup
+
+    def add_critic_worker(self, config: DictConfig) -> None:
+        return None  # refused by prepare_remote_backend_config
+
+    def init_resource_pool_mgr(self, config: DictConfig) -> CpuResourcePoolManager:
+        with open_dict(config):
+            config.reward.reward_model.nnodes = 1
+            config.reward.reward_model.n_gpus_per_node = 1
+        return CpuResourcePoolManager(
+            resource_pool_spec={GLOBAL_POOL: [1]}, mapping=self.mapping, max_colocate_count=FORWARDER_BUNDLE_CPUS
+        )
+
+    def run(self, config: DictConfig) -> None:
+        if not read_context(config).handle:
+            raise RemoteBackendConfigError(
+                "trainer.use_v1", "the legacy trainer route needs the backend created by "
+                "`python -m verl.remote_backend.main_ppo`", allowed=True, received=False,
+            )
+        OmegaConf.resolve(config)
+        install_context(config, name=backend_name(config), handle=read_context(config).handle)
+        return TaskRunner.__ray_actor_class__.run(self, config)
+
+
+RemoteBackendTaskRunnerV0 = ray.remote(_TaskRunnerV0)

@@ -1,0 +1,473 @@
+"""Keeping a run going when the Arctic server fails: unanswered calls, restarts, the update journal.
+
+A GRPO run lasts days and its server is across a network. Two things go wrong, and this module
+handles both for :class:`~verl.workers.remote_client.arctic_rl.ArcticRLClient`:
+
+**An unanswered mutating call** (:class:`~.http.AmbiguousCallError`: sent, then the connection
+died). If the server is still the same process, either it replays ``X-Request-Id``s (it lists
+``idempotency``; the call is re-sent with the *same* id and answered from the server's cache, so it
+is applied once), or the server's own counters decide (``GET /job/{id}``: ``global_step`` for
+``/step``, ``pending_micro_batches`` for ``/forward-backward``): one more than before means the call
+was applied (it is not re-sent), unchanged means it was not (it is re-sent with a new id). A server
+that exposes no counter is restored from the last checkpoint and the journal, then the call is
+re-sent. Harmless calls (``/forward``, ``/generate``, weight sync, save, load) are simply re-sent.
+
+**A restarted server** (connection refused, then a new ``instance_id`` in ``/health``, or -- from a
+server without instance ids -- unknown jobs). The *training client* (the one that called the
+training job: verl's forwarder worker) restores: it creates the jobs again, ``/load-checkpoint``s
+the last good checkpoint, replays the :class:`UpdateJournal` (every ``/forward-backward`` body and
+``/step`` acknowledged since that checkpoint, in order) and pushes the weights to the sampler. The
+training job is then exactly where it was when the last acknowledged call returned: no step is
+applied twice, only the steps since the checkpoint are recomputed. Other clients (rollout replicas,
+the driver) *adopt* the new jobs once they are ready (listed by ``/status``, tagged with this run's
+``client_tag`` when the server echoes tags, the sampler synced). A background watcher in the
+training client notices a restart even while no call is in flight (while verl generates, say).
+
+The journal is bounded (``recovery.journal_max_mb``); when it overflows it is dropped, the next
+step boundary saves a checkpoint early, and a restart before that restores the checkpoint only --
+logged at ERROR with the steps lost.
+
+What is not here: HTTP retries of transient failures (:mod:`.http`), what the calls carry
+(:mod:`.arctic_rl`), job creation (:mod:`.jobs`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from arctic_rl.protocol import JobType, Paths
+from verl.remote_backend.errors import (
+    RemoteBackendError,
+    RemoteConnectionError,
+    RemoteJobNotFoundError,
+    RemoteServerError,
+)
+
+from .arctic_config import RecoveryConfig
+from .http import AmbiguousCallError, ArcticHttp, new_request_id
+from .jobs import JOB_ORDER, create_job, destroy_jobs
+
+__all__ = ["APPLIED", "CheckpointRef", "JournalEntry", "Outcome", "Recovery", "UpdateJournal", "read_counter"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_POLL_S = 0.5
+_MAX_RESENDS = 20
+
+
+class _Applied:
+    """Returned by :meth:`Recovery.call` for a call that was applied but whose answer was lost."""
+
+    def __repr__(self) -> str:
+        return "APPLIED"
+
+
+APPLIED = _Applied()
+
+
+class Outcome(str, enum.Enum):
+    APPLIED = "applied"
+    NOT_APPLIED = "not_applied"
+    UNKNOWN = "unknown"
+
+
+# ------------------------------------------------------------------------------------------------ journal
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A checkpoint of the training job on the server: its directory and global step."""
+
+    path: str
+    step: int
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One acknowledged training-job mutation: POST ``path`` with ``body`` (bytes or JSON)."""
+
+    path: str
+    body: Any
+    content_type: str | None
+    is_step: bool
+    nbytes: int
+
+
+@dataclass
+class UpdateJournal:
+    """The training-job mutations acknowledged since :attr:`base` (``None``: a freshly created job)."""
+
+    max_bytes: int
+    base: CheckpointRef | None = None
+    entries: list[JournalEntry] = field(default_factory=list)
+    nbytes: int = 0
+    overflowed: bool = False
+    dropped_steps: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether replaying :attr:`entries` on :attr:`base` reproduces the current state."""
+        return not self.overflowed
+
+    @property
+    def steps(self) -> int:
+        return sum(e.is_step for e in self.entries) + self.dropped_steps
+
+    def reset(self, base: CheckpointRef | None) -> None:
+        self.base, self.entries, self.nbytes, self.overflowed, self.dropped_steps = base, [], 0, False, 0
+
+    def record(self, path: str, body: Any, content_type: str | None, *, is_step: bool) -> None:
+        if self.overflowed:
+            self.dropped_steps += int(is_step)
+            return
+        size = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 64
+        if self.nbytes + size > self.max_bytes:
+            self.overflowed = True
+            self.dropped_steps = sum(e.is_step for e in self.entries) + int(is_step)
+            logger.error(
+                "arctic: the update journal is full (%d + %d bytes > recovery.journal_max_mb = %.1f MiB): it is "
+                "dropped. A server restart before the next checkpoint (taken early, at the next step boundary) "
+                "restores that checkpoint only and LOSES the steps since it. Raise recovery.journal_max_mb or "
+                "lower recovery.checkpoint_every_n_steps.", self.nbytes, size, self.max_bytes / 2**20)
+            self.entries, self.nbytes = [], 0
+            return
+        self.entries.append(JournalEntry(path, body, content_type, is_step, size))
+        self.nbytes += size
+
+
+# ------------------------------------------------------------------------------------------------ counters
+
+
+def read_counter(http: ArcticHttp, job_id: int, counter: str) -> tuple[int | None, dict]:
+    """``GET /job/{id}``'s integer ``counter`` (``None`` when the server does not expose it)."""
+    info = http.get_json(Paths.job(job_id))
+    value = info.get(counter) if isinstance(info, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None, info if isinstance(info, dict) else {}
+    return value, info
+
+
+# ------------------------------------------------------------------------------------------------ recovery
+
+
+class Recovery:
+    """Failure handling of one client (see the module docstring).
+
+    ``client`` is the :class:`~.arctic_rl.ArcticRLClient` it serves; this object reads and replaces
+    its job ids, instance id, step and owned jobs, and calls its ``_job_bodies()`` and
+    ``_sync_weights_now()``. ``lock`` serialises the training client's calls with restores.
+    """
+
+    def __init__(self, client: Any, config: RecoveryConfig) -> None:
+        self.client = client
+        self.config = config
+        self.journal = UpdateJournal(max_bytes=int(config.journal_max_mb * 2**20))
+        self.lock = threading.RLock()
+        self.epoch = 0  # bumped by every restore/adoption: calls started before it re-read job ids
+        self.primary = False  # this client trains: it restores, the others adopt
+        self.stats: Counter[str] = Counter()
+        self._down_seen = False
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def http(self) -> ArcticHttp:
+        return self.client._http
+
+    # ------------------------------------------------------------------------------ roles
+
+    def become_primary(self) -> None:
+        """Called on the first training-job call: this client restores after restarts."""
+        if self.primary:
+            return
+        self.primary = True
+        if self.config.enable and self.config.watch_interval_s > 0:
+            self._watcher = threading.Thread(target=self._watch, name="arctic-restart-watcher", daemon=True)
+            self._watcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------------------ calls
+
+    def call(self, what: str, send: Callable[[str], T], *, safe: bool, counter: tuple[str, int] | None = None,
+             ) -> T | _Applied:
+        """``send(request_id)``, surviving unanswered calls and restarts.
+
+        ``safe``: re-sending is harmless. ``counter``: ``(name, value before the call)`` of the
+        training job's ``GET /job`` counter that the call increments by one (``global_step`` for
+        ``/step``, ``pending_micro_batches`` for ``/forward-backward``). Returns :data:`APPLIED`
+        when the call was applied but its answer is lost.
+        """
+        if not self.config.enable:
+            return send(new_request_id())
+        request_id = new_request_id()
+        deadline = time.monotonic() + self.config.wait_s
+        for _ in range(_MAX_RESENDS):
+            epoch = self.epoch
+            try:
+                result = send(request_id)
+                self._down_seen = False
+                return result
+            except AmbiguousCallError as exc:
+                if self._handle_failure(exc, epoch, deadline):
+                    request_id = new_request_id()  # new jobs: a new call
+                    continue
+                if safe or self.http.idempotency:  # the same id: a server that replays ids applies it once
+                    self.stats["resent"] += 1
+                    logger.warning("arctic: %s got no answer (%s); re-sending it with X-Request-Id %s (%s)", what,
+                                   exc.reason, request_id, "harmless call" if safe else "the server replays ids")
+                    continue
+                outcome = self._settle(what, counter)
+                if outcome is Outcome.APPLIED:
+                    self.stats["ambiguous_applied"] += 1
+                    return APPLIED
+                if outcome is Outcome.NOT_APPLIED:
+                    self.stats["ambiguous_resent"] += 1
+                    request_id = new_request_id()
+                    continue
+                self._rebuild_training(what)
+                request_id = new_request_id()
+            except RemoteJobNotFoundError as exc:
+                if not self._handle_failure(exc, epoch, deadline):
+                    raise
+                request_id = new_request_id()
+            except RemoteConnectionError as exc:  # never reached the server (retries spent)
+                if self._handle_failure(exc, epoch, deadline):
+                    request_id = new_request_id()
+            if time.monotonic() >= deadline:
+                break
+        raise RemoteConnectionError(what, f"still failing after {_MAX_RESENDS} re-sends / recovery.wait_s = "
+                                    f"{self.config.wait_s:g} s")
+
+    def _handle_failure(self, exc: RemoteBackendError, epoch: int, deadline: float) -> bool:
+        """After a failed call: True when the jobs were restored or adopted (re-send to the new ones),
+        False when the server is the same process with the same jobs."""
+        if isinstance(exc, RemoteConnectionError):
+            self._down_seen = True
+        if self.epoch != epoch:  # another thread restored meanwhile
+            return True
+        logger.warning("arctic: %s; checking whether the server restarted", exc)
+        while True:
+            health = self._wait_for_server(deadline)
+            if self.epoch != epoch:
+                return True
+            if not self._restarted(health, jobs_gone=isinstance(exc, RemoteJobNotFoundError)):
+                return False  # the same server: a lost answer, or (404) a job destroyed because the run ends
+            try:
+                self.recover(epoch, f"{exc}")
+                return True
+            except (RemoteConnectionError, RemoteJobNotFoundError) as again:  # it failed again while restoring
+                if time.monotonic() >= deadline:
+                    raise
+                self._down_seen = True
+                logger.warning("arctic: the restore was interrupted (%s); trying again", again)
+                time.sleep(_POLL_S)
+
+    def _settle(self, what: str, counter: tuple[str, int] | None) -> Outcome:
+        """Was an unanswered training call applied? Read the server's counter."""
+        if counter is None:
+            return Outcome.UNKNOWN
+        name, before = counter
+        value, _ = read_counter(self.http, self.client._job(JobType.TRAINING), name)
+        if value is None:
+            outcome = Outcome.UNKNOWN
+        elif value == before + 1:
+            outcome = Outcome.APPLIED
+        elif value == before:
+            outcome = Outcome.NOT_APPLIED
+        else:
+            outcome = Outcome.UNKNOWN
+        logger.warning("arctic: %s got no answer and the server does not replay request ids: its %s is %s (was %d "
+                       "before the call) -> %s", what, name, value, before,
+                       {Outcome.APPLIED: "it was applied; not re-sending",
+                        Outcome.NOT_APPLIED: "it was not applied; re-sending",
+                        Outcome.UNKNOWN: "cannot tell; rebuilding the training job from the checkpoint and journal"}
+                       [outcome])
+        return outcome
+
+    # ------------------------------------------------------------------------------ detection
+
+    def _wait_for_server(self, deadline: float) -> dict:
+        """``/health`` once the server answers again (until ``deadline``)."""
+        first = True
+        while True:
+            body = self.http.probe(Paths.HEALTH, timeout_s=5.0)
+            if isinstance(body, dict):
+                return body
+            self._down_seen = True
+            if first:
+                logger.warning("arctic: the server at %s does not answer; waiting up to %.0f s for it to come back",
+                               self.http.base_url, max(0.0, deadline - time.monotonic()))
+                first = False
+            if time.monotonic() >= deadline:
+                raise RemoteConnectionError(f"GET {Paths.HEALTH}", f"the server did not come back within "
+                                            f"recovery.wait_s = {self.config.wait_s:g} s")
+            time.sleep(_POLL_S)
+
+    def _restarted(self, health: dict, *, jobs_gone: bool) -> bool:
+        known, now = self.client._instance_id, health.get("instance_id")
+        if known and now:
+            return known != now
+        # a server without instance ids: a restart shows as refused connections, then unknown jobs
+        if not (self._down_seen or jobs_gone):
+            return False
+        try:
+            self.http.get_json(Paths.job(self.client._job(JobType.TRAINING if JobType.TRAINING.value in
+                                                          self.client._job_ids else JobType.SAMPLING)))
+            return False
+        except RemoteJobNotFoundError:
+            return self._down_seen
+
+    # ------------------------------------------------------------------------------ restore / adopt
+
+    def recover(self, epoch: int, reason: str) -> None:
+        """Restore (training client) or adopt (others) the jobs of a restarted server, once per restart."""
+        with self.lock:
+            if self.epoch != epoch:
+                return
+            t0 = time.monotonic()
+            if self.primary:
+                self._restore(reason)
+            else:
+                self._adopt(reason)
+            self.epoch += 1
+            self._down_seen = False
+            logger.warning("arctic: recovered from a server restart in %.1f s (jobs now %s)", time.monotonic() - t0,
+                           self.client._job_ids)
+
+    def _restore(self, reason: str, only_training: bool = False) -> None:
+        client, journal = self.client, self.journal
+        health = self._wait_for_server(time.monotonic() + self.config.wait_s)
+        logger.warning("arctic: restoring the training state (%s): base %s, %d journalled call(s) with %d step(s)%s",
+                       reason, journal.base or "a fresh job", len(journal.entries), journal.steps,
+                       "" if journal.complete else " -- JOURNAL INCOMPLETE")
+        bodies = client._job_bodies()
+        types = [JobType.TRAINING] if only_training else [t for t in JOB_ORDER if t.value in client._job_ids]
+        created: dict[str, int] = {}
+        try:
+            for job_type in types:
+                created[job_type.value] = create_job(self.http, job_type, bodies[job_type], tag=client.client_tag)
+            training = created[JobType.TRAINING.value]
+            step = 0
+            if journal.base is not None:
+                out = self.http.post_json(Paths.LOAD_CHECKPOINT, {"path": journal.base.path},
+                                          params={"job_id": training}, op="save", idempotent=True).json()
+                step = int(out.get("global_step", journal.base.step))
+                self.stats["checkpoints_loaded"] += 1
+            if journal.complete:
+                for entry in journal.entries:
+                    resp = self.http.request("POST", entry.path, op="step" if entry.is_step else "forward_backward",
+                                             params={"job_id": training}, data=entry.body if entry.content_type else
+                                             None, json=None if entry.content_type else entry.body,
+                                             content_type=entry.content_type)
+                    if entry.is_step:
+                        got = (resp.json().get("metrics") or {}).get("global_step")
+                        step = int(got) if isinstance(got, int) else step + 1
+                    self.stats["journal_replayed"] += 1
+                if step != client._step:
+                    raise RemoteBackendError(f"arctic: restore reached step {step}, but the client is at step "
+                                             f"{client._step}; the run cannot continue exactly")
+            else:
+                lost = client._step - step
+                logger.error("arctic: the update journal was incomplete: restored step %d from %s; the %d step(s) "
+                             "since are LOST (the server's step counter is now %d, verl's keeps counting)", step,
+                             journal.base, lost, step)
+                self.stats["steps_lost"] += lost
+                client._step = step
+                client._http.step = step
+                journal.reset(journal.base)
+            client._publish_jobs({**client._job_ids, **created}, health.get("instance_id") or client._instance_id)
+            if not only_training:  # a rebuilt training job holds the weights the sampler already has
+                client._sync_weights_now()
+        except BaseException:
+            destroy_jobs(self.http, created)
+            raise
+        self.stats["restores"] += 1
+
+    def _rebuild_training(self, what: str) -> None:
+        """Same server, but the state of the training job is unknown: rebuild it from the checkpoint."""
+        if not (self.primary and self.journal.complete):
+            raise RemoteBackendError(
+                f"arctic: {what} got no answer, the server neither replays request ids nor exposes a counter to tell "
+                "whether it was applied, and this client cannot rebuild the training state (no complete journal): "
+                "the run cannot continue exactly; resume it from its last checkpoint")
+        with self.lock:
+            old = self.client._job(JobType.TRAINING)
+            destroy_jobs(self.http, {JobType.TRAINING.value: old})
+            self._restore(f"{what} unanswered", only_training=True)
+            self.epoch += 1
+        self.stats["training_rebuilds"] += 1
+
+    def _adopt(self, reason: str) -> None:
+        """Wait for the training client to restore, then use its jobs."""
+        client = self.client
+        deadline = time.monotonic() + self.config.wait_s
+        wanted = [t for t in JOB_ORDER if t.value in client._job_ids]
+        logger.warning("arctic: the server restarted (%s); waiting for the training client to restore the jobs", reason)
+        while True:
+            health = self._wait_for_server(deadline)
+            found = self._ready_jobs(wanted)
+            if found is not None:
+                client._publish_jobs(found, health.get("instance_id") or client._instance_id, owned=False)
+                self.stats["adoptions"] += 1
+                return
+            if time.monotonic() >= deadline:
+                raise RemoteBackendError(
+                    f"arctic: the server restarted and no restored jobs ({[t.value for t in wanted]}, tag "
+                    f"{client.client_tag}) appeared within recovery.wait_s = {self.config.wait_s:g} s: the client that "
+                    "trains restores them (is it alive, with recovery.enable?)")
+            time.sleep(_POLL_S * 2)
+
+    def _ready_jobs(self, wanted: list[JobType]) -> dict[str, int] | None:
+        try:
+            jobs = self.http.get_json(Paths.STATUS).get("jobs") or {}
+        except (RemoteBackendError, AttributeError):
+            return None
+        found: dict[str, int] = {}
+        for job_type in wanted:
+            matches = [
+                (int(k), v) for k, v in jobs.items()
+                if isinstance(v, dict) and v.get("job_type") == job_type.value
+                and ("client_tag" not in v or v["client_tag"] == self.client.client_tag)
+            ]
+            if len(matches) != 1:
+                return None
+            job_id, info = matches[0]
+            if info.get("running") is False or str(info.get("status", "RUNNING")).upper() != "RUNNING":
+                return None
+            if job_type is JobType.SAMPLING and isinstance(info.get("weight_version"), int) and \
+                    info["weight_version"] < 1:
+                return None  # created, not yet synced with the restored weights
+            found[job_type.value] = job_id
+        return found
+
+    # ------------------------------------------------------------------------------ watcher
+
+    def _watch(self) -> None:
+        """Training client only: restore as soon as a restart shows, even with no call in flight."""
+        interval = self.config.watch_interval_s
+        while not self._stop.wait(interval):
+            if self.client._destroyed:
+                return
+            epoch = self.epoch
+            health = self.http.probe(Paths.HEALTH, timeout_s=min(5.0, interval * 2))
+            if not isinstance(health, dict):
+                self._down_seen = True
+                continue
+            try:
+                if self._restarted(health, jobs_gone=False):
+                    logger.warning("arctic: watcher: the server at %s restarted (instance %s)", self.http.base_url,
+                                   health.get("instance_id"))
+                    self.recover(epoch, "seen by the watcher")
+            except RemoteServerError as exc:
+                logger.warning("arctic: watcher: %s", exc)
+            except Exception:  # noqa: BLE001 - the watcher must not die; the next call retries the restore
+                logger.exception("arctic: watcher: restore failed; the next call will try again")
