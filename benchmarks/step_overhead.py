@@ -14,7 +14,7 @@ RL tensors; GRPO groups of ``n`` rows). Every step's wall time is split into:
 
 * ``server compute``: the engines' own ``metrics.seconds`` (``/forward``, ``/forward-backward``,
   ``/weight-sync``); for ``/step``, which reports none, its round trip minus the median round trip
-  of a trivial JSON call (``GET /job/{id}``) measured in the same run;
+  of a trivial JSON call (``GET /health``) measured in the same run;
 * client: ``layout`` (``plan_layout``, ``dense_batch``, ``nested_from_server``), ``encode``
   (DSSST1 ``dumps``), ``decode`` (DSSST1 ``loads``) and ``other`` (the rest of the adapter: row
   slicing, metrics);
@@ -103,7 +103,7 @@ class Probe:
             sent = len(body) if body is not None else len(str(kw.get("json") or ""))
             self.exchanges.append({"method": method, "path": path, "s": dt, "sent": sent, "received": len(resp.content),
                                    "body": bytes(body) if body is not None else None, "resp": resp,
-                                   "headers": {"rid": bool(method != "GET")}, "params": dict(kw.get("params") or {})})
+                                   "params": dict(kw.get("params") or {})})
             return resp
 
         http.request = request
@@ -200,7 +200,7 @@ def ray_hop(data: Any, outs: dict[str, Any], repeats: int) -> dict[str, float]:
                 self.answers = answers
 
             def call(self, name, td):
-                return self.answers[name]
+                return self.answers.get(name)  # update_weights answers nothing
 
         actor = Forwarder.remote(outs)
         ray.get(actor.call.remote("compute_log_prob", data))  # warm: actor up, serializers loaded
@@ -209,8 +209,7 @@ def ray_hop(data: Any, outs: dict[str, Any], repeats: int) -> dict[str, float]:
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                ray.get(actor.call.remote(name if name in outs else "update_actor",
-                                          data if name != "update_weights" else None))
+                ray.get(actor.call.remote(name, data if name != "update_weights" else None))
                 times.append(time.perf_counter() - t0)
             res[name] = statistics.median(times)
         return res
@@ -221,12 +220,10 @@ def ray_hop(data: Any, outs: dict[str, Any], repeats: int) -> dict[str, float]:
 def part_a(args, client, vocab: int, http) -> dict[str, Any]:
     rows, n = args.rows, args.n
     # baseline round trip of a trivial JSON call (for /step, whose compute the server does not report)
-    job = client.job_ids["training"]
     rtts = []
     for _ in range(20):
         t0 = time.perf_counter()
-        http.get_json(Paths.JOB.replace("{job_id}", str(job)) if "{job_id}" in Paths.JOB else Paths.JOB, params=None) \
-            if "{job_id}" in Paths.JOB else http.get_json(Paths.HEALTH)
+        http.get_json(Paths.HEALTH)
         rtts.append(time.perf_counter() - t0)
     rtt_json = statistics.median(rtts)
     probe = Probe(client)
@@ -273,7 +270,7 @@ def print_part_a(med: dict[str, Any], args) -> list[str]:
             ("server: DSSST1 encode of answers (replayed)", med.get("server_encode", 0.0)),
             ("HTTP: sockets, requests, uvicorn, FastAPI (residual)", http_net)]
     lines = [f"Part A: GRPO step through ArcticRLClient, {args.rows} rows x ({args.prompt} + {args.response}) max, "
-             f"n={args.n}, micro={args.micro}; {med['tokens']} real tokens; {med['calls']} HTTP calls; "
+             f"n={args.n}, micro={args.micro}; {int(med['tokens'])} real tokens; {int(med['calls'])} HTTP calls; "
              f"median of {args.steps} step(s)",
              f"{'component':66} {'ms/step':>10} {'% of step':>9}"]
     lines += [f"{name:66} {s * 1e3:>10.1f} {s / wall:>9.2%}" for name, s in rows]

@@ -103,7 +103,7 @@ def test_gsm8k_server_url_comes_from_the_environment(gsm8k_configs):
 
 def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
     cfg, output = _compose("run_reverse_text_grpo_arl_local.sh", {"OUT_DIR": str(tmp_path / "rt"), "ZORRO": "true",
-                                                                 "STEPS": "12"}, tmp_path)
+                                                                 "STEPS": "12", "SEED": "0"}, tmp_path)
     assert not (tmp_path / "rt").exists()  # --cfg job builds, runs and deletes nothing
     expected = {
         "algorithm.adv_estimator": "grpo",
@@ -127,13 +127,17 @@ def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
         "remote_backend.train.zorro_train.enable": True,
         "remote_backend.train.deepspeed.bf16": False,
         "actor_rollout_ref.rollout.name": "arctic",
+        "remote_backend.rollout.max_batch_size": 256,  # one /generate call for all 32 x 8 samples
+        "data.seed": 0,
+        "actor_rollout_ref.rollout.seed": 0,
+        "actor_rollout_ref.actor.data_loader_seed": 0,
     }
     got = {key: _get(cfg, key) for key in expected}
     assert got == expected
     assert 10 <= _get(cfg, "data.max_response_length") <= 16
     reward_path = pathlib.Path(_get(cfg, "reward.custom_reward_function.path"))
     assert reward_path == REPO_ROOT / "examples" / "reverse_text" / "reward.py"
-    assert _get(cfg, "actor_rollout_ref.model.path") == str(tmp_path / "rt" / "model_warm")
+    assert _get(cfg, "actor_rollout_ref.model.path") == str(tmp_path / "rt" / "model_warm_seed0")
     assert "file" in _get(cfg, "trainer.logger")
     if not torch.cuda.is_available():
         assert _get(cfg, "trainer.device") == "cpu"  # derived by the entry point

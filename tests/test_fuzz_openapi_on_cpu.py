@@ -5,9 +5,9 @@ routes read raw bodies (DSSST1, ``torch.save`` or JSON by content type), so Fast
 the bodies. The test fills them in from the protocol's request models -- the same pydantic models
 the server validates with (``JobConfig``, ``StepRequest``, ``SaveRequest``, ...) -- and narrows
 ``job_id`` to a small range so that the generated calls hit the live jobs (ids 1-2) as often as
-unknown ones. Each operation then gets ``EXAMPLES`` generated calls (schema-valid *and*
-schema-breaking: ``GenerationMode.POSITIVE`` or ``NEGATIVE``) with a bounded wall time. Any 5xx fails the test; the server
-must be healthy at the end.
+unknown ones. Each operation then gets ``EXAMPLES`` generated calls, schema-valid and
+schema-breaking (``GenerationMode.POSITIVE`` and ``NEGATIVE``), within a bounded wall time. Any 5xx
+fails the test; the server must be healthy after each operation.
 """
 
 from __future__ import annotations

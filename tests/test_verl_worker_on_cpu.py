@@ -162,7 +162,8 @@ def test_worker_group_forwards_every_call_unchanged(tmp_path):
                 tu.assign_non_tensor(data, global_batch_size=MINI * N, mini_batch_size=MINI * N, epochs=1, seed=1,
                                      dataloader_kwargs={"shuffle": False})
                 metrics = tu.get(wg.update_actor(data), "metrics")
-                for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "lr", "mfu"):
+                # named like verl's own worker returns them (its trainer adds the "actor/" prefix where missing)
+                for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "grad_norm", "lr", "mfu"):
                     assert name in metrics, f"{name} missing from {sorted(metrics)}"
                 trained = wg.compute_log_prob(data)["log_probs"].values()
                 assert not torch.allclose(trained, old["log_probs"].values())  # the remote actor learned

@@ -8,7 +8,8 @@
 
 Bodies are read with a size cap (``--max-body-mb``): a larger one is a 413; and a time limit
 (``--body-timeout-s``): a body still incomplete then is a 408 (a trickling client cannot hold a
-request open). Decoding errors, JSON nested too deeply included, are 400s naming the body. What is not here: what a body must contain (:mod:`.validation`).
+request open). Decoding errors, JSON nested too deeply included, are 400s naming the body.
+What is not here: what a body must contain (:mod:`.validation`).
 """
 
 from __future__ import annotations

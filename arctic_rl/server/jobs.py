@@ -54,6 +54,7 @@ class Job:
             "created_at": self.created_at,
             "calls": self.calls,
             "client_tag": self.config.client_tag,
+            "busy": self.lock.locked(),  # a call is computing on the job (or waits for it)
         }
         if self.engine is not None and hasattr(self.engine, "info"):
             info.update(self.engine.info())

@@ -17,16 +17,19 @@ set -xeuo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 TASK_DIR="$(cd "${SCRIPT_DIR}/../reverse_text" && pwd)"
 OUT_DIR="${OUT_DIR:-${PWD}/outputs/reverse_text}"
-# Warm-started model (built if absent), its untrained init, and the parquet data (built if absent).
-MODEL_DIR="${MODEL_DIR:-${OUT_DIR}/model_warm}"
-INIT_MODEL_DIR="${INIT_MODEL_DIR:-${OUT_DIR}/model_init}"
-DATA_DIR="${DATA_DIR:-${OUT_DIR}/data}"
 STEPS="${STEPS:-40}"
 # ZoRRO: train each unique prompt of a GRPO group once (same maths, less compute) -- true or false.
 ZORRO="${ZORRO:-false}"
+# Seeds the model init, the warm start, the data and verl's samplers.
 SEED="${SEED:-0}"
+# Warm-started model, its untrained init and the parquet data: built when absent, cached per seed.
+MODEL_DIR="${MODEL_DIR:-${OUT_DIR}/model_warm_seed${SEED}}"
+INIT_MODEL_DIR="${INIT_MODEL_DIR:-${OUT_DIR}/model_init_seed${SEED}}"
+DATA_DIR="${DATA_DIR:-${OUT_DIR}/data_seed${SEED}}"
 # Stop the SFT warm start once temperature-1 samples score this much (see examples/reverse_text/warm_start.py).
 WARM_TARGET="${WARM_TARGET:-0.45}"
+# true: run the warm start on the reference server too (its cross_entropy loss) instead of in plain PyTorch.
+WARM_VIA_SERVER="${WARM_VIA_SERVER:-false}"
 RUN_NAME="${RUN_NAME:-grpo_zorro_${ZORRO}_seed${SEED}}"
 RUN_DIR="${RUN_DIR:-${OUT_DIR}/runs/${RUN_NAME}}"
 PYTHON="${PYTHON:-python3}"
@@ -48,8 +51,9 @@ if [ "${PRINT_ONLY}" = false ] && [ ! -f "${MODEL_DIR}/warm_start.json" ]; then
     if [ ! -f "${INIT_MODEL_DIR}/config.json" ]; then
         "${PYTHON}" "${TASK_DIR}/make_model.py" --out "${INIT_MODEL_DIR}" --seed "${SEED}"
     fi
-    "${PYTHON}" "${TASK_DIR}/warm_start.py" --model "${INIT_MODEL_DIR}" --out "${MODEL_DIR}" \
-        --target "${WARM_TARGET}" --seed "${SEED}"
+    WARM_ARGS=(--model "${INIT_MODEL_DIR}" --out "${MODEL_DIR}" --target "${WARM_TARGET}" --seed "${SEED}")
+    if [ "${WARM_VIA_SERVER}" = true ]; then WARM_ARGS+=(--via-server); fi
+    "${PYTHON}" "${TASK_DIR}/warm_start.py" "${WARM_ARGS[@]}"
 fi
 if [ "${PRINT_ONLY}" = false ] && { [ ! -f "${DATA_DIR}/train.parquet" ] || [ ! -f "${DATA_DIR}/val.parquet" ]; }; then
     "${PYTHON}" "${TASK_DIR}/make_data.py" --out "${DATA_DIR}" --n-train 4096 --n-val 128 --seed "${SEED}"

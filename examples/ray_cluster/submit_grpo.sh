@@ -7,8 +7,9 @@
 #     next to verl (PACKAGE_MODE=preinstalled); see README.md for when each applies;
 #   * VERL_USE_EXTERNAL_MODULES=verl.remote_backend.register, so `import verl` registers the backend in
 #     the driver and in every worker;
-#   * ARCTIC_RL_URL / ARCTIC_RL_TOKEN, the server to talk to (the token stays out of the command line
-#     and of verl's config; the adapter reads it from the environment).
+#   * ARCTIC_RL_URL / ARCTIC_RL_TOKEN, the server to talk to (the token stays out of verl's config, the
+#     trace and the command line -- the runtime_env then travels in a private file; the adapter reads the
+#     token from the environment).
 # The GRPO recipe itself is a run_*.sh script (default: the ZoRRO GSM8K one), run on the cluster with the
 # same Hydra overrides; extra arguments of this script are appended to them.
 #
@@ -34,7 +35,6 @@ SUBMISSION_ID="${SUBMISSION_ID:-verl_grpo_arl_$(date -u +%Y%m%dT%H%M%SZ)}"
 # DRY_RUN=1: print the runtime_env (token redacted) and the entrypoint, submit nothing.
 DRY_RUN="${DRY_RUN:-0}"
 : "${ARCTIC_RL_URL:?set ARCTIC_RL_URL to the Arctic RL server (e.g. http://arctic-head:7000)}"
-ARCTIC_RL_TOKEN="${ARCTIC_RL_TOKEN:-}"
 PYTHON="${PYTHON:-python3}"
 
 ############################ runtime_env ############################
@@ -42,7 +42,7 @@ PYTHON="${PYTHON:-python3}"
 # Built by Python so that every value is JSON-escaped; the token only ever travels inside it.
 set +x  # do not echo the token
 RUNTIME_ENV_JSON="$(PACKAGE_MODE="${PACKAGE_MODE}" REPO_ROOT="${REPO_ROOT}" ARCTIC_RL_URL="${ARCTIC_RL_URL}" \
-    ARCTIC_RL_TOKEN="${ARCTIC_RL_TOKEN}" "${PYTHON}" - <<'PY'
+    ARCTIC_RL_TOKEN="${ARCTIC_RL_TOKEN:-}" "${PYTHON}" - <<'PY'
 import json, os
 
 mode = os.environ["PACKAGE_MODE"]
@@ -60,7 +60,7 @@ runtime_env = {
     "working_dir": os.environ["REPO_ROOT"],
     # keep the upload small: no virtualenvs, build trees, outputs or caches
     "excludes": [".venv/", ".git/", "build/", "dist/", "outputs/", "runs/", "*.egg-info/", "__pycache__/",
-                 ".pytest_cache/", "*.parquet", "*.whl"],
+                 ".pytest_cache/", ".ruff_cache/", ".hypothesis/", "*.parquet", "*.whl"],
     "env_vars": env_vars,
 }
 if mode == "pip":
@@ -81,10 +81,19 @@ PY
 echo "[submit] runtime_env: $(printf '%s' "${RUNTIME_ENV_JSON}" | sed -E 's/("ARCTIC_RL_TOKEN": ")[^"]*"/\1***"/')"
 echo "[submit] ${RAY_ADDRESS}: ${SUBMISSION_ID}: bash ${RECIPE} $*"
 if [ "${DRY_RUN}" = 1 ]; then exit 0; fi
+# With a token, the runtime_env goes through a private file (--runtime-env) rather than the command line
+# (--runtime-env-json), where any user of the submitting machine could read it in `ps`.
+RUNTIME_ENV_ARGS=(--runtime-env-json "${RUNTIME_ENV_JSON}")
+if [ -n "${ARCTIC_RL_TOKEN:-}" ]; then
+    RUNTIME_ENV_FILE="$(mktemp "${TMPDIR:-/tmp}/runtime_env.XXXXXX.json")"  # mode 600
+    trap 'rm -f "${RUNTIME_ENV_FILE}"' EXIT
+    printf '%s' "${RUNTIME_ENV_JSON}" > "${RUNTIME_ENV_FILE}"
+    RUNTIME_ENV_ARGS=(--runtime-env "${RUNTIME_ENV_FILE}")
+fi
 ray job submit \
     --address "${RAY_ADDRESS}" \
     --submission-id "${SUBMISSION_ID}" \
-    --runtime-env-json "${RUNTIME_ENV_JSON}" \
+    "${RUNTIME_ENV_ARGS[@]}" \
     -- env DATA_DIR="${DATA_DIR}" MODEL_DIR="${MODEL_DIR}" OUT_DIR="${OUT_DIR}" \
     bash "${RECIPE}" \
     "$@"

@@ -64,7 +64,7 @@ from verl.utils import tensordict_utils as tu
 
 from .arctic_config import ArcticConfig
 from .builders import build_job_config, build_loss_config, build_meta, plan_batches
-from .generation import clean_sampling_params, ordered_results
+from .generation import SeedDeriver, clean_sampling_params, ordered_results
 from .http import ArcticHttp, resolve_token
 from .jobs import HANDLE_VERSION, JOB_ORDER, check_handle, create_job, destroy_jobs, read_health, tagged_jobs
 from .layout import RESPONSE_KEYS, dense_batch, nested_from_server, plan_layout, shuffled_rows, split_rows
@@ -109,12 +109,15 @@ class ArcticRLClient(RemoteBackend):
         #: this run's label on every job it creates (so restored jobs can be told from others')
         self.client_tag = client_tag
         self._recovery = Recovery(self, arctic.recovery)
+        if self._step:
+            self._recovery.journal.start_unknown(self._step)
         self._recovery_dir: str | None = arctic.recovery.checkpoint_path
         self._local = local_server
         self._plan = plan_batches(verl, arctic)
         self._flops = FlopsEstimator(verl.model_path, peak_tflops_per_device=arctic.mfu.peak_tflops_per_device,
                                      trust_remote_code=verl.trust_remote_code)
         self._tokenizer: Any = None
+        self._seeds = SeedDeriver(verl.rollout_seed) if verl.rollout_full_determinism else None
         self._destroyed = False
         self._lock = threading.Lock()
         self._warned: set[str] = set()
@@ -255,12 +258,11 @@ class ArcticRLClient(RemoteBackend):
         """The ``/initialize`` bodies of this run's jobs (used again to restore them after a restart)."""
         return _tagged_bodies(self.verl, self.arctic, self.client_tag)
 
-    def _publish_jobs(self, job_ids: dict[str, int], instance_id: str | None, *, owned: bool = True) -> None:
-        """Switch to restored (``owned``: created by this client) or adopted jobs."""
+    def _publish_jobs(self, job_ids: dict[str, int], instance_id: str | None, *, created: dict[str, int]) -> None:
+        """Switch to restored or adopted jobs; this client owns (destroys) those it ``created``."""
         self._job_ids = dict(job_ids)
         self._instance_id = instance_id
-        if owned:
-            self._owned = {k: v for k, v in job_ids.items()}
+        self._owned.update(created)
 
     def reliability_stats(self) -> dict[str, int]:
         """What the failure handling did: HTTP retries by reason, replays, restores, journal replays, ..."""
@@ -499,8 +501,8 @@ class ArcticRLClient(RemoteBackend):
             info = self._http.get_json(Paths.job(self._job(JobType.TRAINING)))
             base = (info or {}).get("checkpoint_path") or self.arctic.train.checkpoint_path
             if not base:
-                logger.error("arctic: no directory for recovery checkpoints (set remote_backend.recovery.checkpoint_path"
-                             "); a restart will replay the journal from the start of the run")
+                logger.error("arctic: no directory for recovery checkpoints (set remote_backend.recovery."
+                             "checkpoint_path); a restart will replay the journal from the start of the run")
                 return
             self._recovery_dir = f"{str(base).rstrip('/')}/recovery"
         out = self.save_checkpoint(step=self._step, path=self._recovery_dir, save_total_limit=cfg.checkpoint_keep)
@@ -518,6 +520,8 @@ class ArcticRLClient(RemoteBackend):
         expand = n > 1 and Features.N_SAMPLES not in self._features
         rows = [[int(t) for t in p] for p in prompts for _ in range(n if expand else 1)]
         wire_params = params.model_dump(mode="json", exclude_none=True)
+        if self._seeds is not None and params.seed is None:  # verl's rollout.full_determinism
+            wire_params["seed"] = self._seeds(prompts)
         if expand:
             wire_params["n"] = 1
         if Features.TOKEN_PROMPTS in self._features:

@@ -11,18 +11,26 @@ verl's rollout replica asks for token ids in and token ids out. Servers differ i
 Sampling parameters are filtered to the protocol's :class:`~arctic_rl.protocol.SamplingParams`
 (unknown knobs are logged once and not sent; a strict server would reject the whole call) and
 validated here, so a bad value is a config error naming the knob rather than a 400 later.
+
+:class:`SeedDeriver` gives reproducible sampling under verl's ``rollout.full_determinism``: a call
+without a seed gets one derived from ``rollout.seed``, its prompts and how many times this client
+already generated for exactly those prompts -- so a re-run, or a call re-sent after a server restart,
+samples the same tokens, while repeated samples of one prompt (GRPO's ``n``) still differ.
 What is not here: HTTP (:mod:`.arctic_rl` sends the request).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
+from collections import Counter
 from typing import Any
 
 from arctic_rl.protocol import GenerateResult, SamplingParams
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 
-__all__ = ["clean_sampling_params", "ordered_results"]
+__all__ = ["SeedDeriver", "clean_sampling_params", "ordered_results"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +57,25 @@ def clean_sampling_params(given: dict[str, Any], warned: set[str]) -> SamplingPa
         raise RemoteBackendConfigError(f"sampling_params.{field}", first.get("msg", str(exc)),
                                        allowed="see arctic_rl.protocol.SamplingParams",
                                        received=first.get("input")) from None
+
+
+class SeedDeriver:
+    """Deterministic per-call seeds (see the module docstring); thread-safe."""
+
+    def __init__(self, base_seed: int) -> None:
+        self.base_seed = int(base_seed)
+        self._seen: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, prompts: list[list[int]]) -> int:
+        h = hashlib.sha256(str(self.base_seed).encode())
+        for prompt in prompts:
+            h.update(b"|" + ",".join(map(str, prompt)).encode())
+        key = h.hexdigest()
+        with self._lock:
+            occurrence = self._seen[key]
+            self._seen[key] += 1
+        return int.from_bytes(hashlib.sha256(f"{key}:{occurrence}".encode()).digest()[:8], "big") >> 1
 
 
 def ordered_results(raw: Any, num_prompts: int, n: int, *, expanded: bool) -> list[GenerateResult]:

@@ -247,7 +247,8 @@ class ArcticHttp:
             for key in keys:
                 self.stats[key] += 1
 
-    def _unreachable(self, endpoint: str, reason: str, ambiguous: bool, request_id: str | None) -> RemoteConnectionError:
+    def _unreachable(self, endpoint: str, reason: str, ambiguous: bool,
+                     request_id: str | None) -> RemoteConnectionError:
         if ambiguous:
             self._count("ambiguous")
             return AmbiguousCallError(endpoint, reason, request_id)

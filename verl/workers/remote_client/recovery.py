@@ -110,6 +110,7 @@ class UpdateJournal:
     nbytes: int = 0
     overflowed: bool = False
     dropped_steps: int = 0
+    overflows: int = 0
 
     @property
     def complete(self) -> bool:
@@ -123,6 +124,14 @@ class UpdateJournal:
     def reset(self, base: CheckpointRef | None) -> None:
         self.base, self.entries, self.nbytes, self.overflowed, self.dropped_steps = base, [], 0, False, 0
 
+    def start_unknown(self, step: int) -> None:
+        """A client that joins a run at ``step > 0`` does not know what preceded it: incomplete until
+        its first checkpoint (which the next step boundary takes)."""
+        self.reset(None)
+        self.overflowed = True
+        logger.info("arctic: attached at step %d: a restart before this client's first checkpoint cannot be "
+                    "restored by it (a checkpoint is taken at the next step boundary)", step)
+
     def record(self, path: str, body: Any, content_type: str | None, *, is_step: bool) -> None:
         if self.overflowed:
             self.dropped_steps += int(is_step)
@@ -130,8 +139,9 @@ class UpdateJournal:
         size = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 64
         if self.nbytes + size > self.max_bytes:
             self.overflowed = True
+            self.overflows += 1
             self.dropped_steps = sum(e.is_step for e in self.entries) + int(is_step)
-            logger.error(
+            logger.log(logging.ERROR if self.overflows == 1 else logging.INFO,
                 "arctic: the update journal is full (%d + %d bytes > recovery.journal_max_mb = %.1f MiB): it is "
                 "dropped. A server restart before the next checkpoint (taken early, at the next step boundary) "
                 "restores that checkpoint only and LOSES the steps since it. Raise recovery.journal_max_mb or "
@@ -216,36 +226,53 @@ class Recovery:
                 result = send(request_id)
                 self._down_seen = False
                 return result
-            except AmbiguousCallError as exc:
-                if self._handle_failure(exc, epoch, deadline):
-                    request_id = new_request_id()  # new jobs: a new call
-                    continue
-                if safe or self.http.idempotency:  # the same id: a server that replays ids applies it once
-                    self.stats["resent"] += 1
-                    logger.warning("arctic: %s got no answer (%s); re-sending it with X-Request-Id %s (%s)", what,
-                                   exc.reason, request_id, "harmless call" if safe else "the server replays ids")
-                    continue
-                outcome = self._settle(what, counter)
-                if outcome is Outcome.APPLIED:
-                    self.stats["ambiguous_applied"] += 1
-                    return APPLIED
-                if outcome is Outcome.NOT_APPLIED:
-                    self.stats["ambiguous_resent"] += 1
-                    request_id = new_request_id()
-                    continue
-                self._rebuild_training(what)
+            except (RemoteConnectionError, RemoteJobNotFoundError) as exc:
+                failure = exc
+            while True:  # decide what to do; never re-send before that is decided
+                try:
+                    action = self._decide(what, failure, epoch, deadline, safe, counter, request_id)
+                    break
+                except (RemoteConnectionError, RemoteJobNotFoundError) as again:  # failed again while deciding
+                    if time.monotonic() >= deadline:
+                        raise
+                    self._down_seen = True
+                    logger.warning("arctic: %s: deciding after a failure failed too (%s); trying again", what, again)
+                    time.sleep(_POLL_S)
+            if action == "raise":
+                raise failure
+            if action == "applied":
+                return APPLIED
+            if action == "new":
                 request_id = new_request_id()
-            except RemoteJobNotFoundError as exc:
-                if not self._handle_failure(exc, epoch, deadline):
-                    raise
-                request_id = new_request_id()
-            except RemoteConnectionError as exc:  # never reached the server (retries spent)
-                if self._handle_failure(exc, epoch, deadline):
-                    request_id = new_request_id()
             if time.monotonic() >= deadline:
                 break
         raise RemoteConnectionError(what, f"still failing after {_MAX_RESENDS} re-sends / recovery.wait_s = "
                                     f"{self.config.wait_s:g} s")
+
+    def _decide(self, what: str, failure: RemoteBackendError, epoch: int, deadline: float, safe: bool,
+                counter: tuple[str, int] | None, request_id: str) -> str:
+        """After ``failure``: ``"same"`` (re-send with the same id), ``"new"`` (re-send as a new call),
+        ``"applied"`` (it was applied; do not re-send) or ``"raise"``."""
+        if self._handle_failure(failure, epoch, deadline):
+            return "new"  # restored or adopted: new jobs, a new call
+        if isinstance(failure, RemoteJobNotFoundError):
+            return "raise"  # the same server without the job: destroyed (the run is ending)
+        if not isinstance(failure, AmbiguousCallError) or safe:
+            return "same"  # it never reached the server, or repeating it is harmless
+        if self.http.idempotency:  # a server that replays ids applies it once
+            self.stats["resent"] += 1
+            logger.warning("arctic: %s got no answer (%s); re-sending it with X-Request-Id %s: the server replays "
+                           "ids", what, failure.reason, request_id)
+            return "same"
+        outcome = self._settle(what, counter)
+        if outcome is Outcome.APPLIED:
+            self.stats["ambiguous_applied"] += 1
+            return "applied"
+        if outcome is Outcome.NOT_APPLIED:
+            self.stats["ambiguous_resent"] += 1
+            return "new"
+        self._rebuild_training(what)
+        return "new"
 
     def _handle_failure(self, exc: RemoteBackendError, epoch: int, deadline: float) -> bool:
         """After a failed call: True when the jobs were restored or adopted (re-send to the new ones),
@@ -276,7 +303,12 @@ class Recovery:
         if counter is None:
             return Outcome.UNKNOWN
         name, before = counter
-        value, _ = read_counter(self.http, self.client._job(JobType.TRAINING), name)
+        job = self.client._job(JobType.TRAINING)
+        value, info = read_counter(self.http, job, name)
+        deadline = time.monotonic() + self.config.wait_s
+        while info.get("busy") is True and time.monotonic() < deadline:  # the call may still be computing
+            time.sleep(_POLL_S)
+            value, info = read_counter(self.http, job, name)
         if value is None:
             outcome = Outcome.UNKNOWN
         elif value == before + 1:
@@ -375,6 +407,10 @@ class Recovery:
                 if step != client._step:
                     raise RemoteBackendError(f"arctic: restore reached step {step}, but the client is at step "
                                              f"{client._step}; the run cannot continue exactly")
+            elif journal.base is None:
+                raise RemoteBackendError(
+                    "arctic: the server restarted and this client knows no checkpoint of the run and not every update "
+                    "since its start: the training state cannot be restored; resume the run from its last checkpoint")
             else:
                 lost = client._step - step
                 logger.error("arctic: the update journal was incomplete: restored step %d from %s; the %d step(s) "
@@ -384,7 +420,8 @@ class Recovery:
                 client._step = step
                 client._http.step = step
                 journal.reset(journal.base)
-            client._publish_jobs({**client._job_ids, **created}, health.get("instance_id") or client._instance_id)
+            client._publish_jobs({**client._job_ids, **created}, health.get("instance_id") or client._instance_id,
+                                 created=created)
             if not only_training:  # a rebuilt training job holds the weights the sampler already has
                 client._sync_weights_now()
         except BaseException:
@@ -416,7 +453,7 @@ class Recovery:
             health = self._wait_for_server(deadline)
             found = self._ready_jobs(wanted)
             if found is not None:
-                client._publish_jobs(found, health.get("instance_id") or client._instance_id, owned=False)
+                client._publish_jobs(found, health.get("instance_id") or client._instance_id, created={})
                 self.stats["adoptions"] += 1
                 return
             if time.monotonic() >= deadline:

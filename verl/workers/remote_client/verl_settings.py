@@ -90,6 +90,8 @@ class VerlSettings:
     tokenizer_path: str
     rollout_n: int = 1
     rollout_temperature: float = 1.0
+    rollout_seed: int = 42
+    rollout_full_determinism: bool = False
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1
@@ -150,6 +152,8 @@ class VerlSettings:
             tokenizer_path=str(select(cfg, f"{arr}.model.tokenizer_path", None) or model_path),
             rollout_n=int(select(cfg, f"{arr}.rollout.n", 1)),
             rollout_temperature=float(select(cfg, f"{arr}.rollout.temperature", 1.0)),
+            rollout_seed=int(select(cfg, f"{arr}.rollout.seed", 42) or 0),
+            rollout_full_determinism=bool(select(cfg, f"{arr}.rollout.full_determinism", False)),
             max_prompt_length=int(select(cfg, "data.max_prompt_length", 512)),
             max_response_length=int(select(cfg, "data.max_response_length", 512)),
             train_batch_size=int(select(cfg, "data.train_batch_size", 1)),

@@ -1,0 +1,244 @@
+"""A GRPO run of stock verl survives ``kill -9`` of its Arctic RL server, and Ctrl-C leaves nothing behind.
+
+``python -m verl.remote_backend.main_ppo ... remote_backend=arctic`` with ``remote_backend.server.url``
+pointing at a reference server this test started (a real ``python -m arctic_rl.server``), on CPU:
+
+* ``test_kill9_mid_run_matches_the_undisturbed_run``: a reference run of ``STEPS`` GRPO steps; then
+  the same run (same seeds) while a supervisor thread watches the training job's ``global_step`` and,
+  when it reaches a step drawn with a fixed seed, ``kill -9``s the server and starts it again on the
+  same port and checkpoint root. The faulted run must finish with the same step count, the same
+  per-step rewards and response lengths, and final weights (the remote checkpoint verl saves at the
+  last step) equal to the reference run's; and it must have left no job on the server.
+  Reproducible rollouts come from verl's own ``rollout.full_determinism`` (the adapter then derives
+  each ``/generate`` seed from ``rollout.seed`` and the prompt) with one prompt per call
+  (``remote_backend.rollout.max_batch_size=1``).
+* ``test_ctrl_c_destroys_the_jobs_and_the_next_run_starts``: SIGINT to the driver's process group
+  mid-run; the server's ``/status`` then lists no job, and another run on the same server completes.
+
+Run by hand: ``pytest -m e2e tests/special_e2e/test_fault_restart_grpo_on_cpu.py -s``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+from server_process import running_server  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+STEPS = 4
+FAULT_SEED = 1234
+REWARD_FN = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    text = solution_str.strip()
+    return (1.0 if ground_truth in text else 0.0) + 0.05 * len(set(text))
+'''
+_STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
+
+
+def build_task(root: Path) -> dict[str, Path]:
+    import pandas as pd
+
+    from arctic_rl.tiny_models import build_tiny_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(root / "model", "qwen3", seed=0)
+    rows = [{"data_source": "tiny/add", "prompt": [{"role": "user", "content": f"{i % 5}+{(3 * i) % 7}="}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i % 5 + (3 * i) % 7)},
+             "extra_info": {"split": "train", "index": i}} for i in range(8)]
+    pd.DataFrame(rows).to_parquet(root / "train.parquet")
+    pd.DataFrame(rows[:2]).to_parquet(root / "val.parquet")
+    (root / "reward.py").write_text(REWARD_FN)
+    return {"model": Path(model), "train": root / "train.parquet", "val": root / "val.parquet",
+            "reward": root / "reward.py"}
+
+
+def command(task: dict[str, Path], out: Path, url: str, steps: int) -> list[str]:
+    overrides = [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={task['train']}",
+        f"data.val_files={task['val']}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=32",
+        "data.max_response_length=6",
+        "data.shuffle=False",
+        f"actor_rollout_ref.model.path={task['model']}",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.full_determinism=True",
+        "actor_rollout_ref.rollout.seed=7",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        f"reward.custom_reward_function.path={task['reward']}",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.save_freq={steps}",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"hydra.run.dir={out / 'hydra'}",
+        "remote_backend=arctic",
+        f"remote_backend.server.url={url}",
+        "remote_backend.train.deepspeed.bf16=false",
+        "remote_backend.retry.backoff_initial_s=0.2",
+        "remote_backend.retry.backoff_max_s=2",
+        "remote_backend.recovery.checkpoint_every_n_steps=2",
+        "remote_backend.recovery.watch_interval_s=1",
+        "remote_backend.recovery.wait_s=600",
+        "remote_backend.rollout.max_batch_size=1",
+    ]
+    return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1")
+    env.pop("VERL_USE_EXTERNAL_MODULES", None)
+    env.pop("ARCTIC_RL_TOKEN", None)
+    return env
+
+
+def step_metrics(text: str) -> dict[int, dict[str, float]]:
+    steps: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        match = _STEP_LINE.search(line)
+        if not match:
+            continue
+        metrics = {}
+        for item in match.group(2).split(" - "):
+            key, _, value = item.rpartition(":")
+            number = re.search(r"-?\d+(\.\d+)?(e-?\d+)?", value)
+            if key and number:
+                metrics[key.strip()] = float(number.group(0))
+        steps[int(match.group(1))] = metrics
+    return steps
+
+
+def final_weights(server_root: Path, run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The module weights of the remote checkpoint verl saved at ``step`` for the run in ``run_dir``."""
+    found = [p for p in server_root.rglob(f"checkpoint-{step}/*model_states.pt")
+             if str(run_dir).strip("/") in str(p) and "/recovery/" not in str(p)]
+    assert len(found) == 1, found
+    state = torch.load(found[0], map_location="cpu", weights_only=True)
+    return {k: v for k, v in state["module"].items() if isinstance(v, torch.Tensor)}
+
+
+def run(cmd: list[str], cwd: Path, log: Path, timeout: float = 1800) -> str:
+    print("running:", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    log.write_text(output)
+    print(f"exit {proc.returncode} after {time.monotonic() - t0:.0f} s; log {log}", flush=True)
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def jobs(server) -> dict:
+    return requests.get(server.url + "/status", timeout=30).json()["jobs"]
+
+
+class KillAtStep(threading.Thread):
+    """Supervisor: when the training job reaches ``step``, kill -9 the server and start it again."""
+
+    def __init__(self, server, step: int) -> None:
+        super().__init__(daemon=True)
+        self.server, self.step = server, step
+        self.killed_at: int | None = None
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.done.is_set():
+                for info in jobs(self.server).values():
+                    if info.get("job_type") == "training" and info.get("global_step", 0) >= self.step:
+                        self.killed_at = info["global_step"]
+                        self.server.restart()  # SIGKILL, then the same port and checkpoint root
+                        return
+                time.sleep(0.05)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
+def test_kill9_mid_run_matches_the_undisturbed_run(tmp_path):
+    task = build_task(tmp_path / "task")
+    with running_server(tmp_path / "server") as server:
+        reference = run(command(task, tmp_path / "ref", server.url, STEPS), tmp_path, tmp_path / "ref.log")
+        assert jobs(server) == {}
+        kill_step = random.Random(FAULT_SEED).randint(1, STEPS - 1)
+        supervisor = KillAtStep(server, kill_step)
+        supervisor.start()
+        try:
+            faulted = run(command(task, tmp_path / "fault", server.url, STEPS), tmp_path, tmp_path / "fault.log")
+        finally:
+            supervisor.done.set()
+            supervisor.join(300)
+        assert supervisor.error is None, supervisor.error
+        assert supervisor.killed_at is not None and supervisor.killed_at >= kill_step, "the server was never killed"
+        print(f"killed the server at training step {supervisor.killed_at}", flush=True)
+        assert "recovered from a server restart" in faulted, faulted[-4000:]
+        assert jobs(server) == {}  # the driver destroyed the restored jobs too
+
+        want, got = step_metrics(reference), step_metrics(faulted)
+        assert sorted(want) == sorted(got) == list(range(1, STEPS + 1))
+        for step in want:
+            for key in ("critic/score/mean", "response_length/mean", "training/global_step"):
+                assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+            assert got[step]["actor/pg_loss"] == pytest.approx(want[step]["actor/pg_loss"], rel=1e-4, abs=1e-6)
+        ref_w = final_weights(server.checkpoint_root, tmp_path / "ref" / "checkpoints", STEPS)
+        fault_w = final_weights(server.checkpoint_root, tmp_path / "fault" / "checkpoints", STEPS)
+        assert ref_w.keys() == fault_w.keys() and ref_w
+        for name in ref_w:
+            torch.testing.assert_close(fault_w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert all(want[s]["actor/grad_norm"] > 0 for s in want)
+
+
+def test_ctrl_c_destroys_the_jobs_and_the_next_run_starts(tmp_path):
+    task = build_task(tmp_path / "task")
+    with running_server(tmp_path / "server") as server:
+        cmd = command(task, tmp_path / "interrupted", server.url, 50)
+        log = open(tmp_path / "interrupted.log", "w")
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=environment(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline:  # wait until it trains
+                assert proc.poll() is None, (tmp_path / "interrupted.log").read_text()[-4000:]
+                if any(v.get("global_step", 0) >= 1 for v in jobs(server).values()):
+                    break
+                time.sleep(0.5)
+            else:
+                pytest.fail("the run never reached step 1")
+            assert len(jobs(server)) == 3
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
+            log.close()
+        text = (tmp_path / "interrupted.log").read_text()
+        assert proc.returncode != 0
+        assert jobs(server) == {}, text[-4000:]
+        run(command(task, tmp_path / "next", server.url, 1), tmp_path, tmp_path / "next.log")
+        assert jobs(server) == {}
