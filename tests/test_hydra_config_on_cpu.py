@@ -188,7 +188,7 @@ def test_stock_main_ppo_plugin_route_composes():
 def _full_config(**overrides):
     from _helpers_arctic import verl_main_config
 
-    return verl_main_config({"actor_rollout_ref": {"rollout": {"name": "arctic"}}, **overrides})
+    return verl_main_config({"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {"rollout": {"name": "arctic"}}, **overrides})
 
 
 def test_trainer_refuses_another_rollout_engine_by_name():
