@@ -20,7 +20,8 @@ def test_full_step_line():
         "timing_s/step": 3.06,
         "actor/pg_loss": 0.7,  # everything else is ignored
     }
-    assert format_progress(metrics, 7, 40) == "step 7/40 | reward 0.512 | gen 1.2s lp 0.3s upd 0.8s sync 0.1s | 3.1 s/step"
+    expected = "step 7/40 | reward 0.512 | gen 1.2s lp 0.3s upd 0.8s sync 0.1s | 3.1 s/step"
+    assert format_progress(metrics, 7, 40) == expected
 
 
 def test_partial_and_unknown_total():

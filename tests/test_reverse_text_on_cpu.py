@@ -205,7 +205,8 @@ def test_plot_writes_csv_png_and_summary(tmp_path):
     assert set(rows[0]) == {"step", "critic/score/mean", "timing_s/gen", "training/epoch",
                             "val-core/reverse_text/acc/mean@1"}
     assert [float(r["critic/score/mean"]) for r in rows] == rewards
-    assert rows[0]["val-core/reverse_text/acc/mean@1"] == "" and float(rows[-1]["val-core/reverse_text/acc/mean@1"]) == 0.9
+    val_key = "val-core/reverse_text/acc/mean@1"
+    assert rows[0][val_key] == "" and float(rows[-1][val_key]) == 0.9
     assert float(rows[-1]["critic/score/mean"]) == 0.85  # merged with the validation line of the same step
 
     png = (tmp_path / "out" / "reward_curve.png").read_bytes()

@@ -47,7 +47,8 @@ def make_row(example: dict[str, Any], index: int, split: str) -> dict[str, Any]:
     """One verl RL row from a raw GSM8K example (``question``, ``answer``)."""
     for field in ("question", "answer"):
         if not isinstance(example.get(field), str):
-            raise ValueError(f"{field}: expected a string in every GSM8K example, got {type(example.get(field)).__name__}")
+            got = type(example.get(field)).__name__
+            raise ValueError(f"{field}: expected a string in every GSM8K example, got {got}")
     question, answer = example["question"], example["answer"]
     return {
         "data_source": DATA_SOURCE,

@@ -38,6 +38,8 @@ PYTHON="${PYTHON:-python3}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+# verl's TransferQueue asks torch for 8 threads per operation (and warns on every call on a 2-core machine).
+export TQ_NUM_THREADS="${TQ_NUM_THREADS:-1}"
 
 # `--cfg job` / `--help` (Hydra) only print the composed config: nothing to build, run or plot.
 PRINT_ONLY=false

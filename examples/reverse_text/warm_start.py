@@ -15,7 +15,7 @@ decodes it. The result is a Hugging Face directory (model + tokenizer) plus ``wa
 With ``--via-server`` the same SFT runs on an Arctic RL server through its ``cross_entropy`` loss
 (``warm_start_server.py``; the bundled reference server is started when no ``--server-url`` is given).
 
-Usage: ``python examples/reverse_text/warm_start.py --model INIT_DIR --out DIR [--target 0.45 --seed 0] [--via-server]``.
+Usage: ``python examples/reverse_text/warm_start.py --model INIT_DIR --out DIR [--target 0.45] [--via-server]``.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ def _sft_body(tokenizer, strings: list[str]) -> dict[str, Any]:
              "prompts": ids[:, :width_p].contiguous(), "responses": ids[:, width_p:].contiguous()}
     meta = {"rollout_n": 1, "max_prompt_len": width_p, "max_response_len": width_r, "temperature": 1.0,
             "pad_token_id": pad, "global_batch_size": len(strings)}
-    return {"batch": batch, "meta": meta, "processing": {"loss_fn": "cross_entropy", "config": {"loss_agg_mode": "token-mean"}}}
+    processing = {"loss_fn": "cross_entropy", "config": {"loss_agg_mode": "token-mean"}}
+    return {"batch": batch, "meta": meta, "processing": processing}
 
 
 def _ds_config(lr: float, warmup_steps: int, batch_size: int) -> dict[str, Any]:
@@ -93,7 +94,9 @@ class _Server:
     def tensors(self, path: str, job_type: JobType, body: dict, op: str) -> dict:
         resp = self.http.request("POST", path, op=op, params={"job_id": self.jobs[job_type]},
                                  data=dssst1.dumps(body), content_type=OCTET_STREAM)
-        return dssst1.loads(resp.content) if resp.headers.get("Content-Type", "").startswith(OCTET_STREAM) else resp.json()
+        if resp.headers.get("Content-Type", "").startswith(OCTET_STREAM):
+            return dssst1.loads(resp.content)
+        return resp.json()
 
     def json(self, path: str, job_type: JobType, body: dict, op: str) -> dict:
         return self.http.post_json(path, body, params={"job_id": self.jobs[job_type]}, op=op).json()
@@ -107,7 +110,8 @@ class _Server:
             self.http.close()
 
 
-def _sampled_reward(server: _Server, tokenizer, strings: list[str], *, max_new_tokens: int, seed: int) -> dict[str, float]:
+def _sampled_reward(server: _Server, tokenizer, strings: list[str], *, max_new_tokens: int,
+                    seed: int) -> dict[str, float]:
     prompts: list = [_prompt_ids(tokenizer, s) for s in strings]
     if not server.token_prompts:
         prompts = [tokenizer.decode(p) for p in prompts]
@@ -115,13 +119,14 @@ def _sampled_reward(server: _Server, tokenizer, strings: list[str], *, max_new_t
     out = server.tensors(Paths.GENERATE, JobType.SAMPLING, {"prompts": prompts, "sampling_params": params}, "generate")
     texts = [tokenizer.decode(r["token_ids"], skip_special_tokens=True) for r in out["results"]]
     scores = [compute_score(DATA_SOURCE, t, s[::-1]) for t, s in zip(texts, strings)]
-    return {"reward": sum(scores) / len(scores), "exact": sum(t == s[::-1] for t, s in zip(texts, strings)) / len(strings)}
+    exact = sum(t == s[::-1] for t, s in zip(texts, strings)) / len(strings)
+    return {"reward": sum(scores) / len(scores), "exact": exact}
 
 
-def warm_start_via_server(model_dir: str | Path, out_dir: str | Path, *, url: str | None = None, token: str | None = None,
-                          target: float = 0.45, max_steps: int = 80, lr: float = 3e-3, warmup_steps: int = 20,
-                          batch_size: int = 64, eval_every: int = 2, eval_prompts: int = 128, max_new_tokens: int = 10,
-                          seed: int = 0) -> dict[str, Any]:
+def warm_start_via_server(model_dir: str | Path, out_dir: str | Path, *, url: str | None = None,
+                          token: str | None = None, target: float = 0.45, max_steps: int = 80, lr: float = 3e-3,
+                          warmup_steps: int = 20, batch_size: int = 64, eval_every: int = 2, eval_prompts: int = 128,
+                          max_new_tokens: int = 10, seed: int = 0) -> dict[str, Any]:
     """:func:`warm_start.warm_start` on an Arctic RL server (``url``; ``None`` starts the reference server)."""
     from transformers import AutoTokenizer
 
@@ -152,8 +157,8 @@ def warm_start_via_server(model_dir: str | Path, out_dir: str | Path, *, url: st
         eval_strings = [random_string(eval_rng) for _ in range(eval_prompts)]
         history, reached, step, last = [], False, 0, {"reward": 0.0, "exact": 0.0}
         for step in range(1, max_steps + 1):
-            res = server.tensors(Paths.FORWARD_BACKWARD, JobType.TRAINING,
-                                 _sft_body(tokenizer, [random_string(rng) for _ in range(batch_size)]), "forward_backward")
+            body = _sft_body(tokenizer, [random_string(rng) for _ in range(batch_size)])
+            res = server.tensors(Paths.FORWARD_BACKWARD, JobType.TRAINING, body, "forward_backward")
             server.json(Paths.STEP, JobType.TRAINING, {}, "step")
             if step % eval_every == 0 or step == max_steps:
                 training, sampling = server.jobs[JobType.TRAINING], server.jobs[JobType.SAMPLING]

@@ -29,8 +29,9 @@ import pytest
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "examples" / "grpo" / "run_reverse_text_grpo_arl_local.sh"
 STEPS = 20
-# Measured at 20 steps, seed 0: +0.195, +0.198 (ZoRRO off), +0.200 (ZoRRO on) -- half of that is the bar.
-MIN_GAIN = 0.10
+# Measured at 20 steps, seed 0 (docs/RESULTS_reverse_text.md): +0.195, +0.198, +0.233 (ZoRRO off), +0.200, +0.144
+# (ZoRRO on). A run that does not learn moves by noise only (5-step means of 256 samples: ~0.02).
+MIN_GAIN = 0.08
 # One run is ~4 min on an idle 2-core machine; ~12 min when the cores are shared with other work.
 RUN_TIMEOUT_S = 1500
 
@@ -55,7 +56,8 @@ def _run(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], timeout: flo
 
 
 def _plot_module():
-    spec = importlib.util.spec_from_file_location("reverse_text_plot", REPO_ROOT / "examples" / "reverse_text" / "plot.py")
+    path = REPO_ROOT / "examples" / "reverse_text" / "plot.py"
+    spec = importlib.util.spec_from_file_location("reverse_text_plot", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -71,7 +73,8 @@ def out_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.mark.parametrize("zorro", ["false", "true"], ids=["zorro_off", "zorro_on"])
 def test_reverse_text_grpo_learns(out_dir: pathlib.Path, zorro: str):
     run_name = f"e2e_zorro_{zorro}"
-    env = {k: v for k, v in os.environ.items() if k not in {"MODEL_DIR", "DATA_DIR", "RUN_DIR", "VERL_FILE_LOGGER_PATH"}}
+    inherited = {"MODEL_DIR", "DATA_DIR", "RUN_DIR", "VERL_FILE_LOGGER_PATH"}
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     env.update(OUT_DIR=str(out_dir), STEPS=str(STEPS), ZORRO=zorro, SEED="0", RUN_NAME=run_name,
                PYTHON=sys.executable, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
     returncode, output = _run(["bash", str(SCRIPT)], cwd=out_dir, env=env, timeout=RUN_TIMEOUT_S)
