@@ -1,6 +1,6 @@
 """GPU throughput of the reference server's own engines: training MFU, ZoRRO speed-up, sampling tok/s.
 
-    python benchmarks/gpu_throughput.py [--out DIR] [--budget-s 480]     # on one GPU (bf16)
+    python benchmarks/gpu_throughput.py [--out DIR] [--budget-s 480] [--plans shipped,zero1,...]  # one GPU, bf16
     python benchmarks/gpu_throughput.py --device cpu --tiny              # CPU dry run (fp32, tiny)
 
 What runs, all in ONE process and one run so that every ratio compares like with like:
@@ -10,18 +10,20 @@ What runs, all in ONE process and one run so that every ratio compares like with
 2. A randomly initialised Qwen3-0.6B-shaped model (hidden 1024, 28 layers, 16 q / 8 kv heads of
    128, MLP 3072, tied embeddings, vocab 151,936 -- Qwen3's real vocabulary, so the LM head is as
    heavy as in a real run), saved to a local directory and loaded by the server's own
-   :class:`arctic_rl.server.engines.training.TrainingEngine` (DeepSpeed, bf16, ZeRO-0, AdamW).
+   :class:`arctic_rl.server.engines.training.TrainingEngine` (DeepSpeed, bf16, AdamW), once per
+   *plan* (:data:`PLANS`): ``shipped`` (the client's default ZeRO-0), ``zero1``, and ``zero1`` with
+   the server's opt-in ``--torch-compile modules`` / ``layers``.
 3. ``train`` cases: bodies built like the adapter's ``/forward-backward`` bodies (verl GRPO loss,
    ``post=[apply_temperature, compute_entropy_and_logprobs]``), validated by the server's own
    ``parse_batch_body`` and run through ``TrainingEngine.forward_backward`` + ``step`` -- the exact
    code a ``/forward-backward`` + ``/step`` pair runs, minus HTTP. Rows are full (no padding).
    ``hf_labels`` is the earlier baseline in the same engine: ``model(input_ids, labels=input_ids)``
    (full-vocabulary fp32 logits at every position).
-4. ``profile``: ``torch.profiler`` over two steps of the main plain case and of the ZoRRO case:
-   top kernels, time by kernel family, and GPU-busy fraction (kernel time / wall time).
+4. ``profile``: ``torch.profiler`` over two steps of the main plain case and of the ZoRRO case
+   (top kernels, time by kernel family, kernel time vs wall time), and over one optimizer step.
 5. ``generate``: the server's :class:`~arctic_rl.server.engines.sampling.SamplingEngine`
    (``transformers`` model, its own sampling loop) on 64 prompts, at batch 32 (server default)
-   and 64, against ``model.generate`` on the same prompts.
+   and 64, against ``model.generate`` on the same prompts; and a host-side profile of both.
 
 FLOPs (``flops_needed``), counted as the work the loss needs and nothing else, fwd + bwd = 3 x fwd:
 
@@ -326,7 +328,7 @@ def generation(model_dir: Path, device: torch.device, tiny: bool, max_tokens: in
     eng.generate(GenerateRequest(prompts=prompts[:2].tolist()), SamplingParams(max_tokens=4, ignore_eos=True))
     shape = f"{prompts_n} prompts x {prompt_len} tok, {max_tokens} new"
     for bs in batches:
-        bs = min(bs, prompts_n) if not tiny else max(1, min(bs, prompts_n) * prompts_n // 64)
+        bs = min(bs, prompts_n) if not tiny else max(1, min(bs, 64) * prompts_n // 64)  # tiny: same fractions
         label = f"server SamplingEngine, batch {bs}" + (" (server default)" if bs == 32 else "")
         eng.batch_size = bs
         sync(device)
@@ -517,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny model and shapes (CPU dry run)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/out_gpu")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_throughput", help="output folder ($OUT on the device)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining work after this many seconds")
