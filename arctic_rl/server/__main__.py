@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 __all__ = ["main", "parse_args"]
@@ -47,8 +50,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="longest time a connection may take to send a request head; then it is closed (default 30)")
     p.add_argument("--limit-concurrency", type=int, default=1024,
                    help="connections + requests in flight above which new requests get a 503; 0 = unbounded")
+    p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                   help="shut down (as on SIGTERM) once process PID is gone: a driver that starts a private server "
+                   "passes its own pid so that even a SIGKILLed driver leaves no server behind")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return p.parse_args(argv)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def watch_parent(pid: int, interval_s: float = 1.0) -> threading.Thread:
+    """A daemon thread that sends this process SIGTERM (uvicorn's graceful shutdown) once ``pid`` exits."""
+    log = logging.getLogger("arctic_rl.server")
+    original_ppid = os.getppid()
+
+    def run() -> None:
+        while True:
+            time.sleep(interval_s)
+            gone = not _process_alive(pid) or (pid == original_ppid and os.getppid() != original_ppid)
+            if gone:
+                log.warning("process %d (--exit-with-parent) is gone; shutting down", pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    thread = threading.Thread(target=run, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         "token" if settings.token else "none",
         app.state.server.instance_id,
     )
+    if args.exit_with_parent is not None:
+        watch_parent(args.exit_with_parent)
     uvicorn_level = args.log_level if args.log_level != "info" else "warning"  # our own logger says enough
     from arctic_rl.server.connection import head_timeout_protocol
 

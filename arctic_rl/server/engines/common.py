@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -131,28 +130,27 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     return int(model.get_input_embeddings().weight.shape[0])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def ensure_process_group(device: torch.device) -> None:
-    """A world-size-1 process group (gloo on CPU, nccl on CUDA), created once per process."""
+    """A world-size-1 process group (gloo on CPU, nccl on CUDA), created once per process.
+
+    Its rendezvous store is in-process (``HashStore``): no TCP port is opened, so an inherited
+    ``MASTER_PORT`` (a parent that runs engines itself, a launcher's leftovers) cannot collide with
+    another server on the same machine. The env vars DeepSpeed reads are set to match.
+    """
     import torch.distributed as dist
 
     with _PG_LOCK:
         if dist.is_initialized():
             return
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "0")
+        store = dist.HashStore()
         if device.type == "cuda":
-            dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
         else:
-            dist.init_process_group("gloo", rank=0, world_size=1)
-        backend = dist.get_backend()
-        logger.info("process group: %s, world size 1 (MASTER_PORT=%s)", backend, os.environ["MASTER_PORT"])
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        logger.info("process group: %s, world size 1 (in-process store)", dist.get_backend())
 
 
 def forward_logprobs(
