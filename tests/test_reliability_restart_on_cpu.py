@@ -26,7 +26,7 @@ import torch
 from _helpers_reliability import DropProxy, Supervisor, client_config, final_logprobs, train_batch
 from server_process import running_server, tiny_model_dir
 from verl.workers.remote_client.arctic_rl import ArcticRLClient
-from verl.workers.remote_client.recovery import CheckpointRef, UpdateJournal
+from verl.workers.remote_client.journal import CheckpointRef, UpdateJournal
 
 
 @pytest.mark.slow
@@ -125,3 +125,22 @@ def test_journal_overflow_is_loud_and_counts_the_steps_it_cannot_replay(caplog):
     assert journal.steps == 2  # both steps since the base are gone
     journal.reset(None)
     assert journal.complete and journal.steps == 0
+
+
+def test_a_client_attached_mid_run_cannot_restore_until_it_checkpoints():
+    journal = UpdateJournal(max_bytes=1000)
+    journal.start_unknown(step=7)
+    assert not journal.complete and journal.base is None  # the next step boundary checkpoints early
+    journal.reset(CheckpointRef("/ckpt/checkpoint-8", 8))
+    assert journal.complete
+
+
+def test_derived_sampling_seeds_repeat_across_runs_and_differ_across_samples():
+    from verl.workers.remote_client.generation import SeedDeriver
+
+    first, second = SeedDeriver(7), SeedDeriver(7)
+    run1 = [first([[5, 6]]), first([[5, 6]]), first([[9]])]
+    run2 = [second([[5, 6]]), second([[5, 6]]), second([[9]])]
+    assert run1 == run2  # a re-run (or a re-sent call) samples the same tokens
+    assert len(set(run1)) == 3  # GRPO's n samples of one prompt differ
+    assert SeedDeriver(8)([[5, 6]]) != run1[0] and all(0 <= s < 2**63 for s in run1)

@@ -70,7 +70,8 @@ from .jobs import HANDLE_VERSION, JOB_ORDER, check_handle, create_job, destroy_j
 from .layout import RESPONSE_KEYS, dense_batch, nested_from_server, plan_layout, shuffled_rows, split_rows
 from .local_server import LocalServer, start_local_server
 from .metrics import FlopsEstimator, mini_batch_metrics
-from .recovery import APPLIED, CheckpointRef, Recovery, read_counter
+from .journal import CheckpointRef
+from .recovery import APPLIED, Recovery, read_counter
 from .verl_settings import VerlSettings
 from .wire import decode_response, detect_protocol, encode_body
 
@@ -111,7 +112,6 @@ class ArcticRLClient(RemoteBackend):
         self._recovery = Recovery(self, arctic.recovery)
         if self._step:
             self._recovery.journal.start_unknown(self._step)
-        self._recovery_dir: str | None = arctic.recovery.checkpoint_path
         self._local = local_server
         self._plan = plan_batches(verl, arctic)
         self._flops = FlopsEstimator(verl.model_path, peak_tflops_per_device=arctic.mfu.peak_tflops_per_device,
@@ -485,29 +485,9 @@ class ArcticRLClient(RemoteBackend):
         step = metrics.get("global_step")
         self._step = int(step) if isinstance(step, int) and not isinstance(step, bool) else self._step + 1
         self._http.step = self._step
-        self._maybe_checkpoint()
+        if self.protocol is ProtocolVersion.V2:  # v1 servers cannot load a checkpoint back
+            self._recovery.after_step(self._step, self.save_checkpoint)
         return metrics
-
-    def _maybe_checkpoint(self) -> None:
-        """Save for recovery every ``recovery.checkpoint_every_n_steps`` steps, or early when the journal
-        overflowed (v2 servers: v1 ones cannot load a checkpoint back)."""
-        cfg, journal = self.arctic.recovery, self._recovery.journal
-        if not cfg.enable or self.protocol is not ProtocolVersion.V2:
-            return
-        due = cfg.checkpoint_every_n_steps and self._step % cfg.checkpoint_every_n_steps == 0
-        if not (due or journal.overflowed):
-            return
-        if self._recovery_dir is None:
-            info = self._http.get_json(Paths.job(self._job(JobType.TRAINING)))
-            base = (info or {}).get("checkpoint_path") or self.arctic.train.checkpoint_path
-            if not base:
-                logger.error("arctic: no directory for recovery checkpoints (set remote_backend.recovery."
-                             "checkpoint_path); a restart will replay the journal from the start of the run")
-                return
-            self._recovery_dir = f"{str(base).rstrip('/')}/recovery"
-        out = self.save_checkpoint(step=self._step, path=self._recovery_dir, save_total_limit=cfg.checkpoint_keep)
-        self._recovery.stats["checkpoints_saved"] += 1
-        logger.info("arctic: recovery checkpoint of step %d at %s", self._step, out.get("path"))
 
     # ------------------------------------------------------------------------------ generation
 

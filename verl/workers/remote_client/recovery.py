@@ -23,12 +23,11 @@ the driver) *adopt* the new jobs once they are ready (listed by ``/status``, tag
 ``client_tag`` when the server echoes tags, the sampler synced). A background watcher in the
 training client notices a restart even while no call is in flight (while verl generates, say).
 
-The journal is bounded (``recovery.journal_max_mb``); when it overflows it is dropped, the next
-step boundary saves a checkpoint early, and a restart before that restores the checkpoint only --
-logged at ERROR with the steps lost.
+Recovery checkpoints are taken here too (:meth:`Recovery.after_step`: every
+``recovery.checkpoint_every_n_steps`` steps, or early when the journal overflowed).
 
-What is not here: HTTP retries of transient failures (:mod:`.http`), what the calls carry
-(:mod:`.arctic_rl`), job creation (:mod:`.jobs`).
+What is not here: the journal itself (:mod:`.journal`), HTTP retries of transient failures
+(:mod:`.http`), what the calls carry (:mod:`.arctic_rl`), job creation (:mod:`.jobs`).
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from arctic_rl.protocol import JobType, Paths
@@ -52,8 +50,9 @@ from verl.remote_backend.errors import (
 from .arctic_config import RecoveryConfig
 from .http import AmbiguousCallError, ArcticHttp, new_request_id
 from .jobs import JOB_ORDER, create_job, destroy_jobs
+from .journal import CheckpointRef, UpdateJournal
 
-__all__ = ["APPLIED", "CheckpointRef", "JournalEntry", "Outcome", "Recovery", "UpdateJournal", "read_counter"]
+__all__ = ["APPLIED", "Outcome", "Recovery", "read_counter"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,80 +75,6 @@ class Outcome(str, enum.Enum):
     APPLIED = "applied"
     NOT_APPLIED = "not_applied"
     UNKNOWN = "unknown"
-
-
-# ------------------------------------------------------------------------------------------------ journal
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    """A checkpoint of the training job on the server: its directory and global step."""
-
-    path: str
-    step: int
-
-
-@dataclass(frozen=True)
-class JournalEntry:
-    """One acknowledged training-job mutation: POST ``path`` with ``body`` (bytes or JSON)."""
-
-    path: str
-    body: Any
-    content_type: str | None
-    is_step: bool
-    nbytes: int
-
-
-@dataclass
-class UpdateJournal:
-    """The training-job mutations acknowledged since :attr:`base` (``None``: a freshly created job)."""
-
-    max_bytes: int
-    base: CheckpointRef | None = None
-    entries: list[JournalEntry] = field(default_factory=list)
-    nbytes: int = 0
-    overflowed: bool = False
-    dropped_steps: int = 0
-    overflows: int = 0
-
-    @property
-    def complete(self) -> bool:
-        """Whether replaying :attr:`entries` on :attr:`base` reproduces the current state."""
-        return not self.overflowed
-
-    @property
-    def steps(self) -> int:
-        return sum(e.is_step for e in self.entries) + self.dropped_steps
-
-    def reset(self, base: CheckpointRef | None) -> None:
-        self.base, self.entries, self.nbytes, self.overflowed, self.dropped_steps = base, [], 0, False, 0
-
-    def start_unknown(self, step: int) -> None:
-        """A client that joins a run at ``step > 0`` does not know what preceded it: incomplete until
-        its first checkpoint (which the next step boundary takes)."""
-        self.reset(None)
-        self.overflowed = True
-        logger.info("arctic: attached at step %d: a restart before this client's first checkpoint cannot be "
-                    "restored by it (a checkpoint is taken at the next step boundary)", step)
-
-    def record(self, path: str, body: Any, content_type: str | None, *, is_step: bool) -> None:
-        if self.overflowed:
-            self.dropped_steps += int(is_step)
-            return
-        size = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 64
-        if self.nbytes + size > self.max_bytes:
-            self.overflowed = True
-            self.overflows += 1
-            self.dropped_steps = sum(e.is_step for e in self.entries) + int(is_step)
-            logger.log(logging.ERROR if self.overflows == 1 else logging.INFO,
-                "arctic: the update journal is full (%d + %d bytes > recovery.journal_max_mb = %.1f MiB): it is "
-                "dropped. A server restart before the next checkpoint (taken early, at the next step boundary) "
-                "restores that checkpoint only and LOSES the steps since it. Raise recovery.journal_max_mb or "
-                "lower recovery.checkpoint_every_n_steps.", self.nbytes, size, self.max_bytes / 2**20)
-            self.entries, self.nbytes = [], 0
-            return
-        self.entries.append(JournalEntry(path, body, content_type, is_step, size))
-        self.nbytes += size
 
 
 # ------------------------------------------------------------------------------------------------ counters
@@ -186,6 +111,7 @@ class Recovery:
         self._down_seen = False
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._checkpoint_dir: str | None = config.checkpoint_path
 
     @property
     def http(self) -> ArcticHttp:
@@ -485,6 +411,28 @@ class Recovery:
                 return None  # created, not yet synced with the restored weights
             found[job_type.value] = job_id
         return found
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def after_step(self, step: int, save: Callable[..., dict]) -> None:
+        """After optimizer step ``step``: save a recovery checkpoint when due (every
+        ``checkpoint_every_n_steps``, or early after a journal overflow). ``save`` is the client's
+        ``save_checkpoint``, which resets the journal to the new checkpoint."""
+        cfg = self.config
+        due = cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0
+        if not cfg.enable or not (due or self.journal.overflowed):
+            return
+        if self._checkpoint_dir is None:
+            info = self.http.get_json(Paths.job(self.client._job(JobType.TRAINING)))
+            base = (info or {}).get("checkpoint_path") or self.client.arctic.train.checkpoint_path
+            if not base:
+                logger.error("arctic: no directory for recovery checkpoints (set remote_backend.recovery."
+                             "checkpoint_path); a restart will replay the journal from the start of the run")
+                return
+            self._checkpoint_dir = f"{str(base).rstrip('/')}/recovery"
+        out = save(step=step, path=self._checkpoint_dir, save_total_limit=cfg.checkpoint_keep)
+        self.stats["checkpoints_saved"] += 1
+        logger.info("arctic: recovery checkpoint of step %d at %s", step, out.get("path"))
 
     # ------------------------------------------------------------------------------ watcher
 
