@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -279,3 +282,49 @@ def test_local_server_that_never_answers_times_out_and_is_stopped(tmp_path):
     assert err.value.timeout_s == 1.0 and "warming up" in str(err.value)
     with pytest.raises(ProcessLookupError):  # terminated and reaped, not leaked
         os.kill(int(pid_file.read_text()), 0)
+
+
+def test_local_server_outlives_no_sigkilled_driver(tmp_path):
+    """A driver killed with SIGKILL runs no atexit hook; its private server must still go away."""
+    info = tmp_path / "server.json"
+    driver = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys, time\n"
+        "from verl.workers.remote_client.arctic_config import LocalServerConfig\n"
+        "from verl.workers.remote_client.local_server import start_local_server\n"
+        f"s = start_local_server(LocalServerConfig(checkpoint_root={str(tmp_path / 'root')!r}, startup_timeout_s=240))\n"
+        f"open({str(info)!r}, 'w').write(json.dumps({{'pid': s.proc.pid, 'url': s.url}}))\n"
+        "time.sleep(600)\n")], cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 300
+        while not info.exists() or not info.read_text():
+            assert driver.poll() is None and time.monotonic() < deadline, "the driver did not start a server"
+            time.sleep(0.5)
+        server = json.loads(info.read_text())
+        assert requests.get(server["url"] + "/health", timeout=10).ok
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                os.kill(server["pid"], 0)
+            except ProcessLookupError:
+                break
+            if _is_zombie(server["pid"]):
+                break
+            assert time.monotonic() < deadline, "the local server survived its SIGKILLed driver"
+            time.sleep(0.5)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if info.exists() and info.read_text():
+            try:
+                os.kill(json.loads(info.read_text())["pid"], 9)
+            except ProcessLookupError:
+                pass
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return False

@@ -230,11 +230,13 @@ class RolloutJobConfig:
     vllm_config: dict = field(default_factory=dict)
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
+    max_in_flight: int = 1
 
     def _validate(self, p: str) -> None:
         _require(self.num_devices >= 1, f"{p}.num_devices", "must be positive", ">= 1", self.num_devices)
         _require(self.max_batch_size >= 1, f"{p}.max_batch_size", "must be positive", ">= 1", self.max_batch_size)
         _require(self.max_wait_ms >= 0, f"{p}.max_wait_ms", "negative", ">= 0", self.max_wait_ms)
+        _require(self.max_in_flight >= 1, f"{p}.max_in_flight", "must be positive", ">= 1", self.max_in_flight)
 
 
 @dataclass(frozen=True)

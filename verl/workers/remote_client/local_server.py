@@ -2,7 +2,8 @@
 
 Used when ``remote_backend.server.url`` is null: the adapter that creates the jobs (the driver's)
 starts one server on a free 127.0.0.1 port, hands out only its URL (workers attach to it), and
-stops it on ``destroy()`` or at interpreter exit. The server's stdout/stderr go to a log file
+stops it on ``destroy()`` or at interpreter exit; the server also watches the starting process
+(``--exit-with-parent``) and shuts down if it is killed outright. The server's stdout/stderr go to a log file
 (``<log_dir>/arctic_server-<port>.log``); a server that dies or does not answer ``/health`` in
 time is reported with the tail of that log. The token, if any, reaches the server through its
 environment (``ARCTIC_RL_SERVER_TOKEN``), never its command line, which other users can read.
@@ -119,11 +120,13 @@ def start_local_server(cfg: LocalServerConfig, *, token: str | None = None, pyth
 def _spawn(cfg: LocalServerConfig, port: int, root: Path, log_dir: Path, token: str | None, python: str,
            tmpdir: tempfile.TemporaryDirectory | None) -> LocalServer:
     cmd = [python, "-m", "arctic_rl.server", "--host", cfg.host, "--port", str(port), "--checkpoint-root", str(root),
-           "--device", cfg.device, "--threads", str(cfg.threads)]
+           "--device", cfg.device, "--threads", str(cfg.threads), "--exit-with-parent", str(os.getpid())]
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads), TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
     env.pop(SERVER_TOKEN_ENV, None)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)  # a Ray worker's rendezvous settings are not the server's
     if token:
         env[SERVER_TOKEN_ENV] = token
     log_path = log_dir / f"arctic_server-{port}.log"
