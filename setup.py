@@ -62,6 +62,8 @@ setup(
     extras_require={
         "server": ["deepspeed>=0.19", "fastapi", "uvicorn"],
         "gpu": ["vllm"],
+        # the examples' reward-curve plot (examples/reverse_text/plot.py)
+        "examples": ["matplotlib"],
         "test": ["pytest>=8", "pytest-timeout", "httpx", "matplotlib", "schemathesis"],
     },
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Install verl-remote-backend (and verl 0.9.1, the reference server's DeepSpeed, ...) into ./.venv.
+# Install verl-remote-backend (and verl 0.9.1, the reference server's DeepSpeed, the examples' plotting) into ./.venv.
 #
-#   bash scripts/install.sh           # runtime + reference server
+#   bash scripts/install.sh           # runtime + reference server + what the examples need
 #   bash scripts/install.sh --test    # ... + test tools
 #
 # The checkout is installed in editable mode: edits under verl/remote_backend/, verl/workers/remote_client/
@@ -11,10 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="server"
+extras="server,examples"
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="server,test" ;;
+    --test) extras="server,examples,test" ;;
     *) echo "usage: bash scripts/install.sh [--test]" >&2; exit 2 ;;
   esac
 done

@@ -75,7 +75,16 @@ def test_metadata_declares_runtime_dependencies():
                 "cachetools", "uvicorn", "fastapi", "transferqueue"):
         assert dep in plain, f"{dep} not declared in install_requires"
     extras = md.metadata("verl-remote-backend").get_all("Provides-Extra") or []
-    assert {"server", "gpu", "test"} <= set(extras)
+    assert {"server", "gpu", "examples", "test"} <= set(extras)
+    examples = [r for r in requires if "extra ==" in r and "examples" in r.split("extra ==")[1]]
+    assert any(r.lower().startswith("matplotlib") for r in examples), examples
+
+
+def test_the_readme_install_brings_what_the_main_job_needs():
+    """README command #1 runs ``scripts/install.sh`` with no flag; its reward-curve PNG needs matplotlib."""
+    script = (REPO / "scripts" / "install.sh").read_text()
+    default = next(line for line in script.splitlines() if line.startswith("extras="))
+    assert "server" in default and "examples" in default, default
 
 
 def test_constraints_keep_verls_pins():
