@@ -210,7 +210,7 @@ def test_destroy_touches_only_own_jobs_and_restart_is_detected(server, model_dir
         assert sorted(int(k) for k in server_jobs(server)) == sorted(second.job_ids.values())
         with pytest.raises(RemoteServerError) as err:  # a third creator is refused, not allowed to clean up
             ArcticRLClient.from_config(cfg)
-        assert err.value.status == 409 and "never destroys jobs it did not create" in str(err.value)
+        assert err.value.status == 409 and "never destroys jobs that may be in use" in str(err.value)
         assert sorted(int(k) for k in server_jobs(server)) == sorted(second.job_ids.values())
         handle = second.reconnect_handle()
         server.restart()  # kill -9: jobs and their state are gone
@@ -218,6 +218,65 @@ def test_destroy_touches_only_own_jobs_and_restart_is_detected(server, model_dir
             ArcticRLClient.from_config(cfg, handle=handle)
     finally:
         second.destroy()  # the jobs are gone with the old process: 404s are fine
+
+
+_CHILD_DRIVER = """
+import json, sys, time
+from omegaconf import OmegaConf
+from verl.workers.remote_client.arctic_rl import ArcticRLClient
+client = ArcticRLClient.from_config(OmegaConf.load(sys.argv[1]))
+print(json.dumps(client.job_ids), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_jobs_of_a_sigkilled_driver_are_reclaimed_only_when_abandoned(server, model_dir, tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
+    cfg = main_config(model_dir, server.url)
+    (tmp_path / "cfg.yaml").write_text(OmegaConf.to_yaml(cfg))
+    child = subprocess.Popen([sys.executable, "-c", _CHILD_DRIVER, str(tmp_path / "cfg.yaml")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        abandoned = json.loads(child.stdout.readline())
+    finally:
+        child.kill()  # no atexit hook, no destroy: its three jobs stay on the server
+        child.wait(timeout=60)
+    assert sorted(int(k) for k in server_jobs(server)) == sorted(abandoned.values())
+
+    with pytest.raises(RemoteServerError) as err:  # not opted in: refused, with the way out named
+        ArcticRLClient.from_config(cfg)
+    assert err.value.status == 409 and "remote_backend.server.reclaim_idle_jobs_s" in str(err.value)
+    with pytest.raises(RemoteServerError) as err:  # opted in, but the jobs have not been idle that long
+        ArcticRLClient.from_config(main_config(model_dir, server.url, server={"reclaim_idle_jobs_s": 3600}))
+    assert err.value.status == 409 and "not an abandoned job" in str(err.value)
+    assert sorted(int(k) for k in server_jobs(server)) == sorted(abandoned.values())
+
+    time.sleep(1.5)
+    reclaim = main_config(model_dir, server.url, server={"reclaim_idle_jobs_s": 1})
+    client = ArcticRLClient.from_config(reclaim)
+    try:
+        assert set(client.job_ids.values()).isdisjoint(abandoned.values())
+        assert sorted(int(k) for k in server_jobs(server)) == sorted(client.job_ids.values())
+        assert all(v["idle_s"] >= 0 and v["client_tag"] == client.client_tag for v in server_jobs(server).values())
+    finally:
+        client.destroy()
+
+    # a job without a client tag (another client's, e.g. the vendor's) is never reclaimed
+    body = {"model_name": str(model_dir), "job_type": "sampling", "checkpoint_path": "untagged"}
+    foreign = requests.post(server.url + "/initialize", json=body, headers=server.headers, timeout=300).json()["job_id"]
+    try:
+        time.sleep(1.5)
+        with pytest.raises(RemoteServerError) as err:
+            ArcticRLClient.from_config(reclaim)
+        assert err.value.status == 409
+        assert list(server_jobs(server)) == [str(foreign)]
+    finally:
+        requests.post(server.url + f"/destroy?job_id={foreign}", json={"job_type": "sampling"}, headers=server.headers,
+                      timeout=60)
+    assert server_jobs(server) == {}
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ class Job:
     engine: Any = None
     created_at: float = field(default_factory=time.time)
     calls: int = 0
+    last_call_at: float = field(default_factory=time.time)  # creation, or the end of the latest call
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def info(self) -> dict[str, Any]:
@@ -55,6 +56,9 @@ class Job:
             "calls": self.calls,
             "client_tag": self.config.client_tag,
             "busy": self.lock.locked(),  # a call is computing on the job (or waits for it)
+            # seconds since the job last finished a call (or was created); 0 while busy. A client whose
+            # driver was SIGKILLed leaves jobs that only grow idle: see remote_backend.server.reclaim_idle_jobs_s
+            "idle_s": 0.0 if self.lock.locked() else round(max(0.0, time.time() - self.last_call_at), 3),
         }
         if self.engine is not None and hasattr(self.engine, "info"):
             info.update(self.engine.info())

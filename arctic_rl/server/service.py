@@ -96,7 +96,10 @@ class ServerState:
             if self.jobs.get(job.job_id, running=False) is not job:  # destroyed while we waited
                 raise BadRequest(f"job {job.job_id} was destroyed", field="job_id", received=job.job_id)
             job.calls += 1
-            return await self._in_thread(fn, *args)
+            try:
+                return await self._in_thread(fn, *args)
+            finally:
+                job.last_call_at = time.time()
 
     def shutdown(self) -> None:
         for job in self.jobs.all():

@@ -72,6 +72,7 @@ class ServerConfig:
     token: str | None = None
     protocol: Literal["auto", "v1", "v2"] = "auto"
     pool_size: int = 8
+    reclaim_idle_jobs_s: float | None = None
     local: LocalServerConfig = field(default_factory=LocalServerConfig)
 
     def _validate(self, p: str) -> None:
@@ -79,12 +80,15 @@ class ServerConfig:
             ok = self.url.startswith(("http://", "https://")) and len(self.url.split("://", 1)[1].strip("/")) > 0
             _require(ok, f"{p}.url", "not an http(s) URL", "http://host:port, https://host[:port] or null", self.url)
         _require(self.pool_size >= 1, f"{p}.pool_size", "must be positive", ">= 1", self.pool_size)
+        if self.reclaim_idle_jobs_s is not None:
+            _require(self.reclaim_idle_jobs_s > 0, f"{p}.reclaim_idle_jobs_s", "must be positive",
+                     "> 0 seconds or null", self.reclaim_idle_jobs_s)
 
     def __repr__(self) -> str:  # never print the token
         token = None if self.token is None else "***"
         return (
             f"ServerConfig(url={self.url!r}, token={token!r}, protocol={self.protocol!r}, "
-            f"pool_size={self.pool_size!r}, local={self.local!r})"
+            f"pool_size={self.pool_size!r}, reclaim_idle_jobs_s={self.reclaim_idle_jobs_s!r}, local={self.local!r})"
         )
 
 

@@ -162,7 +162,8 @@ class ArcticRLClient(RemoteBackend):
             client = cls(arctic=arctic, verl=verl, http=http, protocol=protocol, health=health, job_ids={},
                          owned=True, local_server=local, client_tag=tag)
             for job_type in JOB_ORDER:
-                job_id = create_job(http, job_type, bodies[job_type], tag=tag)
+                job_id = create_job(http, job_type, bodies[job_type], tag=tag,
+                                    reclaim_idle_s=arctic.server.reclaim_idle_jobs_s)
                 client._job_ids[job_type.value] = client._owned[job_type.value] = job_id
         except BaseException:
             if client is not None:

@@ -6,6 +6,8 @@
   server already has a job of that type) is re-raised with what to do about it: this adapter never
   destroys jobs it did not create (the vendor client's start-up clean-up destroys everyone's).
 * :func:`destroy_jobs` -- ``POST /destroy`` for the given jobs only; a job already gone is fine.
+* :func:`reclaim_abandoned_jobs` -- opt-in (``server.reclaim_idle_jobs_s``): destroy the jobs of an
+  earlier run of this adapter that are all idle that long (its driver was SIGKILLed).
 * :func:`check_handle` -- validation of a ``reconnect_handle()`` dict received from another process.
 
 What is not here: the data plane (:mod:`.arctic_rl`) or HTTP itself (:mod:`.http`).
@@ -29,7 +31,8 @@ from verl.remote_backend.errors import (
 
 from .http import AmbiguousCallError, ArcticHttp
 
-__all__ = ["HANDLE_VERSION", "JOB_ORDER", "check_handle", "create_job", "destroy_jobs", "read_health", "tagged_jobs"]
+__all__ = ["HANDLE_VERSION", "JOB_ORDER", "check_handle", "create_job", "destroy_jobs", "read_health",
+           "reclaim_abandoned_jobs", "tagged_jobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,31 +50,28 @@ def read_health(http: ArcticHttp) -> HealthResponse:
         raise RemoteProtocolError(f"GET {Paths.HEALTH}", f"unexpected answer {body!r}: {exc}") from None
 
 
-def create_job(http: ArcticHttp, job_type: JobType, body: dict, *, tag: str | None = None) -> int:
+def create_job(http: ArcticHttp, job_type: JobType, body: dict, *, tag: str | None = None,
+               reclaim_idle_s: float | None = None) -> int:
     """Create one job and wait until it runs; returns its id.
 
     An ``/initialize`` that got no answer from a server that does not replay request ids is looked
-    up in ``/status`` (a job of that type carrying ``tag``) before it is sent again.
+    up in ``/status`` (a job of that type carrying ``tag``) before it is sent again. A 409 (another
+    job of that type exists) is retried once after :func:`reclaim_abandoned_jobs` when
+    ``reclaim_idle_s`` is set and the blocking run's jobs qualify.
     """
     try:
-        try:
-            resp = http.post_json(Paths.INITIALIZE, body, op="initialize")
-        except AmbiguousCallError as exc:
-            found = _find_tagged(http, job_type, tag)
-            if found is not None:
-                logger.warning("arctic: %s; the server has the %s job %d it created: using it", exc, job_type.value,
-                               found)
-                _wait_running(http, found, job_type)
-                return found
-            logger.warning("arctic: %s; no %s job was created: sending /initialize again", exc, job_type.value)
-            resp = http.post_json(Paths.INITIALIZE, body, op="initialize")
+        resp = _initialize(http, job_type, body, tag)
     except RemoteServerError as exc:
         if exc.status != 409:
             raise
-        raise RemoteServerError(
-            exc.endpoint, 409, f"{exc.server_message} -- the server already runs a {job_type.value} job "
-            f"({_describe_jobs(http, job_type)}). This client never destroys jobs it did not create: destroy that "
-            "job, wait for its run to end, or use another server", detail=exc.detail) from None
+        if reclaim_idle_s is None or not reclaim_abandoned_jobs(http, job_type, reclaim_idle_s, own_tag=tag):
+            raise _explain_conflict(http, job_type, exc, reclaim_idle_s) from None
+        try:
+            resp = _initialize(http, job_type, body, tag)
+        except RemoteServerError as again:
+            if again.status != 409:
+                raise
+            raise _explain_conflict(http, job_type, again, reclaim_idle_s) from None
     try:
         info = InitializeResponse.model_validate(resp.json())
     except ValueError as exc:
@@ -79,6 +79,80 @@ def create_job(http: ArcticHttp, job_type: JobType, body: dict, *, tag: str | No
     if not info.running:
         _wait_running(http, info.job_id, job_type)
     return info.job_id
+
+
+def _initialize(http: ArcticHttp, job_type: JobType, body: dict, tag: str | None):
+    try:
+        return http.post_json(Paths.INITIALIZE, body, op="initialize")
+    except AmbiguousCallError as exc:
+        found = _find_tagged(http, job_type, tag)
+        if found is not None:
+            logger.warning("arctic: %s; the server has the %s job %d it created: using it", exc, job_type.value,
+                           found)
+            return _Existing(found, job_type)
+        logger.warning("arctic: %s; no %s job was created: sending /initialize again", exc, job_type.value)
+        return http.post_json(Paths.INITIALIZE, body, op="initialize")
+
+
+class _Existing:
+    """Stands in for an ``/initialize`` answer when the job turned out to exist already."""
+
+    def __init__(self, job_id: int, job_type: JobType) -> None:
+        self.job_id, self.job_type = job_id, job_type
+
+    def json(self) -> dict:
+        return {"job_id": self.job_id, "job_type": self.job_type.value, "running": False}
+
+
+def _explain_conflict(http: ArcticHttp, job_type: JobType, exc: RemoteServerError,
+                      reclaim_idle_s: float | None) -> RemoteServerError:
+    hint = ("destroy that job, wait for its run to end, use another server, or set "
+            "remote_backend.server.reclaim_idle_jobs_s to let this client destroy jobs that an earlier run of "
+            "this adapter abandoned") if reclaim_idle_s is None else (
+            f"it is not an abandoned job of this adapter idle for >= {reclaim_idle_s:g} s "
+            "(remote_backend.server.reclaim_idle_jobs_s): destroy it, wait for its run to end, or use another server")
+    return RemoteServerError(
+        exc.endpoint, 409, f"{exc.server_message} -- the server already runs a {job_type.value} job "
+        f"({_describe_jobs(http, job_type)}). This client never destroys jobs that may be in use: {hint}",
+        detail=exc.detail)
+
+
+def reclaim_abandoned_jobs(http: ArcticHttp, job_type: JobType, min_idle_s: float, *,
+                           own_tag: str | None = None) -> bool:
+    """Destroy the run that holds the server's ``job_type`` slot if it was abandoned; True if it was.
+
+    Abandoned means: the blocking job carries a ``client_tag`` (so this adapter created it, for a
+    run other than ``own_tag``) and *every* job with that tag reports ``idle_s >= min_idle_s`` and is
+    not busy. That is what a run whose driver was SIGKILLed leaves behind (it could not destroy its
+    jobs); a live run calls its jobs every step. Jobs without a tag (another client's) and servers
+    that report no idle time are never touched.
+    """
+    try:
+        jobs = http.get_json(Paths.STATUS).get("jobs", {})
+    except (RemoteBackendError, AttributeError):
+        return False
+    infos = [v for v in jobs.values() if isinstance(v, dict)] if isinstance(jobs, dict) else []
+    blocking = [v for v in infos if v.get("job_type") == job_type.value]
+    tags = {v.get("client_tag") for v in blocking}
+    if len(blocking) != 1 or not all(isinstance(t, str) and t for t in tags) or own_tag in tags:
+        return False
+    tag = tags.pop()
+    run = [v for v in infos if v.get("client_tag") == tag and "job_id" in v]
+
+    def idle(v: dict) -> float:
+        value = v.get("idle_s")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else -1.0
+
+    if not all(idle(v) >= min_idle_s and not v.get("busy") for v in run):
+        logger.info("arctic: the %s job blocking /initialize belongs to run %s, which is not idle for %g s: "
+                    "leaving it alone", job_type.value, tag, min_idle_s)
+        return False
+    ids = {str(v["job_type"]): int(v["job_id"]) for v in run}
+    logger.warning("arctic: destroying the abandoned jobs %s of an earlier run (tag %s, idle %.0f s or more, "
+                   "remote_backend.server.reclaim_idle_jobs_s = %g)", ids, tag, min(idle(v) for v in run),
+                   min_idle_s)
+    destroy_jobs(http, ids)
+    return True
 
 
 def _wait_running(http: ArcticHttp, job_id: int, job_type: JobType) -> None:
