@@ -4,7 +4,7 @@
   instance id; the vendor's server answers ``{"status": "OK"}`` only: no features).
 * :func:`create_job` -- ``POST /initialize`` then ``GET /job/{id}`` until ``RUNNING``. A 409 (the
   server already has a job of that type) is re-raised with what to do about it: this adapter never
-  destroys jobs it did not create (the vendor client's start-up clean-up destroys everyone's).
+  destroys jobs that may be in use (the vendor client's start-up clean-up destroys everyone's).
 * :func:`destroy_jobs` -- ``POST /destroy`` for the given jobs only; a job already gone is fine.
 * :func:`reclaim_abandoned_jobs` -- opt-in (``server.reclaim_idle_jobs_s``): destroy the jobs of an
   earlier run of this adapter that are all idle that long (its driver was SIGKILLed).
