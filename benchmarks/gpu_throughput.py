@@ -22,7 +22,7 @@ What runs, all in ONE process and one run so that every ratio compares like with
 4. ``profile``: ``torch.profiler`` over two steps of the main plain case and of the ZoRRO case
    (top kernels, time by kernel family, kernel time vs wall time), and over one optimizer step.
 5. ``generate``: the server's :class:`~arctic_rl.server.engines.sampling.SamplingEngine`
-   (``transformers`` model, its own sampling loop) on 64 prompts, at batch 32 (server default)
+   (``transformers`` model, its own sampling loop) on 64 prompts, at batch 32 and 64 (server default since the batch-32 run: 64)
    and 64, against ``model.generate`` on the same prompts; and a host-side profile of both.
 
 FLOPs (``flops_needed``), counted as the work the loss needs and nothing else, fwd + bwd = 3 x fwd:
@@ -329,7 +329,7 @@ def generation(model_dir: Path, device: torch.device, tiny: bool, max_tokens: in
     shape = f"{prompts_n} prompts x {prompt_len} tok, {max_tokens} new"
     for bs in batches:
         bs = min(bs, prompts_n) if not tiny else max(1, min(bs, 64) * prompts_n // 64)  # tiny: same fractions
-        label = f"server SamplingEngine, batch {bs}" + (" (server default)" if bs == 32 else "")
+        label = f"server SamplingEngine, batch {bs}" + (" (server default)" if bs == 64 else "")
         eng.batch_size = bs
         sync(device)
         t0 = time.perf_counter()

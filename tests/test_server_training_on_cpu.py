@@ -239,3 +239,21 @@ def test_request_ids_replay_without_reapplying(srv, model_dir):
         assert info["global_step"] == 1 and info["pending_micro_batches"] == 0
     finally:
         requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
+
+
+def test_entropy_is_computed_only_when_asked(srv, model_dir):
+    """Clients send ``compute_entropy_and_logprobs`` on every call; ``meta.calculate_entropy`` decides."""
+    batch = make_batch(PROMPTS, RESPONSES)
+    post = {"post": ["apply_temperature", "compute_entropy_and_logprobs"]}
+    with job(srv, model_dir, "training") as jid:
+        without = grpo_body(batch, entropy=False)
+        without["processing"].update(post)
+        with_ = grpo_body(batch, entropy=True)
+        with_["processing"].update(post)
+        legacy = grpo_body(batch)
+        legacy["processing"].update(post)
+        del legacy["meta"]["calculate_entropy"]  # no flag: the post-processor names decide (vendor rule)
+        got = {name: forward(srv, jid, body)["batch"] for name, body in
+               (("without", without), ("with", with_), ("legacy", legacy))}
+    assert "entropy" not in got["without"] and "entropy" in got["with"] and "entropy" in got["legacy"]
+    torch.testing.assert_close(got["without"]["logprobs"], got["with"]["logprobs"])

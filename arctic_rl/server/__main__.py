@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1") or 1), help="torch threads"
     )
     p.add_argument("--max-body-mb", type=float, default=512.0, help="largest request body (default 512 MiB)")
-    p.add_argument("--generate-batch-size", type=int, default=32, help="rows per generation forward (default 32)")
+    p.add_argument("--generate-batch-size", type=int, default=64, help="rows per generation forward (default 64)")
     p.add_argument(
         "--torch-compile",
         choices=TORCH_COMPILE_MODES,

@@ -45,7 +45,7 @@ class ServerSettings:
     threads: int = 1
     max_body_bytes: int = 512 * 1024 * 1024
     #: rows per generation forward (requests with more prompts x n are chunked)
-    generate_batch_size: int = 32
+    generate_batch_size: int = 64
     #: remembered ``X-Request-Id`` per job
     idempotency_capacity: int = 256
     #: ``torch.compile`` the training model (:data:`TORCH_COMPILE_MODES`; see ``docs/PERFORMANCE.md``)

@@ -69,9 +69,17 @@ class ParsedBatch:
 
     @property
     def wants_entropy(self) -> bool:
+        """Whether the caller wants the entropy computed (it costs a full pass over the logits).
+
+        A body whose ``meta`` says ``calculate_entropy`` decides by it (``compute_entropy_and_logprobs``
+        then means the log-probs, with the entropy only if asked: clients send that post-processor on
+        every call). Without the key, the post-processor names decide, as on the vendor's server.
+        """
         posts = self.processing.post
         posts = [posts] if isinstance(posts, str) else list(posts or [])
-        return bool(self.meta.calculate_entropy) or any(p in _ENTROPY_POSTS for p in posts)
+        if "calculate_entropy" in self.meta_keys:
+            return bool(self.meta.calculate_entropy) or "compute_entropy" in posts
+        return any(p in _ENTROPY_POSTS for p in posts)
 
     def slice_rows(self, start: int, stop: int) -> ParsedBatch:
         """Rows ``start:stop`` (for chunked no-grad forwards)."""
