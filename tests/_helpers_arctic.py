@@ -1,4 +1,4 @@
-"""Helpers for the Arctic adapter tests: verl-shaped batches and a verl main config.
+"""Helpers for the Arctic adapter tests: verl-shaped batches, a verl main config, a patient ``ray.init``.
 
 Batches are built the way verl 0.9.1 builds them: a left/right-padded DataProto-style TensorDict
 (``tu.get_tensordict``) turned nested by verl's own ``left_right_2_no_padding`` (legacy trainer), or
@@ -97,3 +97,15 @@ def v1_batch(prompts: list[list[int]], responses: list[list[int]]):
     })
 
 
+def start_ray(**kwargs) -> None:
+    """ray.init, retried: Ray gives a local node a fixed 30 s to start, too little on a loaded box."""
+    import ray
+
+    for attempt in range(3):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as exc:  # noqa: BLE001
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            ray.shutdown()

@@ -180,20 +180,6 @@ def test_bad_settings_are_refused_by_name(kwargs, field):
         RequestCoalescer(_Recorder(), **kwargs)
 
 
-def _start_ray(**kwargs) -> None:
-    """ray.init, retried: Ray gives a local node a fixed 30 s to start, too little on a loaded box."""
-    import ray
-
-    for attempt in range(3):
-        try:
-            ray.init(**kwargs)
-            return
-        except Exception as exc:  # noqa: BLE001
-            if "timed out during startup" not in str(exc) or attempt == 2:
-                raise
-            ray.shutdown()
-
-
 # ------------------------------------------------------------------ sampling parameters
 def test_verl_agent_loop_params_map_to_the_protocol():
     verl_params = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
@@ -232,7 +218,7 @@ def test_invalid_values_raise_naming_the_field():
 def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path):
     import ray
 
-    from _helpers_arctic import verl_main_config
+    from _helpers_arctic import start_ray, verl_main_config
     from server_process import running_server, tiny_model_dir
     from verl.remote_backend.context import read_context
     from verl.remote_backend.lifecycle import BackendOwner
@@ -251,7 +237,7 @@ def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path):
         }, model_path=str(model))
         with BackendOwner.create(cfg):
             context = read_context(cfg).to_dict()
-            _start_ray(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            start_ray(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
             try:
                 server = _RemoteServer.options(max_concurrency=64).remote(context=context, replica_rank=0)
                 assert ray.get(server.ready.remote())

@@ -40,20 +40,6 @@ def _main_config(extra: dict | None = None):
     })
 
 
-def _start_ray(**kwargs) -> None:
-    """ray.init, retried: Ray gives a local node a fixed 30 s to start, too little on a loaded box."""
-    import ray
-
-    for attempt in range(3):
-        try:
-            ray.init(**kwargs)
-            return
-        except Exception as exc:  # noqa: BLE001
-            if "timed out during startup" not in str(exc) or attempt == 2:
-                raise
-            ray.shutdown()
-
-
 # ------------------------------------------------------------------ context & small pieces
 def test_context_round_trips_through_the_rollout_node_without_the_recursion():
     cfg = _main_config()
@@ -114,7 +100,7 @@ def test_checkpoint_step_from_marker_or_path(tmp_path):
 def test_worker_group_forwards_every_call_unchanged(tmp_path):
     import ray
 
-    from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+    from _helpers_arctic import grpo_rows, legacy_batch, start_ray, verl_main_config
     from server_process import running_server, tiny_model_dir
     from verl.remote_backend.lifecycle import BackendOwner
     from verl.remote_backend.trainer import CpuResourcePoolManager
@@ -140,7 +126,7 @@ def test_worker_group_forwards_every_call_unchanged(tmp_path):
 
         with BackendOwner.create(cfg) as owner:
             direct = owner.backend
-            _start_ray(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            start_ray(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
             try:
                 pools = CpuResourcePoolManager(resource_pool_spec={"global_pool": [1]}, mapping={}, max_colocate_count=1)
                 pools.create_resource_pool()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -39,35 +38,13 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
+from _helpers_e2e import build_task, parse_console_metrics  # noqa: E402
 from server_process import running_server  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS = 4
 FAULT_SEED = 1234
-REWARD_FN = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    text = solution_str.strip()
-    return (1.0 if ground_truth in text else 0.0) + 0.05 * len(set(text))
-'''
-_STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
-
-
-def build_task(root: Path) -> dict[str, Path]:
-    import pandas as pd
-
-    from arctic_rl.tiny_models import build_tiny_model
-
-    root.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(root / "model", "qwen3", seed=0)
-    rows = [{"data_source": "tiny/add", "prompt": [{"role": "user", "content": f"{i % 5}+{(3 * i) % 7}="}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i % 5 + (3 * i) % 7)},
-             "extra_info": {"split": "train", "index": i}} for i in range(8)]
-    pd.DataFrame(rows).to_parquet(root / "train.parquet")
-    pd.DataFrame(rows[:2]).to_parquet(root / "val.parquet")
-    (root / "reward.py").write_text(REWARD_FN)
-    return {"model": Path(model), "train": root / "train.parquet", "val": root / "val.parquet",
-            "reward": root / "reward.py"}
 
 
 def command(task: dict[str, Path], out: Path, url: str, steps: int) -> list[str]:
@@ -117,22 +94,6 @@ def environment() -> dict[str, str]:
     env.pop("VERL_USE_EXTERNAL_MODULES", None)
     env.pop("ARCTIC_RL_TOKEN", None)
     return env
-
-
-def step_metrics(text: str) -> dict[int, dict[str, float]]:
-    steps: dict[int, dict[str, float]] = {}
-    for line in text.splitlines():
-        match = _STEP_LINE.search(line)
-        if not match:
-            continue
-        metrics = {}
-        for item in match.group(2).split(" - "):
-            key, _, value = item.rpartition(":")
-            number = re.search(r"-?\d+(\.\d+)?(e-?\d+)?", value)
-            if key and number:
-                metrics[key.strip()] = float(number.group(0))
-        steps[int(match.group(1))] = metrics
-    return steps
 
 
 def final_weights(server_root: Path, run_dir: Path, step: int, *,
@@ -185,7 +146,7 @@ class KillAtStep(threading.Thread):
 
 
 def test_kill9_mid_run_matches_the_undisturbed_run(tmp_path):
-    task = build_task(tmp_path / "task")
+    task = build_task(tmp_path / "task", n_val=2)
     with running_server(tmp_path / "server") as server:
         reference = run(command(task, tmp_path / "ref", server.url, STEPS), tmp_path, tmp_path / "ref.log")
         assert jobs(server) == {}
@@ -203,7 +164,7 @@ def test_kill9_mid_run_matches_the_undisturbed_run(tmp_path):
         assert "recovered from a server restart" in faulted, faulted[-4000:]
         assert jobs(server) == {}  # the driver destroyed the restored jobs too
 
-        want, got = step_metrics(reference), step_metrics(faulted)
+        want, got = parse_console_metrics(reference), parse_console_metrics(faulted)
         assert sorted(want) == sorted(got) == list(range(1, STEPS + 1))
         for step in want:  # the same rollouts, rewards and losses, step by step
             assert got[step]["training/global_step"] == want[step]["training/global_step"] == step
@@ -229,7 +190,7 @@ def test_kill9_mid_run_matches_the_undisturbed_run(tmp_path):
 
 
 def test_ctrl_c_destroys_the_jobs_and_the_next_run_starts(tmp_path):
-    task = build_task(tmp_path / "task")
+    task = build_task(tmp_path / "task", n_val=2)
     with running_server(tmp_path / "server") as server:
         cmd = command(task, tmp_path / "interrupted", server.url, 50)
         log = open(tmp_path / "interrupted.log", "w")

@@ -26,39 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from _helpers_e2e import build_task, parse_console_metrics
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-REPO = Path(__file__).resolve().parents[2]
-REWARD_FN = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    """1.0 for the right sum in the answer, plus a small bonus per distinct character (varied rewards)."""
-    text = solution_str.strip()
-    return (1.0 if ground_truth in text else 0.0) + 0.05 * len(set(text))
-'''
-
-
-def build_task(root: Path) -> dict[str, Path]:
-    """A tiny model, train/val parquet files in verl's RL format, and a reward function file."""
-    import pandas as pd
-
-    from arctic_rl.tiny_models import build_tiny_model
-
-    root.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(root / "model", "qwen3", seed=0)
-    rows = []
-    for i in range(8):
-        a, b = i % 5, (3 * i) % 7
-        rows.append({
-            "data_source": "tiny/add",
-            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"split": "train", "index": i},
-        })
-    pd.DataFrame(rows).to_parquet(root / "train.parquet")
-    pd.DataFrame(rows[:4]).to_parquet(root / "val.parquet")
-    (root / "reward.py").write_text(REWARD_FN)
-    return {"model": Path(model), "train": root / "train.parquet", "val": root / "val.parquet", "reward": root / "reward.py"}
 
 
 def grpo_command(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str]:
@@ -99,26 +69,6 @@ def grpo_command(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str]:
     if zorro:  # transformers drops the KV cache under gradient checkpointing: ZoRRO needs it off
         overrides.append("actor_rollout_ref.model.enable_gradient_checkpointing=False")
     return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
-
-
-_STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
-
-
-def parse_console_metrics(text: str) -> dict[int, dict[str, float]]:
-    """verl's console logger lines ``step:N - key:value - ...`` -> {N: {key: value}}."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in text.splitlines():
-        match = _STEP_LINE.search(line)
-        if not match:
-            continue
-        metrics = {}
-        for item in match.group(2).split(" - "):
-            key, _, value = item.rpartition(":")
-            number = re.search(r"-?\d+(\.\d+)?(e-?\d+)?", value)
-            if key and number:
-                metrics[key.strip()] = float(number.group(0))
-        steps[int(match.group(1))] = metrics
-    return steps
 
 
 @pytest.mark.parametrize("zorro", [False, True], ids=["zorro_off", "zorro_on"])
