@@ -183,21 +183,14 @@ def _parse_processing(raw: dict, *, train: bool) -> tuple[Processing, str | None
             )
     from arctic_rl.server.losses import DEFAULT_LOSS, LossNameError, resolve_loss
 
-    if not train:  # no loss runs, but a name that is not on the allow-list is still an error
-        if processing.loss_fn is not None and processing.loss_fn not in LOSS_NAMES:
-            raise BadRequest(
-                f"processing.loss_fn: unknown loss {processing.loss_fn!r}",
-                field="processing.loss_fn",
-                allowed=list(LOSS_NAMES),
-                received=processing.loss_fn,
-            )
-        return processing, None, None
-    try:
+    try:  # also where no loss runs (forward): a name off the allow-list is an error
         resolve_loss(processing.loss_fn)
     except LossNameError as exc:
         raise BadRequest(
             str(exc), field="processing.loss_fn", allowed=list(LOSS_NAMES), received=exc.received
         ) from None
+    if not train:
+        return processing, None, None
     try:
         config = LossConfig.model_validate(processing.config)
     except ValidationError as exc:
