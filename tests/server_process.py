@@ -99,8 +99,7 @@ class ServerProcess:
     def start(self) -> None:
         self._starts += 1
         self.log_path = self.workdir / f"server-{self._starts}.log"
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+        env = dict(os.environ)
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         with open(self.log_path, "wb") as log:

@@ -125,8 +125,6 @@ def _spawn(cfg: LocalServerConfig, port: int, root: Path, log_dir: Path, token: 
     env.update(OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads), TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
     env.pop(SERVER_TOKEN_ENV, None)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)  # a Ray worker's rendezvous settings are not the server's
     if token:
         env[SERVER_TOKEN_ENV] = token
     log_path = log_dir / f"arctic_server-{port}.log"
