@@ -28,11 +28,11 @@ from typing import Any, Mapping, Sequence
 import ray
 from omegaconf import OmegaConf
 
-from arctic_rl.protocol import SamplingParams
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.workers.arctic_rl.coalescer import RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.arctic_rl.worker import attach_rollout_server
+from verl.workers.remote_client.generation import clean_sampling_params
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 __all__ = ["ArcticRLRolloutReplica", "ArcticRLRolloutServer", "to_protocol_sampling_params"]
@@ -40,17 +40,9 @@ __all__ = ["ArcticRLRolloutReplica", "ArcticRLRolloutServer", "to_protocol_sampl
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-# verl keys that SamplingParams spells differently or that need a decision
+# verl's penalties the protocol lacks, with their neutral values (dropped; warned once when not neutral)
 _IGNORED_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
-_RENAMED = {"max_new_tokens": "max_tokens"}
-_PROTOCOL_FIELDS = frozenset(SamplingParams.model_fields)
 _warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
 
 
 def to_protocol_sampling_params(
@@ -65,29 +57,30 @@ def to_protocol_sampling_params(
       ``min(response_length, prompt_length + response_length - prompt_len)``, at least 1;
     * ``repetition_penalty`` and other penalties the protocol lacks are dropped with a one-time
       warning when not neutral; unknown keys too. ``n`` must be 1 (one call per sample).
-    The result is validated by ``SamplingParams`` (a bad value raises, naming the field).
+    The rest is the adapter's own :func:`~verl.workers.remote_client.generation.clean_sampling_params`
+    (unknown keys dropped with a one-time warning, values validated: a bad one raises naming the field).
     """
-    out: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
     for key, value in params.items():
-        key = _RENAMED.get(key, key)
         if key in _IGNORED_NEUTRAL:
-            if value is not None and float(value) != _IGNORED_NEUTRAL[key]:
-                _warn_once(key, f"sampling param {key}={value!r} is not supported by the Arctic RL protocol; ignored")
+            if value is not None and float(value) != _IGNORED_NEUTRAL[key] and key not in _warned:
+                _warned.add(key)
+                logger.warning("sampling param %s=%r is not supported by the Arctic RL protocol; ignored", key, value)
             continue
-        if key not in _PROTOCOL_FIELDS:
-            _warn_once(key, f"sampling param {key!r} is not part of the Arctic RL protocol; ignored")
-            continue
-        out[key] = value
-    if out.get("top_k") in (None, 0):
-        out["top_k"] = -1
-    out["logprobs"] = True if out.get("logprobs") else None
-    if out.get("n", 1) != 1:
-        raise RemoteBackendConfigError("sampling_params.n", "the rollout server takes one sample per call", allowed=1, received=out["n"])
-    out.pop("n", None)
-    if out.get("max_tokens") is None:
-        out["max_tokens"] = min(response_length, prompt_length + response_length - prompt_len)
-    out["max_tokens"] = max(1, int(out["max_tokens"]))
-    return SamplingParams(**out).model_dump(exclude_none=True, exclude_unset=True)
+        raw[key] = value
+    n = raw.pop("n", 1)
+    if n != 1:
+        raise RemoteBackendConfigError("sampling_params.n", "the rollout server takes one sample per call", allowed=1, received=n)
+    if raw.get("top_k") in (None, 0):
+        raw["top_k"] = -1
+    raw["logprobs"] = True if raw.get("logprobs") else None
+    max_tokens = raw.pop("max_tokens", None)
+    if max_tokens is None:
+        max_tokens = raw.pop("max_new_tokens", None)
+    if max_tokens is None:
+        max_tokens = min(response_length, prompt_length + response_length - prompt_len)
+    raw["max_tokens"] = max(1, int(max_tokens))
+    return clean_sampling_params(raw, _warned).model_dump(exclude_none=True, exclude_unset=True)
 
 
 def _stop_reason(finish_reason: str | None) -> str | None:
