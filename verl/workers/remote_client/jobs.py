@@ -32,7 +32,7 @@ from verl.remote_backend.errors import (
 from .http import AmbiguousCallError, ArcticHttp
 
 __all__ = ["HANDLE_VERSION", "JOB_ORDER", "check_handle", "create_job", "destroy_jobs", "read_health",
-           "reclaim_abandoned_jobs", "tagged_jobs"]
+           "reclaim_abandoned_jobs", "status_jobs", "tagged_jobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +59,18 @@ def create_job(http: ArcticHttp, job_type: JobType, body: dict, *, tag: str | No
     job of that type exists) is retried once after :func:`reclaim_abandoned_jobs` when
     ``reclaim_idle_s`` is set and the blocking run's jobs qualify.
     """
-    try:
-        resp = _initialize(http, job_type, body, tag)
-    except RemoteServerError as exc:
-        if exc.status != 409:
-            raise
-        if reclaim_idle_s is None or not reclaim_abandoned_jobs(http, job_type, reclaim_idle_s, own_tag=tag):
-            raise _explain_conflict(http, job_type, exc, reclaim_idle_s) from None
+    reclaimed = False
+    while True:
         try:
             resp = _initialize(http, job_type, body, tag)
-        except RemoteServerError as again:
-            if again.status != 409:
+            break
+        except RemoteServerError as exc:
+            if exc.status != 409:
                 raise
-            raise _explain_conflict(http, job_type, again, reclaim_idle_s) from None
+            if reclaimed or reclaim_idle_s is None or not reclaim_abandoned_jobs(
+                    http, job_type, reclaim_idle_s, own_tag=tag):
+                raise _explain_conflict(http, job_type, exc, reclaim_idle_s) from None
+            reclaimed = True  # retried once
     try:
         info = InitializeResponse.model_validate(resp.json())
     except ValueError as exc:
@@ -128,16 +127,15 @@ def reclaim_abandoned_jobs(http: ArcticHttp, job_type: JobType, min_idle_s: floa
     that report no idle time are never touched.
     """
     try:
-        jobs = http.get_json(Paths.STATUS).get("jobs", {})
+        infos = status_jobs(http)
     except (RemoteBackendError, AttributeError):
         return False
-    infos = [v for v in jobs.values() if isinstance(v, dict)] if isinstance(jobs, dict) else []
     blocking = [v for v in infos if v.get("job_type") == job_type.value]
     tags = {v.get("client_tag") for v in blocking}
     if len(blocking) != 1 or not all(isinstance(t, str) and t for t in tags) or own_tag in tags:
         return False
     tag = tags.pop()
-    run = [v for v in infos if v.get("client_tag") == tag and "job_id" in v]
+    run = [v for v in infos if v.get("client_tag") == tag]
 
     def idle(v: dict) -> float:
         value = v.get("idle_s")
@@ -169,32 +167,36 @@ def _wait_running(http: ArcticHttp, job_id: int, job_type: JobType) -> None:
     raise RemoteTimeoutError(f"GET {Paths.job(job_id)}", budget, f"{job_type.value} job {job_id} still {status}")
 
 
+def status_jobs(http: ArcticHttp) -> list[dict[str, Any]]:
+    """The job infos listed by ``GET /status``, each with its ``job_id`` (the server keys them by id)."""
+    jobs = http.get_json(Paths.STATUS).get("jobs", {})
+    if not isinstance(jobs, dict):
+        return []
+    return [dict(v, job_id=int(v.get("job_id", k))) for k, v in jobs.items() if isinstance(v, dict)]
+
+
 def _find_tagged(http: ArcticHttp, job_type: JobType, tag: str | None) -> int | None:
     """The one job of ``job_type`` in ``/status`` that carries ``tag`` (servers that echo tags only)."""
     if tag is None:
         return None
-    jobs = http.get_json(Paths.STATUS).get("jobs", {})
-    ids = [int(k) for k, v in jobs.items() if isinstance(v, dict) and v.get("job_type") == job_type.value
-           and v.get("client_tag") == tag]
+    ids = [v["job_id"] for v in status_jobs(http) if v.get("job_type") == job_type.value and v.get("client_tag") == tag]
     return ids[0] if len(ids) == 1 else None
 
 
 def tagged_jobs(http: ArcticHttp, tag: str) -> dict[str, int] | None:
     """``{job type: id}`` of the jobs in ``/status`` carrying ``tag``; ``None`` when the server does not
     echo tags (then nobody can tell whose its jobs are)."""
-    jobs = http.get_json(Paths.STATUS).get("jobs", {})
-    infos = [v for v in jobs.values() if isinstance(v, dict)] if isinstance(jobs, dict) else []
+    infos = status_jobs(http)
     if infos and not any("client_tag" in v for v in infos):
         return None
-    return {str(v.get("job_type")): int(v["job_id"]) for v in infos if v.get("client_tag") == tag and "job_id" in v}
+    return {str(v.get("job_type")): v["job_id"] for v in infos if v.get("client_tag") == tag}
 
 
 def _describe_jobs(http: ArcticHttp, job_type: JobType) -> str:
     try:
-        jobs = http.get_json(Paths.STATUS).get("jobs", {})
+        ids = [str(v["job_id"]) for v in status_jobs(http) if v.get("job_type") == job_type.value]
     except (RemoteBackendError, AttributeError):
         return "see GET /status"
-    ids = [k for k, v in jobs.items() if isinstance(v, dict) and v.get("job_type") == job_type.value]
     return f"job id(s) {ids}" if ids else "see GET /status"
 
 

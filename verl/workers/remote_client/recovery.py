@@ -49,8 +49,8 @@ from verl.remote_backend.errors import (
 
 from .arctic_config import RecoveryConfig
 from .http import AmbiguousCallError, ArcticHttp, new_request_id
-from .jobs import JOB_ORDER, create_job, destroy_jobs
-from .journal import CheckpointRef, UpdateJournal
+from .jobs import JOB_ORDER, create_job, destroy_jobs, status_jobs
+from .journal import UpdateJournal
 
 __all__ = ["APPLIED", "Outcome", "Recovery", "read_counter"]
 
@@ -391,19 +391,20 @@ class Recovery:
 
     def _ready_jobs(self, wanted: list[JobType]) -> dict[str, int] | None:
         try:
-            jobs = self.http.get_json(Paths.STATUS).get("jobs") or {}
+            jobs = status_jobs(self.http)
         except (RemoteBackendError, AttributeError):
             return None
         found: dict[str, int] = {}
         for job_type in wanted:
             matches = [
-                (int(k), v) for k, v in jobs.items()
-                if isinstance(v, dict) and v.get("job_type") == job_type.value
+                v for v in jobs
+                if v.get("job_type") == job_type.value
                 and ("client_tag" not in v or v["client_tag"] == self.client.client_tag)
             ]
             if len(matches) != 1:
                 return None
-            job_id, info = matches[0]
+            info = matches[0]
+            job_id = info["job_id"]
             if info.get("running") is False or str(info.get("status", "RUNNING")).upper() != "RUNNING":
                 return None
             if job_type is JobType.SAMPLING and isinstance(info.get("weight_version"), int) and \
