@@ -105,9 +105,6 @@ class BackendOwner:
         logger.info("remote backend %r created", name)
         return owner
 
-    def handle(self) -> dict:
-        return self.backend.reconnect_handle()
-
     def destroy(self) -> None:
         """Destroy the backend once; later calls do nothing. Errors are logged, not raised, so
         that they never hide the exception that ended the run."""

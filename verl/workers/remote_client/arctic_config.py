@@ -42,7 +42,6 @@ PROTOCOLS = ("auto", "v1", "v2")
 DEVICES = ("cpu", "cuda")
 LOGITS_OPTIMIZATIONS = ("none", "memory", "compute")
 ZERO_STAGES = (0, 1, 2, 3)
-SERVER_IDEMPOTENCY = ("auto", "off")
 
 
 def _require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> None:
