@@ -57,36 +57,30 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     declared = request.headers.get("content-length")
     size_hint = int(declared) if declared and declared.isdigit() else None
     body = bytearray()
-    over = size_hint is not None and size_hint > limit
-    received = 0
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
-    chunks = request.stream().__aiter__()
-    while True:
-        try:
-            if deadline is None:
-                chunk = await chunks.__anext__()
-            else:
-                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
-        except StopAsyncIteration:
-            break
-        except asyncio.TimeoutError:
-            raise RequestTimeout(
-                f"body: {received} of {size_hint if size_hint is not None else '?'} bytes received in {timeout_s:g} s "
-                "(--body-timeout-s)",
-                field="body",
-                allowed=timeout_s,
-                received=received,
-            ) from None
-        received += len(chunk)
-        if over or received > limit:
-            over = True
-            if received > _DRAIN_LIMIT:
-                break
-            continue
-        body += chunk
-    if over:
-        raise _too_large(max(received, size_hint or 0), limit)
+    seen = {"received": 0, "over": size_hint is not None and size_hint > limit}
+
+    async def receive() -> None:
+        async for chunk in request.stream():
+            seen["received"] += len(chunk)
+            if seen["over"] or seen["received"] > limit:
+                seen["over"] = True
+                if seen["received"] > _DRAIN_LIMIT:
+                    return
+                continue
+            body.extend(chunk)
+
+    try:  # one deadline for the whole body (not one timer per chunk)
+        await (receive() if timeout_s is None else asyncio.wait_for(receive(), timeout_s))
+    except asyncio.TimeoutError:
+        raise RequestTimeout(
+            f"body: {seen['received']} of {size_hint if size_hint is not None else '?'} bytes received in "
+            f"{timeout_s:g} s (--body-timeout-s)",
+            field="body",
+            allowed=timeout_s,
+            received=seen["received"],
+        ) from None
+    if seen["over"]:
+        raise _too_large(max(seen["received"], size_hint or 0), limit)
     return body
 
 
