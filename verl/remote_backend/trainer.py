@@ -114,6 +114,23 @@ def prepare_remote_backend_config(config: DictConfig) -> str:
     return name
 
 
+def _forwarder(config: DictConfig, name: str) -> tuple[Role, type]:
+    """The role (with or without the reference policy) and worker class of backend ``name``."""
+    ensure_backends_registered()
+    role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
+    return role, RemoteBackendRegistry.get_worker(name)
+
+
+def _forwarder_pool(config: DictConfig, mapping: dict) -> CpuResourcePoolManager:
+    """The one CPU-only pool of the forwarder worker (verl's reward-model slot sized to match)."""
+    with open_dict(config):
+        config.reward.reward_model.nnodes = 1
+        config.reward.reward_model.n_gpus_per_node = 1
+    return CpuResourcePoolManager(
+        resource_pool_spec={GLOBAL_POOL: [1]}, mapping=mapping, max_colocate_count=FORWARDER_BUNDLE_CPUS
+    )
+
+
 @register_trainer(TRAINER_MODE)
 class RemoteBackendTrainer(PPOTrainerSync):
     """verl's sync V1 trainer with the actor, reference and rollout on a remote backend."""
@@ -141,18 +158,10 @@ class RemoteBackendTrainer(PPOTrainerSync):
     def _init_resource_pool_mgr(self) -> None:
         """One forwarder worker in a CPU-only pool; create or re-attach the backend now that
         the data loader has set ``optim.total_training_steps``."""
-        config = self.config
-        ensure_backends_registered()
-        worker_cls = RemoteBackendRegistry.get_worker(self.backend_name)
-        role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
+        role, worker_cls = _forwarder(self.config, self.backend_name)
         self.role_worker_mapping = {role: ray.remote(worker_cls)}
         self.mapping = {role: GLOBAL_POOL, Role.RewardModel: GLOBAL_POOL}
-        with open_dict(config):
-            config.reward.reward_model.nnodes = 1
-            config.reward.reward_model.n_gpus_per_node = 1
-        self.resource_pool_manager = CpuResourcePoolManager(
-            resource_pool_spec={GLOBAL_POOL: [1]}, mapping=self.mapping, max_colocate_count=FORWARDER_BUNDLE_CPUS
-        )
+        self.resource_pool_manager = _forwarder_pool(self.config, self.mapping)
         self.resource_pool_manager.check_cpus()  # before creating remote jobs we could not use
         self._attach_or_create_backend()
 
@@ -196,10 +205,7 @@ class _TaskRunnerV0(BaseTaskRunner):
     """verl's legacy task runner with the forwarder worker and the CPU-only pool."""
 
     def add_actor_rollout_worker(self, config: DictConfig):
-        name = prepare_remote_backend_config(config)
-        ensure_backends_registered()
-        worker_cls = RemoteBackendRegistry.get_worker(name)
-        role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
+        role, worker_cls = _forwarder(config, prepare_remote_backend_config(config))
         self.role_worker_mapping[role] = ray.remote(worker_cls)
         self.mapping[role] = GLOBAL_POOL
         return worker_cls, RayWorkerGroup
@@ -208,12 +214,7 @@ class _TaskRunnerV0(BaseTaskRunner):
         return None  # refused by prepare_remote_backend_config
 
     def init_resource_pool_mgr(self, config: DictConfig) -> CpuResourcePoolManager:
-        with open_dict(config):
-            config.reward.reward_model.nnodes = 1
-            config.reward.reward_model.n_gpus_per_node = 1
-        return CpuResourcePoolManager(
-            resource_pool_spec={GLOBAL_POOL: [1]}, mapping=self.mapping, max_colocate_count=FORWARDER_BUNDLE_CPUS
-        )
+        return _forwarder_pool(config, self.mapping)
 
     def run(self, config: DictConfig) -> None:
         if not read_context(config).handle:
