@@ -200,10 +200,17 @@ def test_ds_config_for_cpu_golden():
     assert "flops_profiler" in text and "offload_optimizer" in text and "fp32" in text and "train_batch_size" in text
     gpu, _ = build_training_ds_config(client, device="cuda", bf16_supported=True)
     assert gpu["bf16"] == {"enabled": True} and gpu["data_types"] == {"grad_accum_dtype": "fp32"}
-    gpu0, _ = build_training_ds_config(
+    gpu0, notes0 = build_training_ds_config(
         {**client, "zero_optimization": {"stage": 0}}, device="cuda", bf16_supported=True
     )
-    assert gpu0["bf16"] == {"enabled": True} and "data_types" not in gpu0
+    # bf16 on one process: stage 0 runs as stage 1 (the flat BF16_Optimizer), and says so
+    assert gpu0["bf16"] == {"enabled": True} and gpu0["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert gpu0["zero_optimization"]["stage"] == 1
+    assert any("stage: 0 runs as 1 with bf16" in note for note in notes0)
+    cpu0, notes_cpu0 = build_training_ds_config(
+        {**client, "zero_optimization": {"stage": 0}}, device="cpu", bf16_supported=False
+    )
+    assert cpu0["zero_optimization"]["stage"] == 0 and not any("runs as 1" in note for note in notes_cpu0)
 
 
 @pytest.mark.parametrize(
