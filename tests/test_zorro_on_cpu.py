@@ -21,6 +21,7 @@ from arctic_rl.server.losses import compute_loss
 from arctic_rl.server.zorro import (
     ZorroUnsupportedError,
     group_prompts,
+    set_response_attention,
     zorro_forward,
     zorro_unsupported_reason,
 )
@@ -199,6 +200,43 @@ def test_zorro_equals_plain_pass(arch, attn, layout):
     assert rel_err(zorro_grads, plain_grads) <= RTOL
 
 
+@pytest.fixture
+def flex_response_attention():
+    """ZoRRO's grouped FlexAttention response pass (uncompiled: the reference implementation)."""
+    set_response_attention("flex", compiled=False)
+    yield
+    set_response_attention("expand")
+
+
+@pytest.mark.parametrize("layout", ["groups_of_4", "non_adjacent", "single_group"])
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flex_response_attention_equals_plain_pass(arch, attn, layout, flex_response_attention, monkeypatch):
+    """The grouped response pass gives the plain pass's values (forward: FlexAttention has no CPU
+    backward; its gradients are compared on a GPU by ``tests/test_zorro_gpu.py``)."""
+    import arctic_rl.server.zorro as zorro_module
+
+    calls = []
+    real = zorro_module._grouped_attention
+    monkeypatch.setattr(zorro_module, "_grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = LAYOUTS[layout]
+    batch = make_batch(spec["num_prompts"], spec["n"], 7, 6, seed=3, shuffle=spec["shuffle"])
+    model = make_model(arch, attn).eval()
+    with torch.no_grad():
+        plain = response_logprobs(model, *batch, 7, temperature=0.7, calculate_entropy=True)
+        zorro = response_logprobs(model, *batch, 7, temperature=0.7, calculate_entropy=True, zorro=True)
+    assert len(calls) == model.config.num_hidden_layers  # every layer took the grouped path
+    assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
+    assert rel_err(zorro.entropy, plain.entropy) <= RTOL
+    # unequal groups (and CPU passes with gradients) take the expanding path instead
+    calls.clear()
+    ids, mask, pos = make_batch(2, 3, 7, 6, seed=9)
+    with torch.no_grad():
+        uneven = response_logprobs(model, ids[:5], mask[:5], pos[:5], 7, zorro=True)
+        want = response_logprobs(model, ids[:5], mask[:5], pos[:5], 7)
+    assert not calls and rel_err(uneven.logprobs, want.logprobs) <= RTOL
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_zorro_no_grad_and_token_mean(arch):
     model = make_model(arch, "sdpa", seed=1).eval()
@@ -265,3 +303,21 @@ def test_sliding_window_cache_is_refused():
         zorro_forward(model, *batch, 6)
     out = response_logprobs(model, *batch, 6, zorro=True)  # falls back to the plain pass
     assert out.unique_prompts == 4
+
+
+def test_flex_failure_falls_back_to_the_expanding_pass(flex_response_attention, monkeypatch, caplog):
+    """A FlexAttention kernel that cannot be built (shape, GPU, compiler) costs a warning, not the request."""
+    import arctic_rl.server.zorro as zorro_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no valid kernel for this shape")
+
+    monkeypatch.setattr(zorro_module, "_grouped_attention", broken)
+    model = make_model("qwen3").eval()
+    batch = make_batch(2, 3, 6, 5, seed=11)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="arctic_rl.server.zorro"):
+        plain = response_logprobs(model, *batch, 6)
+        zorro = response_logprobs(model, *batch, 6, zorro=True)
+    assert "FlexAttention response pass failed (RuntimeError: no valid kernel for this shape)" in caplog.text
+    assert zorro_module._RESPONSE_ATTENTION["kind"] == "expand"
+    assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from arctic_rl.server.zorro import causal_lm_logits, zorro_forward, zorro_unsupported_reason
 
-__all__ = ["TokenLogprobs", "response_logprobs", "shifted_logprobs", "to_shifted"]
+__all__ = ["TokenLogprobs", "response_logprobs", "set_compiled_token_stats", "shifted_logprobs", "to_shifted"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,52 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _chunk_stats(chunk: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool):
+    """Log-prob of ``targets``, log-sum-exp and (optionally) entropy of ``softmax(chunk / T)`` for a row chunk."""
+    z = chunk.to(_compute_dtype(chunk.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if want_entropy else None
+    return lp, lse, entropy
+
+
+def _chunk_grad(chunk, targets, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """Gradient of a row chunk's logits (in their dtype) from those of its log-probs and entropy."""
+    z = chunk.to(_compute_dtype(chunk.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    logp = z - lse.unsqueeze(-1)
+    probs = logp.exp()
+    grad_z = probs * (-g_lp.unsqueeze(-1))
+    if g_ent is not None:
+        grad_z = grad_z - probs * (logp + entropy.unsqueeze(-1)) * g_ent.unsqueeze(-1)
+    grad_z = grad_z.scatter_add(-1, targets.unsqueeze(-1), g_lp.unsqueeze(-1))
+    if temperature != 1.0:
+        grad_z = grad_z / temperature
+    return grad_z.to(chunk.dtype)
+
+
+#: the chunk functions _TokenStats runs: eager, or compiled (set_compiled_token_stats)
+_CHUNK_FNS = {"stats": _chunk_stats, "grad": _chunk_grad}
+
+
+def set_compiled_token_stats(enabled: bool) -> None:
+    """Run the log-prob / entropy chunk math through ``torch.compile`` (process-wide) or eagerly.
+
+    Compiled, each chunk's cast, temperature, log-sum-exp, gather and entropy -- and in the backward
+    the softmax gradient -- become a few fused kernels instead of about ten passes over fp32
+    ``[rows, V]`` tensors. The reference server turns this on with its compiled training model
+    (``--torch-compile`` resolving to ``layers`` or ``modules``).
+    """
+    if enabled:
+        _CHUNK_FNS["stats"] = torch.compile(_chunk_stats, dynamic=True)
+        _CHUNK_FNS["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    else:
+        _CHUNK_FNS.update(stats=_chunk_stats, grad=_chunk_grad)
+
+
 class _TokenStats(torch.autograd.Function):
     """Log-prob of the targets and entropy of ``softmax(logits / T)``, fp32, row chunk by row chunk.
 
@@ -78,16 +124,13 @@ class _TokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature: float, want_entropy: bool, step: int):
         lps, lses, ents = [], [], []
+        stats = _CHUNK_FNS["stats"]
         for chunk, chunk_targets in zip(logits.split(step), targets.split(step), strict=True):
-            z = chunk.to(_compute_dtype(chunk.dtype))
-            if temperature != 1.0:
-                z = z / temperature
-            lse = torch.logsumexp(z, dim=-1)
-            lps.append(z.gather(-1, chunk_targets.unsqueeze(-1)).squeeze(-1) - lse)
+            lp, lse, ent = stats(chunk, chunk_targets, temperature, want_entropy)
+            lps.append(lp)
             lses.append(lse)
             if want_entropy:
-                ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
-            del z
+                ents.append(ent)
         lp = torch.cat(lps)
         entropy = torch.cat(ents) if want_entropy else lp.new_zeros(lp.shape)
         ctx.save_for_backward(logits, targets, torch.cat(lses), entropy)
@@ -105,26 +148,16 @@ class _TokenStats(torch.autograd.Function):
         use_entropy = ctx.want_entropy and grad_entropy is not None
         if grad_lp is None:
             grad_lp = torch.zeros_like(lse)
-        grads = []
+        grad = _CHUNK_FNS["grad"]
         parts = zip(
             logits.split(step), targets.split(step), lse.split(step), entropy.split(step), grad_lp.split(step),
             grad_entropy.split(step) if use_entropy else [None] * len(lse.split(step)),
             strict=True,
         )  # fmt: skip
-        for chunk, chunk_targets, chunk_lse, chunk_ent, g_lp, g_ent in parts:
-            z = chunk.to(_compute_dtype(chunk.dtype))
-            if temperature != 1.0:
-                z = z / temperature
-            logp = z - chunk_lse.unsqueeze(-1)
-            probs = logp.exp()
-            grad_z = probs * (-g_lp.unsqueeze(-1))
-            if g_ent is not None:
-                grad_z -= probs * (logp + chunk_ent.unsqueeze(-1)) * g_ent.unsqueeze(-1)
-            grad_z.scatter_add_(-1, chunk_targets.unsqueeze(-1), g_lp.unsqueeze(-1))
-            if temperature != 1.0:
-                grad_z /= temperature
-            grads.append(grad_z.to(logits.dtype))
-            del z, logp, probs, grad_z
+        grads = [
+            grad(chunk, chunk_targets, chunk_lse, chunk_ent, g_lp, g_ent, temperature)
+            for chunk, chunk_targets, chunk_lse, chunk_ent, g_lp, g_ent in parts
+        ]
         return torch.cat(grads), None, None, None, None
 
 
@@ -161,7 +194,15 @@ def _zorro_logprobs(
     first_lp, first_ent = _token_stats(
         out.first_logits.index_select(0, out.row_to_group).unsqueeze(1), targets[:, :1], temperature, want_entropy
     )
-    rest_lp, rest_ent = _token_stats(out.rest_logits, targets[:, 1:], temperature, want_entropy)
+    rest_targets = targets[:, 1:]
+    if out.rest_rows is not None:  # rest_logits' rows are sorted by prompt: reorder the targets, then the results
+        rest_targets = rest_targets.index_select(0, out.rest_rows)
+    rest_lp, rest_ent = _token_stats(out.rest_logits, rest_targets, temperature, want_entropy)
+    if out.rest_rows is not None:
+        inverse = torch.empty_like(out.rest_rows)
+        inverse[out.rest_rows] = torch.arange(out.rest_rows.numel(), device=inverse.device)
+        rest_lp = rest_lp.index_select(0, inverse)
+        rest_ent = rest_ent.index_select(0, inverse) if want_entropy else None
     logprobs = torch.cat([first_lp, rest_lp], dim=1)
     entropy = torch.cat([first_ent, rest_ent], dim=1) if want_entropy else None
     return TokenLogprobs(logprobs, entropy, out.tokens_computed, int(out.unique_row_index.numel()))

@@ -1,25 +1,45 @@
-"""ZoRRO (Zero Redundancy Rollouts) for any Hugging Face causal LM with a standard KV cache.
+"""ZoRRO (Zero Redundancy Rollouts) for Hugging Face causal LMs with full attention.
 
 GRPO samples every prompt ``rollout_n`` times, so most tokens of a training batch are copies of
 the same prompts. ZoRRO runs each unique prompt once and all of its responses against it:
 
 1. :func:`group_prompts` finds the ``U`` unique prompts of a ``[B, P+R]`` batch (rows whose prompt
    columns -- ids, attention mask and positions -- are byte-identical; rows need not be adjacent);
-2. the ``[U, P]`` prompts run once with ``use_cache=True``, giving the KV cache and the logits at
-   the last prompt position (which predict each row's first response token);
-3. the cache's key/value tensors are expanded from ``U`` to ``B`` rows with a differentiable
+2. the ``[U, P]`` prompts run once, giving the logits at the last prompt position (which predict
+   each row's first response token) while every attention layer hands its post-rotary keys and
+   values to ZoRRO;
+3. those keys and values are expanded from ``U`` to ``B`` rows with a differentiable
    ``index_select`` (its backward sums the ``n`` copies, so a prompt gets its gradient once);
-4. the ``[B, R]`` responses run against the expanded cache with the full ``[B, P+R]`` attention
-   mask and the rows' own response positions.
+4. the ``[B, R]`` responses run with each layer attending to ``[its prompt's keys | the response's
+   own keys]`` under a ``[B, 1, R, P+R]`` mask built once from the batch's attention mask.
 
 This is mathematically the plain ``[B, P+R]`` pass (the prompt never attends to the response), so
 log-probs and gradients agree to float precision -- ``tests/test_zorro_on_cpu.py`` checks that for
 Qwen3, Qwen2 and Llama with eager and sdpa attention. Unlike the vendor's version it patches no
-attention module: it only uses the model's public ``forward`` and ``transformers``' ``DynamicCache``.
+attention module and no model code: steps 2 and 4 go through ``transformers``' public attention
+registry (``AttentionInterface``). The model's ``sdpa`` or ``eager`` attention is swapped for a
+wrapper of the same function (:func:`install_zorro_attention`), which behaves exactly like it
+outside :func:`zorro_forward`.
 
-What it needs from the model: a full-attention ``DynamicCache`` (no sliding-window or linear
-attention layers, whose caches keep only part of the prompt) and no active gradient
-checkpointing (``transformers`` drops the cache inside checkpointed layers).
+Step 3-4 have two forms (:func:`set_response_attention`). ``expand`` -- the default, any device,
+any kernel -- copies each prompt's keys and values to its rows as described. ``flex`` -- what the
+reference server uses on a GPU with ``torch.compile`` -- copies nothing: for batches whose prompts
+all have ``n`` rows, each prompt's ``n*R`` response queries attend to ``[its P keys | the group's
+own n*R keys]`` through a compiled FlexAttention kernel with a block mask that skips the blocks
+no query may see. On an H200 this made ZoRRO 1.60x -> 1.97x the plain pass at 32 rows
+(``benchmarks/RESULTS.md``). Should FlexAttention fail to build a kernel, the pass falls back to
+``expand`` (with a warning) for the rest of the process.
+
+Why not ``transformers``' ``DynamicCache``: a cache update reads each attention module's
+``layer_idx``, so a ``torch.compile``-d decoder layer specialises on it and recompiles once per
+layer (past Dynamo's recompile limit, the rest runs eager). The wrapper is opaque to Dynamo
+(``torch.compiler.disable``) and reads ``layer_idx`` outside the compiled graphs, so one compiled
+layer serves every layer on both of ZoRRO's passes.
+
+What it needs from the model: attention that goes through ``transformers``' attention interface
+with the ``sdpa`` or ``eager`` implementation, only full-attention layers (no sliding-window or
+linear attention, whose caches keep only part of the prompt) and no active gradient checkpointing
+(checkpointed layers re-run their forward, which ZoRRO's hand-over of keys cannot follow).
 :func:`zorro_unsupported_reason` says why a model cannot take this path; :func:`zorro_forward`
 raises :class:`ZorroUnsupportedError` for such a model.
 
@@ -30,7 +50,10 @@ What is not here: turning logits into log-probs, entropy or losses (:mod:`arctic
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,9 +62,14 @@ __all__ = [
     "ZorroUnsupportedError",
     "causal_lm_logits",
     "group_prompts",
+    "install_zorro_attention",
+    "set_response_attention",
     "zorro_forward",
     "zorro_unsupported_reason",
 ]
+
+
+logger = logging.getLogger(__name__)
 
 
 class ZorroUnsupportedError(ValueError):
@@ -53,7 +81,10 @@ class ZorroOutput:
     """Logits of the shared-prompt forward, unscaled (temperature is applied by the caller).
 
     ``first_logits[row_to_group[b]]`` predicts ``input_ids[b, P]`` (the first response token);
-    ``rest_logits[b, j]`` predicts ``input_ids[b, P + 1 + j]``.
+    ``rest_logits[i, j]`` predicts ``input_ids[rest_rows[i], P + 1 + j]`` (``rest_rows`` is ``None``
+    when the rows are in batch order: then ``i`` is the batch row). The grouped response pass leaves
+    its rows sorted by prompt: reordering ``[B, R-1, V]`` logits would cost more than reordering the
+    targets and the per-token results, which the caller does.
     """
 
     first_logits: torch.Tensor  # [U, V] logits at the last prompt position of each unique prompt
@@ -61,6 +92,7 @@ class ZorroOutput:
     unique_row_index: torch.Tensor  # [U] row of the batch that represents each unique prompt
     row_to_group: torch.Tensor  # [B] index into the U unique prompts
     tokens_computed: int  # U*P + B*R (B*R is skipped when R == 1)
+    rest_rows: torch.Tensor | None = None  # [B] batch row of each row of rest_logits, or None (batch order)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -140,25 +172,233 @@ def causal_lm_logits(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     keep: torch.Tensor,
-    *,
-    past_key_values=None,
 ) -> torch.Tensor:
     """Run a causal LM and return its logits ``[B, len(keep), V]`` at the positions ``keep`` only.
 
     ``keep`` indexes the columns of ``input_ids``. The LM head runs on those positions only (via
     ``logits_to_keep`` when the model takes it; otherwise every position's logits are computed and
-    then selected). With ``past_key_values`` the cache is used and extended in place.
+    then selected). No KV cache is kept.
     """
     inner = _unwrap(model)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    if past_key_values is not None:
-        kwargs.update(past_key_values=past_key_values, use_cache=True)
-    else:
-        kwargs.update(use_cache=False)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     keep = keep.to(device=input_ids.device, dtype=torch.long)
     if _accepts_logits_to_keep(inner):
         return model(**kwargs, logits_to_keep=keep).logits
     return model(**kwargs).logits[:, keep]
+
+
+# ------------------------------------------------------------------ the attention wrapper
+
+#: base attention implementation -> the name its ZoRRO wrapper is registered under
+_WRAPPED = {"sdpa": "arctic_rl_zorro_sdpa", "eager": "arctic_rl_zorro_eager"}
+_BASE_OF = {wrapped: base for base, wrapped in _WRAPPED.items()}
+_REGISTER_LOCK = threading.Lock()
+_REGISTERED = False
+_EAGER_BY_CLASS: dict[type, object] = {}
+
+
+@dataclass
+class _PassState:
+    """What the wrapped attention does during one of :func:`zorro_forward`'s passes (per thread)."""
+
+    #: prompt pass: layer_idx -> (keys, values) ``[U, kv_heads, P, head_dim]``, filled by the layers
+    collected: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: response pass: the prompt pass's ``collected``
+    prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: response pass: row -> unique prompt (``None`` when every row is its own prompt, in order)
+    rows: torch.Tensor | None = None
+    #: response pass with grouped attention: rows per prompt and the block mask shared by all layers
+    group_size: int = 0
+    block_mask: object | None = None
+
+
+_STATE = threading.local()
+
+
+def _base_attention(base: str, module: torch.nn.Module):
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    cls = type(module)
+    fn = _EAGER_BY_CLASS.get(cls)
+    if fn is None:  # each modeling file defines its own eager attention next to the attention class
+        fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise ZorroUnsupportedError(f"ZoRRO cannot run on this model: {cls.__module__} has no eager_attention_forward")
+        _EAGER_BY_CLASS[cls] = fn
+    return fn
+
+
+def _make_wrapper(base: str):
+    @torch.compiler.disable  # opaque to Dynamo: layer_idx is read here, outside any compiled graph
+    def zorro_attention(module, query, key, value, attention_mask, **kwargs):
+        fn = _base_attention(base, module)
+        state: _PassState | None = getattr(_STATE, "current", None)
+        if state is None:  # not inside zorro_forward: exactly the base implementation
+            return fn(module, query, key, value, attention_mask, **kwargs)
+        layer = module.layer_idx
+        if state.prompt_kv is None:  # prompt pass: keep this layer's keys and values for the responses
+            state.collected[layer] = (key, value)
+            return fn(module, query, key, value, attention_mask, **kwargs)
+        prompt_key, prompt_value = state.prompt_kv[layer]
+        if state.block_mask is not None:
+            if kwargs.get("dropout"):  # FlexAttention has no attention dropout: zorro_forward falls back
+                raise ZorroUnsupportedError("the grouped response pass has no attention dropout")
+            return _grouped_attention(query, key, value, prompt_key, prompt_value, state, kwargs.get("scaling"))
+        if state.rows is not None:  # U -> B rows; index_select's backward sums a prompt's copies
+            prompt_key = prompt_key.index_select(0, state.rows)
+            prompt_value = prompt_value.index_select(0, state.rows)
+        key = torch.cat([prompt_key, key], dim=2)
+        value = torch.cat([prompt_value, value], dim=2)
+        return fn(module, query, key, value, attention_mask, **kwargs)
+
+    zorro_attention.__qualname__ = zorro_attention.__name__ = f"zorro_{base}_attention"
+    return zorro_attention
+
+
+# ------------------------------------------------------------------ grouped response attention
+
+#: how the response pass attends to the prompt: "expand" (copy each prompt's keys to its rows, any
+#: attention kernel) or "flex" (no copies: FlexAttention over each prompt's group, see set_response_attention)
+_RESPONSE_ATTENTION = {"kind": "expand", "compiled": False}
+_FLEX: dict[bool, object] = {}
+
+
+def set_response_attention(kind: str, *, compiled: bool = True) -> None:
+    """Choose how ZoRRO's response pass attends to the shared prompt (process-wide).
+
+    ``expand`` (the default): each layer copies its prompt keys and values to the ``B`` rows
+    (``index_select``) in front of the responses' own and runs the model's attention with a
+    ``[B, 1, R, P+R]`` mask -- any device, any kernel, but two copies of ``B*P`` keys and values per
+    layer and a dense masked attention. ``flex``: for batches whose prompts all have the same number
+    of rows ``n``, each prompt's ``n*R`` response queries attend to ``[its P prompt keys | the group's
+    n*R response keys]`` through FlexAttention with a block mask (prompt padding, and per row causal
+    over its own response): no copies of the prompt and fully masked blocks skipped (other batches,
+    and CPU passes that need gradients -- FlexAttention has no CPU backward -- take ``expand``). ``compiled``
+    runs FlexAttention through ``torch.compile`` (what makes it fast; the reference server uses it
+    on CUDA when the model is compiled); uncompiled it is a slow reference used by the CPU tests.
+    """
+    if kind not in ("expand", "flex"):
+        raise ValueError(f"response attention: expected one of ['expand', 'flex'], got {kind!r}")
+    _RESPONSE_ATTENTION.update(kind=kind, compiled=bool(compiled))
+
+
+def _flex_attention(compiled: bool):
+    if compiled not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX[compiled] = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    return _FLEX[compiled]
+
+
+#: FlexAttention's block size: the grouped pass pads its prompt, query and key lengths to multiples of it
+#: (its GPU backward kernels could not be built for ragged lengths, e.g. 96 queries x 136 keys)
+_FLEX_BLOCK = 128
+
+
+def _round_up(x: int, block: int = _FLEX_BLOCK) -> int:
+    return -(-x // block) * block
+
+
+def _group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, p: int, r: int):
+    """FlexAttention block mask of the grouped response pass.
+
+    Batch ``u`` is one prompt; its queries are its ``n`` rows' responses back to back (``n*R``,
+    padded to a block multiple); its keys are ``[prompt (P, padded to P') | those responses (n*R) |
+    padding]``. Query ``q`` (row ``q // R``, position ``q % R``) sees a prompt key that is not
+    padding, and a response key of its own row at a position ``<=`` its own that is not padding --
+    the plain pass's causal mask, row by row. Padding queries see the prompt (their output is dropped).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    groups, width = response_valid.shape
+    p_pad = _round_up(p)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        in_prompt = kv_idx < p_pad
+        seen_prompt = (kv_idx < p) & prompt_valid[b, kv_idx.clamp(max=p - 1)]
+        k = (kv_idx - p_pad).clamp(min=0, max=width - 1)
+        own = (
+            (kv_idx < p_pad + width)
+            & (k // r == q_idx // r)
+            & (k % r <= q_idx % r)
+            & response_valid[b, k]
+        )
+        return torch.where(in_prompt, seen_prompt, own)
+
+    return create_block_mask(
+        mask_mod, groups, None, _round_up(width), _round_up(p_pad + width), device=prompt_valid.device
+    )
+
+
+def _grouped_attention(query, key, value, prompt_key, prompt_value, state: "_PassState", scaling):
+    """``[B, H, R, D]`` queries of group-sorted rows -> ``[B, R, H, D]``, as ``transformers`` returns it."""
+    batch, heads, r, dim = query.shape
+    n = state.group_size
+    groups = batch // n
+    p = prompt_key.shape[2]
+    width = n * r
+    p_extra = _round_up(p) - p
+    kv_extra = _round_up(p + p_extra + width) - (p + p_extra + width)
+    q_extra = _round_up(width) - width
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [B, h, R, D] -> [U, h, n*R, D]
+        return t.reshape(groups, n, t.shape[1], r, dim).transpose(1, 2).reshape(groups, t.shape[1], width, dim)
+
+    def keys_of(prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # [prompt | pad | responses | pad]
+        parts = [prompt]
+        if p_extra:
+            parts.append(prompt.new_zeros(groups, prompt.shape[1], p_extra, dim))
+        parts.append(grouped(own))
+        if kv_extra:
+            parts.append(prompt.new_zeros(groups, prompt.shape[1], kv_extra, dim))
+        return torch.cat(parts, dim=2)
+
+    queries = grouped(query)
+    if q_extra:
+        queries = torch.nn.functional.pad(queries, (0, 0, 0, q_extra))
+    flex = _flex_attention(_RESPONSE_ATTENTION["compiled"])
+    out = flex(queries, keys_of(prompt_key, key), keys_of(prompt_value, value), block_mask=state.block_mask,
+               scale=scaling, enable_gqa=heads != key.shape[1])
+    out = out[:, :, :width]
+    return out.reshape(groups, heads, n, r, dim).permute(0, 2, 3, 1, 4).reshape(batch, r, heads, dim), None
+
+
+def _register() -> None:
+    global _REGISTERED
+    with _REGISTER_LOCK:
+        if _REGISTERED:
+            return
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        for base, name in _WRAPPED.items():
+            AttentionInterface.register(name, _make_wrapper(base))
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])  # same masks as the base
+        _REGISTERED = True
+
+
+def _attn_implementation(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(_unwrap(model), "config", None), "_attn_implementation", None)
+
+
+def install_zorro_attention(model: torch.nn.Module) -> None:
+    """Route ``model``'s ``sdpa`` / ``eager`` attention through ZoRRO's wrapper (idempotent).
+
+    Outside :func:`zorro_forward` the wrapper calls the same function as before, so the model's
+    outputs do not change; under ``torch.compile`` the wrapper is a graph break inside each
+    attention module. Raises :class:`ZorroUnsupportedError` for another implementation.
+    """
+    impl = _attn_implementation(model)
+    if impl in _BASE_OF:
+        return
+    if impl not in _WRAPPED:
+        raise ZorroUnsupportedError(
+            f"ZoRRO cannot run on this model: attn_implementation is {impl!r}; ZoRRO runs with {sorted(_WRAPPED)}"
+        )
+    _register()
+    _unwrap(model).config._attn_implementation = _WRAPPED[impl]
 
 
 def zorro_unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -170,13 +410,40 @@ def zorro_unsupported_reason(model: torch.nn.Module) -> str | None:
     config = getattr(inner, "config", None)
     if config is None:
         return f"{type(inner).__name__} has no `config`: not a transformers model"
+    impl = _attn_implementation(inner)
+    if _BASE_OF.get(impl, impl) not in _WRAPPED:
+        return f"attn_implementation is {impl!r}; ZoRRO runs with {sorted(_WRAPPED)}"
     if inner.training and any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()):
-        return "gradient checkpointing is enabled in training mode (transformers drops the KV cache then)"
+        return "gradient checkpointing is enabled in training mode (checkpointed layers re-run without the prompt)"
     cache = DynamicCache(config=config)
     odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
     if odd:
-        return f"the model's cache has non-full-attention layers {odd} (sliding window or linear attention)"
+        return f"the model has non-full-attention layers {odd} (sliding window or linear attention)"
     return None
+
+
+def _response_mask(attention_mask: torch.Tensor, p: int, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+    """``[B, 1, R, P+R]``: response query ``i`` sees key ``j`` iff ``j <= P + i`` and key ``j`` is not padding.
+
+    Boolean (True = attend) for sdpa; additive (0 / dtype min) for eager attention, as
+    ``transformers`` builds them for those implementations.
+    """
+    batch, total = attention_mask.shape
+    r = total - p
+    device = attention_mask.device
+    causal = torch.arange(total, device=device)[None, :] <= (p + torch.arange(r, device=device))[:, None]
+    allowed = causal[None, None] & attention_mask.bool()[:, None, None, :]
+    if not eager:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _response_pass(model, state: _PassState, ids, mask, positions, r: int) -> torch.Tensor:
+    _STATE.current = state
+    try:
+        return causal_lm_logits(model, ids, mask, positions, torch.arange(r - 1, device=ids.device))
+    finally:
+        _STATE.current = None
 
 
 def zorro_forward(
@@ -189,11 +456,10 @@ def zorro_forward(
     """The shared-prompt forward of a ``[left-padded prompt | right-padded response]`` batch.
 
     Equal (to float precision) to the plain ``[B, P+R]`` forward at the response positions;
-    differentiable (gradients reach each unique prompt once). Raises
-    :class:`ZorroUnsupportedError` for a model that cannot take this path.
+    differentiable (gradients reach each unique prompt once). Installs ZoRRO's attention wrapper
+    on first use (:func:`install_zorro_attention`). Raises :class:`ZorroUnsupportedError` for a
+    model that cannot take this path.
     """
-    from transformers import DynamicCache
-
     _check_batch(input_ids, attention_mask, prompt_len)
     if tuple(position_ids.shape) != tuple(input_ids.shape):
         raise ValueError(
@@ -203,6 +469,7 @@ def zorro_forward(
     reason = zorro_unsupported_reason(model)
     if reason is not None:
         raise ZorroUnsupportedError(f"ZoRRO cannot run on this model: {reason}")
+    install_zorro_attention(model)
     p = int(prompt_len)
     batch, total = input_ids.shape
     r = total - p
@@ -217,34 +484,69 @@ def zorro_forward(
     unique_rows = unique_cpu.to(device, non_blocking=True)
     row_to_group = groups_cpu.to(device, non_blocking=True)
 
-    cache = DynamicCache(config=_unwrap(model).config)
-    first_logits = causal_lm_logits(
-        model,
-        input_ids[:, :p].index_select(0, unique_rows),
-        attention_mask[:, :p].index_select(0, unique_rows),
-        position_ids[:, :p].index_select(0, unique_rows),
-        torch.tensor([p - 1], device=device),
-        past_key_values=cache,
-    )[:, 0]
-    if cache.get_seq_length() != p:  # defence in depth: a model that silently dropped the cache
+    if getattr(_STATE, "current", None) is not None:
+        raise RuntimeError("zorro_forward: called from inside another zorro_forward on the same thread")
+    prompt = _PassState()
+    _STATE.current = prompt
+    try:
+        first_logits = causal_lm_logits(
+            model,
+            input_ids[:, :p].index_select(0, unique_rows),
+            attention_mask[:, :p].index_select(0, unique_rows),
+            position_ids[:, :p].index_select(0, unique_rows),
+            torch.tensor([p - 1], device=device),
+        )[:, 0]
+    finally:
+        _STATE.current = None
+    layers = int(getattr(_unwrap(model).config, "num_hidden_layers", len(prompt.collected)))
+    if len(prompt.collected) != layers:  # a model whose attention bypasses the attention interface
         raise ZorroUnsupportedError(
-            f"ZoRRO cannot run on this model: after the prompt pass its KV cache holds "
-            f"{cache.get_seq_length()} positions, expected prompt_len={p}"
+            f"ZoRRO cannot run on this model: the prompt pass saw keys of {len(prompt.collected)} of its "
+            f"{layers} layers (its attention does not go through transformers' attention interface)"
         )
     if r == 1:  # the only response token is predicted by the prompt's last position
         rest = first_logits.new_zeros((batch, 0, first_logits.shape[-1]))
         return ZorroOutput(first_logits, rest, unique_rows, row_to_group, num_unique * p)
 
-    if not identity:
-        for layer in cache.layers:  # U -> B rows; index_select's backward sums the copies
-            layer.keys = layer.keys.index_select(0, row_to_group)
-            layer.values = layer.values.index_select(0, row_to_group)
-    rest_logits = causal_lm_logits(
-        model,
-        input_ids[:, p:],
-        attention_mask,
-        position_ids[:, p:],
-        torch.arange(r - 1, device=device),
-        past_key_values=cache,
+    eager = _BASE_OF[_attn_implementation(model)] == "eager"
+    some_key = next(iter(prompt.collected.values()))[0]
+    counts = torch.bincount(groups_cpu, minlength=num_unique)
+    n = int(counts[0])
+    # FlexAttention has no CPU backward: on CPU the grouped path runs only without gradients
+    grouped = (
+        _RESPONSE_ATTENTION["kind"] == "flex"
+        and bool((counts == n).all())
+        and (device.type != "cpu" or not torch.is_grad_enabled())
     )
+    order = None
+    if grouped:
+        # rows sorted by prompt (stable), so that each prompt's rows are adjacent, in group order
+        order_cpu = torch.argsort(groups_cpu, stable=True)
+        ids, mask2d, positions = input_ids, attention_mask, position_ids
+        if not torch.equal(order_cpu, torch.arange(batch)):  # (GRPO batches usually come sorted)
+            order = order_cpu.to(device, non_blocking=True)
+            ids, mask2d, positions = (t.index_select(0, order) for t in (input_ids, attention_mask, position_ids))
+        state = _PassState(prompt_kv=prompt.collected, group_size=n)
+        try:
+            state.block_mask = _group_block_mask(
+                attention_mask[:, :p].index_select(0, unique_rows).bool(),
+                mask2d[:, p:].bool().reshape(num_unique, n * r),
+                p,
+                r,
+            )
+            # the model's own mask is not used by the grouped attention
+            rest_logits = _response_pass(model, state, ids[:, p:], mask2d[:, p:], positions[:, p:], r)
+            return ZorroOutput(first_logits, rest_logits, unique_rows, row_to_group, num_unique * p + batch * r, order)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- a kernel that cannot be built for this shape or device
+            set_response_attention("expand")
+            logger.warning(
+                "ZoRRO: FlexAttention response pass failed (%s: %s); using the expanding response pass from now on",
+                type(exc).__name__,
+                (str(exc).strip().splitlines() or [""])[0][:300],
+            )
+    mask = _response_mask(attention_mask, p, some_key.dtype, eager)
+    state = _PassState(prompt_kv=prompt.collected, rows=None if identity else row_to_group)
+    rest_logits = _response_pass(model, state, input_ids[:, p:], mask, position_ids[:, p:], r)
     return ZorroOutput(first_logits, rest_logits, unique_rows, row_to_group, num_unique * p + batch * r)

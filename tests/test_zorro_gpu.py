@@ -1,0 +1,74 @@
+"""ZoRRO's grouped FlexAttention response pass on a GPU: values *and gradients* equal the plain pass.
+
+FlexAttention has no CPU backward, so ``tests/test_zorro_on_cpu.py`` can compare only the forward
+of this path; here the compiled kernels run forward and backward on CUDA (fp32, tiny models),
+alone and inside whole-layer ``torch.compile`` as the reference server runs them. Skipped without
+a CUDA device (run on a GPU box: ``python -m pytest tests/test_zorro_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import arctic_rl.server.zorro as zorro_module
+from arctic_rl.server.engines.common import compile_model
+from arctic_rl.server.logprobs import response_logprobs
+from arctic_rl.server.zorro import set_response_attention
+from test_zorro_on_cpu import ARCHS, LAYOUTS, make_batch, make_model, rel_err
+
+pytestmark = pytest.mark.gpu
+RTOL = 1e-4  # fp32 on a GPU: different kernels, different summation orders
+
+
+def run(model, batch, prompt_len: int, *, zorro: bool):
+    """Log-probs, entropy, a loss mixing both with per-token weights, and all parameter gradients."""
+    ids, mask, pos = batch
+    model.zero_grad(set_to_none=True)
+    out = response_logprobs(model, ids, mask, pos, prompt_len, temperature=0.7, calculate_entropy=True, zorro=zorro)
+    weights = torch.linspace(-1.0, 1.0, out.logprobs.numel(), device=ids.device).view_as(out.logprobs)
+    response_mask = mask[:, prompt_len:].float()
+    loss = ((weights * out.logprobs + 0.01 * out.entropy) * response_mask).sum() / response_mask.sum()
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return out, loss.detach(), grads
+
+
+@pytest.fixture
+def flex_compiled():
+    set_response_attention("flex", compiled=True)
+    yield
+    set_response_attention("expand")
+
+
+#: (prompt, response) widths: block-aligned (FlexAttention's 128) and ragged
+SHAPES = {"aligned": (128, 64), "ragged": (40, 24)}
+
+
+@pytest.mark.parametrize(
+    "arch, layout, shape, compile_layers",
+    [(arch, "groups_of_4", "aligned", False) for arch in ARCHS]
+    + [("qwen3", "groups_of_4", "ragged", False), ("qwen3", "non_adjacent", "ragged", True)],
+)
+def test_flex_response_pass_matches_plain_with_gradients(arch, layout, shape, compile_layers, flex_compiled,
+                                                         monkeypatch):
+    calls = []
+    real = zorro_module._grouped_attention
+    monkeypatch.setattr(zorro_module, "_grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch._dynamo.reset()
+    spec = LAYOUTS[layout]
+    prompt_len, resp_len = SHAPES[shape]
+    batch = make_batch(spec["num_prompts"], spec["n"], prompt_len, resp_len, seed=3, shuffle=spec["shuffle"])
+    batch = tuple(t.cuda() for t in batch)
+    # FlexAttention's GPU kernels want head_dim >= 16
+    model = make_model(arch, "sdpa", hidden_size=128, head_dim=32).cuda()
+    if compile_layers:
+        compile_model(model, "layers")
+    plain, plain_loss, plain_grads = run(model, batch, prompt_len, zorro=False)
+    zorro, zorro_loss, zorro_grads = run(model, batch, prompt_len, zorro=True)
+    assert zorro_module._RESPONSE_ATTENTION["kind"] == "flex"  # no fallback to the expanding pass
+    assert len(calls) == model.config.num_hidden_layers
+    assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
+    assert rel_err(zorro.entropy, plain.entropy) <= RTOL
+    assert rel_err(zorro_loss, plain_loss) <= RTOL
+    assert rel_err(zorro_grads, plain_grads) <= RTOL
