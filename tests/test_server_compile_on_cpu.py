@@ -1,9 +1,10 @@
-"""The reference server's opt-in ``--torch-compile`` (``ServerSettings.torch_compile``).
+"""The reference server's ``--torch-compile`` (``ServerSettings.torch_compile``).
 
-``compile_model`` picks whole decoder layers (``layers``) or only their norms and MLPs
-(``modules``); the compiled model must give the eager model's log-probs and gradients, on the
-plain pass and on ZoRRO's cached passes (the reason ``modules`` exists). Compilation runs
-inductor on CPU, so the numerical tests are marked slow.
+``auto`` (the default) resolves to whole decoder layers on CUDA when a probe compile works there
+and to ``off`` on CPU; ``compile_model`` picks whole decoder layers (``layers``) or only their
+norms and MLPs (``modules``). The compiled model must give the eager model's log-probs and
+gradients on the plain pass and on ZoRRO's two passes, and ZoRRO must not make each layer compile
+its own graph. Compilation runs inductor on CPU, so the numerical tests are marked slow.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from arctic_rl.server.__main__ import parse_args
-from arctic_rl.server.engines.common import compile_model
+from arctic_rl.server.engines import common
+from arctic_rl.server.engines.common import compile_model, resolve_compile_mode
 from arctic_rl.server.logprobs import response_logprobs
 from arctic_rl.server.settings import TORCH_COMPILE_MODES, ServerSettings
 from arctic_rl.tiny_models import tiny_config
@@ -20,24 +22,48 @@ from arctic_rl.tiny_models import tiny_config
 LAYERS = 2
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, layers: int = LAYERS):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = tiny_config("qwen3", vocab_size=64, hidden_size=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2)
+    cfg = tiny_config("qwen3", vocab_size=64, hidden_size=32, num_layers=layers, num_heads=4, num_kv_heads=2)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
 
 
 def test_setting_and_flag_accept_only_known_modes():
-    assert TORCH_COMPILE_MODES == ("off", "layers", "modules")
-    assert ServerSettings().torch_compile == "off"
+    assert TORCH_COMPILE_MODES == ("auto", "off", "layers", "modules")
+    assert ServerSettings().torch_compile == "auto"
     assert ServerSettings(torch_compile="modules").torch_compile == "modules"
-    with pytest.raises(ValueError, match=r"torch_compile: expected one of \['off', 'layers', 'modules'\], got 'fast'"):
+    with pytest.raises(
+        ValueError, match=r"torch_compile: expected one of \['auto', 'off', 'layers', 'modules'\], got 'fast'"
+    ):
         ServerSettings(torch_compile="fast")
-    assert parse_args([]).torch_compile == "off"
+    assert parse_args([]).torch_compile == "auto"
     assert parse_args(["--torch-compile", "layers"]).torch_compile == "layers"
     with pytest.raises(SystemExit):
         parse_args(["--torch-compile", "fast"])
+    with pytest.raises(ValueError, match="torch_compile: expected one of"):
+        compile_model(_model(), "auto")  # resolve first
+
+
+def test_auto_is_layers_on_cuda_when_the_probe_compiles_and_off_otherwise(monkeypatch, caplog):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_compile_mode("auto", cpu) == "off"
+    assert resolve_compile_mode("layers", cpu) == "layers" and resolve_compile_mode("off", cuda) == "off"
+    monkeypatch.setattr(common, "_compile_probe", lambda device: None)
+    assert resolve_compile_mode("auto", cuda) == "layers"
+    monkeypatch.setattr(common, "_compile_probe", lambda device: "RuntimeError: Failed to find C compiler")
+    with caplog.at_level("WARNING", logger="arctic_rl.server"):
+        assert resolve_compile_mode("auto", cuda) == "off"
+    assert "Failed to find C compiler" in caplog.text and "training runs eager" in caplog.text
+
+
+@pytest.mark.slow
+def test_compile_probe_really_compiles_here():
+    """The probe compiles and differentiates on this machine's CPU (inductor, a C compiler) and caches it."""
+    common._COMPILE_PROBE.pop("cpu", None)
+    assert common._compile_probe(torch.device("cpu")) is None
+    assert common._COMPILE_PROBE["cpu"] is None
 
 
 def test_compile_model_picks_layers_or_norms_and_mlps():
@@ -50,7 +76,7 @@ def test_compile_model_picks_layers_or_norms_and_mlps():
     assert compile_model(model, "modules") == 5 * LAYERS
     compiled = {type(m).__name__ for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
     assert compiled == {"Qwen3RMSNorm", "Qwen3MLP"}
-    assert model.model.layers[0]._compiled_call_impl is None  # the cache-touching attention stays eager
+    assert model.model.layers[0]._compiled_call_impl is None  # attention (and its wrapper) stays eager
 
 
 def _batch(rows: int = 4, p: int = 6, r: int = 5, n: int = 2):
@@ -74,7 +100,7 @@ def _run(model, zorro: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, zorro", [("modules", False), ("modules", True), ("layers", False)])
+@pytest.mark.parametrize("mode, zorro", [("modules", False), ("modules", True), ("layers", False), ("layers", True)])
 def test_compiled_model_matches_eager(mode, zorro):
     torch._dynamo.reset()
     want_lp, want_grad = _run(_model(), zorro)
@@ -87,8 +113,30 @@ def test_compiled_model_matches_eager(mode, zorro):
 
 
 @pytest.mark.slow
+def test_zorro_does_not_compile_a_graph_per_layer():
+    """With whole-layer compilation, ZoRRO's passes reuse one set of graphs for all layers.
+
+    A KV cache would make each layer specialise on its ``layer_idx`` (one graph per layer, eager
+    after Dynamo's recompile limit of 8); ZoRRO's attention wrapper keeps the layer index out of
+    the graphs, so 12 layers compile no more graphs than 2 do.
+    """
+    from torch._dynamo.utils import counters
+
+    graphs = {}
+    for layers in (2, 12):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model(layers=layers)
+        compile_model(model, "layers")
+        for _ in range(2):
+            _run(model, zorro=True)
+        graphs[layers] = counters["stats"]["unique_graphs"]
+    assert 0 < graphs[12] == graphs[2], graphs
+
+
+@pytest.mark.slow
 def test_training_engine_applies_the_setting_and_trains_like_eager(tmp_path):
-    """``TrainingEngine`` under ``torch_compile="modules"``: compiled norms/MLPs, the eager losses."""
+    """``TrainingEngine`` under ``torch_compile="layers"`` with ZoRRO: compiled layers, the eager losses."""
     from arctic_rl.protocol import JobConfig, JobType
     from arctic_rl.server.engines.training import TrainingEngine
     from arctic_rl.server.validation import parse_batch_body
@@ -104,14 +152,15 @@ def test_training_engine_applies_the_setting_and_trains_like_eager(tmp_path):
                       "old_log_probs": torch.full((ids.shape[0], ids.shape[1] - p), -4.0)},
             "meta": {"zorro_train_enable": True, "rollout_n": 2}, "processing": {"loss_fn": "grpo", "config": {}}}
     losses = {}
-    for mode in ("off", "modules"):
+    for mode in ("off", "layers"):
         config = JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING,
                            ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
         engine = TrainingEngine(config, ServerSettings(torch_compile=mode, checkpoint_root=tmp_path / "ck"),
                                 tmp_path / mode)
         try:
             compiled = [m for m in engine.model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
-            assert len(compiled) == (0 if mode == "off" else 5 * engine.model.config.num_hidden_layers)
+            assert len(compiled) == (0 if mode == "off" else engine.model.config.num_hidden_layers)
+            assert engine.info()["torch_compile"] == mode
             batch = parse_batch_body(body, vocab_size=engine.vocab_size, train=True)
             losses[mode] = []
             for _ in range(2):  # the second call runs on the weights the first step changed
@@ -120,4 +169,30 @@ def test_training_engine_applies_the_setting_and_trains_like_eager(tmp_path):
         finally:
             engine.close()
     assert losses["off"][0] != losses["off"][1]
-    torch.testing.assert_close(losses["modules"], losses["off"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(losses["layers"], losses["off"], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_token_stats_match_eager():
+    """``set_compiled_token_stats(True)``: the fused log-prob / entropy chunks give the eager values and gradients."""
+    from arctic_rl.server import logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5, 50, requires_grad=True)
+    targets = torch.randint(0, 50, (6, 5))
+
+    def run():
+        logits.grad = None
+        lp, ent = logprobs._token_stats(logits, targets, 0.7, True)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        return lp.detach(), ent.detach(), logits.grad.clone()
+
+    want = run()
+    logprobs.set_compiled_token_stats(True)
+    try:
+        assert logprobs._CHUNK_FNS["stats"] is not logprobs._chunk_stats
+        got = run()
+    finally:
+        logprobs.set_compiled_token_stats(False)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

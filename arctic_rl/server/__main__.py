@@ -40,9 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--torch-compile",
         choices=TORCH_COMPILE_MODES,
-        default="off",
-        help="torch.compile the training model: whole decoder layers (fastest; not with ZoRRO), or only their "
-        "norms and MLPs (works with ZoRRO). Default off. See docs/PERFORMANCE.md",
+        default="auto",
+        help="torch.compile the training model: whole decoder layers, only their norms and MLPs, or off. "
+        "Default auto: layers on CUDA when a probe compile works there, off on CPU. See docs/PERFORMANCE.md",
     )
     p.add_argument("--body-timeout-s", type=float, default=300.0,
                    help="longest time to receive one request body; slower clients get a 408 (default 300)")

@@ -15,8 +15,9 @@ from typing import Literal
 __all__ = ["TORCH_COMPILE_MODES", "ServerSettings", "is_loopback_host"]
 
 Device = Literal["cpu", "cuda"]
-#: ``torch.compile`` of the training model: off, whole decoder layers, or only the layers' norms and MLPs
-TORCH_COMPILE_MODES = ("off", "layers", "modules")
+#: ``torch.compile`` of the training model: ``auto`` (whole decoder layers on CUDA when a compile probe
+#: works there, else off), off, whole decoder layers, or only the layers' norms and MLPs
+TORCH_COMPILE_MODES = ("auto", "off", "layers", "modules")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -49,7 +50,7 @@ class ServerSettings:
     #: remembered ``X-Request-Id`` per job
     idempotency_capacity: int = 256
     #: ``torch.compile`` the training model (:data:`TORCH_COMPILE_MODES`; see ``docs/PERFORMANCE.md``)
-    torch_compile: str = "off"
+    torch_compile: str = "auto"
     #: longest time to receive a request body (a client trickling bytes gets a 408)
     body_timeout_s: float = 300.0
     #: longest time a connection may take to send a complete request head (then it is closed)

@@ -33,6 +33,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "model_vocab_size",
+    "resolve_compile_mode",
     "resolve_device",
 ]
 
@@ -90,17 +91,64 @@ def load_model(
     return model
 
 
+_COMPILE_PROBE: dict[str, str | None] = {}
+_RECOMPILE_LIMIT = 64
+_COMPILE_PROBE_LOCK = threading.Lock()
+
+
+def _compile_probe(device: torch.device) -> str | None:
+    """Compile and differentiate a tiny function on ``device`` once per process: ``None`` when that works,
+    else why not (no C compiler or Triton on the box, an unsupported GPU, ...)."""
+    key = str(device)
+    with _COMPILE_PROBE_LOCK:
+        if key not in _COMPILE_PROBE:
+            t0 = time.perf_counter()
+
+            def probe(x: torch.Tensor) -> torch.Tensor:
+                return torch.nn.functional.silu(x) * x + 1.0
+
+            try:
+                x = torch.randn(256, device=device, requires_grad=True)
+                torch.compile(probe, dynamic=False)(x).sum().backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                _COMPILE_PROBE[key] = None
+            except Exception as exc:  # noqa: BLE001 -- any failure means "run eager"
+                _COMPILE_PROBE[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            logger.info("torch.compile probe on %s: %s (%.1fs)", key, _COMPILE_PROBE[key] or "works",
+                        time.perf_counter() - t0)
+        return _COMPILE_PROBE[key]
+
+
+def resolve_compile_mode(mode: str, device: torch.device) -> str:
+    """The compile mode a training job runs with: ``auto`` is ``layers`` on CUDA when a probe compile
+    works there (else ``off``, with a warning), and ``off`` on CPU; other modes are taken as given."""
+    if mode != "auto":
+        return mode
+    if device.type != "cuda":
+        return "off"
+    failure = _compile_probe(device)
+    if failure is not None:
+        logger.warning("torch_compile=auto: torch.compile does not work on %s (%s); training runs eager", device,
+                       failure)
+        return "off"
+    return "layers"
+
+
 def compile_model(model: torch.nn.Module, mode: str) -> int:
     """``torch.compile`` parts of ``model`` in place (``nn.Module.compile``); returns how many.
 
     ``layers``: every decoder layer (``model.model.layers``) -- fuses norms, rotary, MLP and
-    residuals; the layers then specialise on the KV cache, so ZoRRO's cached passes recompile per
-    layer and fall back to eager. ``modules``: only the layers' ``*RMSNorm`` and ``*MLP`` children,
-    which never see the cache (works with ZoRRO, fuses less). ``off``: nothing. Values agree with
-    the eager model up to bf16 rounding; the first call of each new shape pays the compilation.
+    residuals; one compiled layer serves all layers (ZoRRO's passes included: its attention wrapper
+    is a graph break inside each layer, see :mod:`arctic_rl.server.zorro`). ``modules``: only the
+    layers' ``*RMSNorm`` and ``*MLP`` children (fuses less). ``off``: nothing. Values agree with
+    the eager model up to bf16 rounding; the first calls of each new shape pay the compilation
+    (after the second shape Dynamo compiles shape-generic graphs).
     """
     if mode == "off":
         return 0
+    if mode not in ("layers", "modules"):
+        raise ValueError(f"torch_compile: expected one of ['off', 'layers', 'modules'] here, got {mode!r}")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if mode == "layers" and isinstance(layers, torch.nn.ModuleList):
         targets = list(layers)
@@ -108,6 +156,12 @@ def compile_model(model: torch.nn.Module, mode: str) -> int:
         if mode == "layers":
             logger.info("torch_compile=layers: %s has no model.layers; compiling norms and MLPs", type(model).__name__)
         targets = [m for m in (layers or model).modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
+    # One code object (the layer class's forward) serves every layer; its variants -- grad and no-grad,
+    # static then shape-generic, plain and ZoRRO attention, each job of the process -- must not reach
+    # Dynamo's default limit of 8, past which it would silently run eager.
+    dynamo_config = torch._dynamo.config
+    limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, limit_name, max(int(getattr(dynamo_config, limit_name)), _RECOMPILE_LIMIT))
     for module in targets:
         module.compile()
     logger.info("torch_compile=%s: %d modules compiled (first calls of each shape compile)", mode, len(targets))

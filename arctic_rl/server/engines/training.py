@@ -38,12 +38,15 @@ from arctic_rl.server.engines.common import (
     load_model,
     load_tokenizer,
     model_vocab_size,
+    resolve_compile_mode,
     resolve_device,
 )
 from arctic_rl.server.engines.config import build_training_ds_config, parse_worker_knobs
 from arctic_rl.server.errors import BadRequest
+from arctic_rl.server.logprobs import set_compiled_token_stats
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
+from arctic_rl.server.zorro import set_response_attention
 
 __all__ = ["TrainingEngine"]
 
@@ -130,21 +133,23 @@ class TrainingEngine:
         wrapper = _PolicyModule(model)
         params = [p for p in wrapper.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=wrapper, model_parameters=params, config=self.ds_config)
-        if settings.torch_compile == "layers" and self.knobs.zorro_train_enable:
-            logger.warning("training job: --torch-compile layers with ZoRRO recompiles per layer and runs ZoRRO's "
-                           "cached passes eager; --torch-compile modules keeps a fusion on both paths")
-        compile_model(self.model, settings.torch_compile)  # after DeepSpeed wrapped it (opt-in; default off)
+        self.torch_compile = resolve_compile_mode(settings.torch_compile, self.device)
+        compile_model(self.model, self.torch_compile)  # after DeepSpeed wrapped it
+        # where torch.compile works on a GPU, ZoRRO's response pass uses compiled FlexAttention (no prompt copies)
+        set_response_attention("flex" if self.device.type == "cuda" and self.torch_compile != "off" else "expand")
+        set_compiled_token_stats(self.torch_compile != "off")  # fused log-softmax / entropy chunks
         self.gas = int(self.engine.gradient_accumulation_steps())
         self.pending = 0  # forward_backward calls since the last step
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
         logger.info(
-            "training engine ready: %s, %s, ZeRO-%d, GAS=%d, lr=%s, zorro=%s",
+            "training engine ready: %s, %s, ZeRO-%d, GAS=%d, lr=%s, zorro=%s, torch_compile=%s",
             config.model_name,
             dtype,
             self.zero_stage,
             self.gas,
             self.lr,
             self.knobs.zorro_train_enable,
+            self.torch_compile,
         )
 
     # ------------------------------------------------------------------ properties
@@ -327,6 +332,7 @@ class TrainingEngine:
             "zero_stage": self.zero_stage,
             "lr": self.lr,
             "zorro_train_enable": self.knobs.zorro_train_enable,
+            "torch_compile": self.torch_compile,
             "device": str(self.device),
         }
 
