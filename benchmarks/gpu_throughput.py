@@ -1,6 +1,6 @@
 """GPU throughput of the reference server's own engines: training MFU, ZoRRO speed-up, sampling tok/s.
 
-    python benchmarks/gpu_throughput.py [--out DIR] [--budget-s 480] [--plans shipped,zero1,...]  # one GPU, bf16
+    python benchmarks/gpu_throughput.py [--out DIR] [--budget-s 480] [--plans shipped,eager,...]  # one GPU, bf16
     python benchmarks/gpu_throughput.py --device cpu --tiny              # CPU dry run (fp32, tiny)
 
 What runs, all in ONE process and one run so that every ratio compares like with like:
@@ -11,8 +11,10 @@ What runs, all in ONE process and one run so that every ratio compares like with
    128, MLP 3072, tied embeddings, vocab 151,936 -- Qwen3's real vocabulary, so the LM head is as
    heavy as in a real run), saved to a local directory and loaded by the server's own
    :class:`arctic_rl.server.engines.training.TrainingEngine` (DeepSpeed, bf16, AdamW), once per
-   *plan* (:data:`PLANS`): ``shipped`` (the client's default ZeRO-0), ``zero1``, and ``zero1`` with
-   the server's opt-in ``--torch-compile modules`` / ``layers``.
+   *plan* (:data:`PLANS`): ``shipped`` (what a job gets by default: the client's ``zero_stage: 0``,
+   which the server runs as ZeRO-1 with bf16, and the server's ``--torch-compile auto``, i.e. whole
+   compiled decoder layers on CUDA), ``eager`` (the same without compilation) and
+   ``compile_modules`` (only norms and MLPs compiled). ``torch._dynamo.reset()`` before each plan.
 3. ``train`` cases: bodies built like the adapter's ``/forward-backward`` bodies (verl GRPO loss,
    ``post=[apply_temperature, compute_entropy_and_logprobs]``), validated by the server's own
    ``parse_batch_body`` and run through ``TrainingEngine.forward_backward`` + ``step`` -- the exact
@@ -182,7 +184,7 @@ def train_body(rows: int, p: int, r: int, n: int, vocab: int, *, zorro: bool, en
 
 
 def make_training_engine(model_dir: Path, device: torch.device, work: Path, zero_stage: int = 0,
-                         data_types: dict | None = None, torch_compile: str = "off", **knobs: Any):
+                         data_types: dict | None = None, torch_compile: str = "auto", **knobs: Any):
     from arctic_rl.protocol import JobConfig, JobType
     from arctic_rl.server.engines.training import TrainingEngine
     from arctic_rl.server.settings import ServerSettings
@@ -214,6 +216,7 @@ def time_case(engine, device: torch.device, case: dict, vocab: int, warmup: int,
 
         def step():
             ds.step()
+            return {}
     else:
         body = train_body(rows, p, r, n, vocab, zorro=case["zorro"], entropy=case.get("entropy", True), seed=1)
         batch = parse_batch_body(body, vocab_size=vocab, train=True)
@@ -222,8 +225,8 @@ def time_case(engine, device: torch.device, case: dict, vocab: int, warmup: int,
             return engine.forward_backward(batch)["metrics"]
 
         def step():
-            engine.step()
-    fb_s, step_s, info = [], [], {}
+            return engine.step()["metrics"]
+    fb_s, step_s, info, first_s = [], [], {}, None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -233,15 +236,19 @@ def time_case(engine, device: torch.device, case: dict, vocab: int, warmup: int,
         out = fb()
         sync(device)
         t1 = time.perf_counter()
-        step()
+        stepped = step()
         sync(device)
         t2 = time.perf_counter()
+        if i == 0:
+            first_s = t2 - t0  # includes compilation under torch.compile
         if i >= warmup:
             fb_s.append(t1 - t0)
             step_s.append(t2 - t1)
         if isinstance(out, dict):
             info = {k: out[k] for k in ("tokens_computed", "unique_prompts", "loss") if k in out}
-    res = {"fb_s": statistics.median(fb_s), "step_s": statistics.median(step_s), "fb_all_s": fb_s, **info}
+        info["grad_norm"] = (stepped or {}).get("grad_norm")
+    res = {"fb_s": statistics.median(fb_s), "step_s": statistics.median(step_s), "fb_all_s": fb_s,
+           "first_step_s": first_s, **info}
     if device.type == "cuda":
         res["peak_mem_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
     return res
@@ -265,6 +272,8 @@ def train_cases(tiny: bool) -> list[dict[str, Any]]:
         dict(name="zorro_shape_B16_plain", rows=16, p=2048, r=512, n=8, zorro=False),
         dict(name="zorro_shape_B16_zorro", rows=16, p=2048, r=512, n=8, zorro=True),
         dict(name="zorro_shape_B32_zorro", rows=32, p=2048, r=512, n=8, zorro=True),
+        dict(name="zorro_shape_B32_plain", rows=32, p=2048, r=512, n=8, zorro=False),
+        dict(name="zorro_shape_B64_zorro", rows=64, p=2048, r=512, n=8, zorro=True),
     ]
 
 
@@ -356,24 +365,27 @@ def generation(model_dir: Path, device: torch.device, tiny: bool, max_tokens: in
 
 # ----------------------------------------------------------------------------------- plans
 
-#: name -> (engine kwargs, cases); ``--plans`` picks them (tiny runs use the tiny case names)
+#: name -> (engine kwargs, cases); ``--plans`` picks them (tiny runs use the tiny case names).
+#: ``shipped`` is what a job gets by default: the client's ``zero_stage: 0`` (which the server runs as
+#: ZeRO-1 with bf16) and the server's ``--torch-compile auto`` (whole decoder layers on CUDA).
 PLANS = {
-    "shipped": ({}, ["hf_labels_B8_T2048", "plain_B8_P1_R2047", "plain_B8_P1024_R1024", "plain_B8_P1024_R1024_noent",
-                     "plain_B16_P1024_R1024", "zorro_shape_B8_plain", "zorro_shape_B8_zorro", "zorro_shape_B16_plain",
-                     "zorro_shape_B16_zorro", "zorro_shape_B32_zorro"]),
-    "zero1": ({"zero_stage": 1}, ["plain_B8_P1024_R1024", "zorro_shape_B8_plain", "zorro_shape_B8_zorro",
-                                  "zorro_shape_B16_plain", "zorro_shape_B16_zorro", "zorro_shape_B32_zorro"]),
-    "zero1+compile_modules": ({"zero_stage": 1, "torch_compile": "modules"},
-                              ["plain_B8_P1024_R1024", "zorro_shape_B16_plain", "zorro_shape_B16_zorro",
-                               "zorro_shape_B32_zorro"]),
-    "zero1+compile_layers": ({"zero_stage": 1, "torch_compile": "layers"},
-                             ["plain_B8_P1024_R1024", "zorro_shape_B16_plain", "zorro_shape_B16_zorro"]),
-    "tiny_compile": ({"torch_compile": "modules"}, ["plain_B8_P1024_R1024", "zorro_shape_B8_zorro"]),
+    "shipped": ({}, ["plain_B8_P1024_R1024", "zorro_shape_B16_plain", "zorro_shape_B16_zorro",
+                     "zorro_shape_B32_zorro", "zorro_shape_B32_plain", "zorro_shape_B64_zorro",
+                     "plain_B8_P1024_R1024_noent",
+                     "zorro_shape_B8_plain", "zorro_shape_B8_zorro", "plain_B16_P1024_R1024", "plain_B8_P1_R2047",
+                     "hf_labels_B8_T2048"]),
+    "eager": ({"torch_compile": "off"}, ["plain_B8_P1024_R1024", "zorro_shape_B16_plain", "zorro_shape_B16_zorro",
+                                        "zorro_shape_B32_zorro", "zorro_shape_B64_zorro"]),
+    "compile_modules": ({"torch_compile": "modules"},
+                        ["plain_B8_P1024_R1024", "zorro_shape_B16_plain", "zorro_shape_B16_zorro",
+                         "zorro_shape_B32_zorro"]),
+    "tiny_compile": ({"torch_compile": "layers"}, ["plain_B8_P1024_R1024", "zorro_shape_B8_plain",
+                                                  "zorro_shape_B8_zorro"]),
 }
 TINY_CASES = {"hf_labels_B8_T2048": "hf_labels", "plain_B8_P1024_R1024": "plain_main",
               "plain_B8_P1024_R1024_noent": "plain_main_noent", "zorro_shape_B8_plain": "zorro_shape_plain",
               "zorro_shape_B8_zorro": "zorro_shape_zorro"}
-PROFILED = ("plain_B8_P1024_R1024", "zorro_shape_B8_zorro", "plain_main", "zorro_shape_zorro")
+PROFILED = ("plain_B8_P1024_R1024", "zorro_shape_B32_zorro", "plain_main", "zorro_shape_zorro")
 
 
 def profile_step(engine, device: torch.device) -> str:
@@ -404,15 +416,16 @@ def run_plan(label: str, engine_kwargs: dict, names: list[str], *, model_dir: Pa
         names = [n for n in names if n in args.only.split(",")]
     if args.tiny:
         names = [TINY_CASES[n] for n in names if n in TINY_CASES]
+    torch._dynamo.reset()  # each plan compiles from scratch, as a fresh server process would
     engine = make_training_engine(model_dir, device, work / label.replace(" ", "_"), **engine_kwargs)
     plan = results.setdefault("plans", {}).setdefault(label, {"engine": engine_kwargs, "ds_config": engine.ds_config,
                                                               "cases": {}})
     dims = model_dims(engine.model)
     results["dims"], results["attn_implementation"] = dims, getattr(engine.model.config, "_attn_implementation", None)
     hdr = (f"{'case':30} {'B':>3} {'P':>5} {'R':>5} {'n':>2} {'fb_ms':>8} {'step_ms':>8} {'tok/s':>9} "
-           f"{'MFU_fb':>7} {'MFU_all':>7} {'mem_GiB':>7}")
+           f"{'MFU_fb':>7} {'MFU_all':>7} {'mem_GiB':>7} {'1st_s':>6}")
     lines += ["", f"== {label}: ds zero stage {engine.ds_config['zero_optimization']['stage']}, optimizer "
-              f"{type(engine.engine.optimizer).__name__}, torch_compile={engine_kwargs.get('torch_compile', 'off')}", hdr]
+              f"{type(engine.engine.optimizer).__name__}, torch_compile={engine.torch_compile}", hdr]
     print("\n".join(lines[-3:]), flush=True)
     for name in names:
         case = by_name[name]
@@ -444,7 +457,8 @@ def run_plan(label: str, engine_kwargs: dict, names: list[str], *, model_dir: Pa
         plan["cases"][name] = {**case, **res}
         lines.append(f"{name:30} {case['rows']:>3} {case['p']:>5} {case['r']:>5} {case['n']:>2} "
                      f"{res['fb_s'] * 1e3:>8.1f} {res['step_s'] * 1e3:>8.1f} {res['tok_s']:>9.0f} "
-                     f"{res['mfu_fb']:>7.1%} {res['mfu_all']:>7.1%} {res.get('peak_mem_gib', float('nan')):>7.1f}")
+                     f"{res['mfu_fb']:>7.1%} {res['mfu_all']:>7.1%} {res.get('peak_mem_gib', float('nan')):>7.1f}"
+                     f" {res['first_step_s']:>6.1f}")
         print(lines[-1], flush=True)
     cases = plan["cases"]
     best_plain = max((c["tok_s"] for k, c in cases.items() if "zorro_shape" in k and not c["zorro"] and "tok_s" in c),
