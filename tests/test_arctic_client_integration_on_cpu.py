@@ -284,7 +284,7 @@ def test_local_server_v1_and_zorro(model_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("ARCTIC_RL_TOKEN", raising=False)
     cfg = main_config(model_dir, None, server={"protocol": "v1", "local": {"checkpoint_root": str(tmp_path / "srv")}},
                       train={"zorro_train": {"enable": True}})
-    cfg.actor_rollout_ref.model.enable_gradient_checkpointing = False  # the reference server's ZoRRO needs the KV cache
+    cfg.actor_rollout_ref.model.enable_gradient_checkpointing = False  # the reference server's ZoRRO needs it off
     client = ArcticRLClient.from_config(cfg)
     local = client._local
     try:

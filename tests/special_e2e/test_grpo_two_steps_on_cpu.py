@@ -66,7 +66,7 @@ def grpo_command(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str]:
         f"remote_backend.train.zorro_train.enable={str(zorro).lower()}",
         "remote_backend.train.deepspeed.bf16=false",
     ]
-    if zorro:  # transformers drops the KV cache under gradient checkpointing: ZoRRO needs it off
+    if zorro:  # checkpointed layers re-run without ZoRRO's shared prompt keys: ZoRRO needs it off
         overrides.append("actor_rollout_ref.model.enable_gradient_checkpointing=False")
     return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
 

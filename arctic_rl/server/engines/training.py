@@ -119,11 +119,11 @@ class TrainingEngine:
             config.model_name, device=self.device, dtype=dtype, attn_implementation=self.knobs.attn_implementation
         )
         if self.knobs.enable_gradient_checkpointing and self.knobs.zorro_train_enable:
-            # transformers drops the KV cache inside checkpointed layers, and ZoRRO shares exactly that
-            # cache between a prompt and its responses: ZoRRO (the explicit choice) wins.
+            # checkpointed layers re-run their forward in the backward, outside ZoRRO's hand-over of the
+            # prompt's keys to its responses: ZoRRO (the explicit choice) wins.
             logger.warning(
                 "training job: enable_gradient_checkpointing ignored because zorro_train_enable is on "
-                "(checkpointed layers drop the shared prompt KV cache); ZoRRO already cuts activation memory"
+                "(checkpointed layers re-run without the shared prompt keys); ZoRRO already cuts activation memory"
             )
         elif self.knobs.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()

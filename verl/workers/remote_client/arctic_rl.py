@@ -149,7 +149,7 @@ class ArcticRLClient(RemoteBackend):
         if arctic.train.zorro_train.enable and verl.enable_gradient_checkpointing:
             logger.info("arctic: ZoRRO is on, so the reference server does not checkpoint activations "
                         "(actor_rollout_ref.model.enable_gradient_checkpointing=true is ignored there: checkpointed "
-                        "layers would drop the prompt KV cache that ZoRRO shares)")
+                        "layers re-run without the prompt keys that ZoRRO shares)")
         local = None
         if arctic.server.url is None:
             local = start_local_server(local_cfg, token=resolve_token(arctic.server.token))
