@@ -80,6 +80,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _reset_process_wide_server_switches():
+    """A training engine built with compilation turns on process-wide switches (compiled log-prob
+    chunks, ZoRRO's FlexAttention pass); put them back so that no test inherits another's."""
+    yield
+    logprobs = sys.modules.get("arctic_rl.server.logprobs")
+    if logprobs is not None:
+        logprobs.set_compiled_token_stats(False)
+    zorro = sys.modules.get("arctic_rl.server.zorro")
+    if zorro is not None:
+        zorro.set_response_attention("expand")
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> pathlib.Path:
     if not SHARED_DIR.is_dir():
