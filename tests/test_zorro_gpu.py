@@ -72,3 +72,20 @@ def test_flex_response_pass_matches_plain_with_gradients(arch, layout, shape, co
     assert rel_err(zorro.entropy, plain.entropy) <= RTOL
     assert rel_err(zorro_loss, plain_loss) <= RTOL
     assert rel_err(zorro_grads, plain_grads) <= RTOL
+
+
+def test_flex_pass_does_not_recompile_for_every_shape(flex_compiled):
+    """Training batches change their response width every step: after the second shape, the
+    compiled FlexAttention kernels and block-mask builder are shape-generic and compile no more."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model("qwen3", "sdpa", hidden_size=128, head_dim=32).cuda()
+    graphs = []
+    for resp_len in (24, 40, 56, 72, 88):
+        batch = tuple(t.cuda() for t in make_batch(3, 4, 40, resp_len, seed=resp_len))
+        run(model, batch, 40, zorro=True)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert zorro_module._RESPONSE_ATTENTION["kind"] == "flex"
+    assert graphs[-1] == graphs[2], graphs

@@ -243,8 +243,9 @@ def _make_wrapper(base: str):
             return fn(module, query, key, value, attention_mask, **kwargs)
         prompt_key, prompt_value = state.prompt_kv[layer]
         if state.block_mask is not None:
-            if kwargs.get("dropout"):  # FlexAttention has no attention dropout: zorro_forward falls back
-                raise ZorroUnsupportedError("the grouped response pass has no attention dropout")
+            unsupported = [k for k in ("dropout", "softcap", "sliding_window", "s_aux") if kwargs.get(k)]
+            if unsupported:  # features the grouped pass does not implement: zorro_forward falls back
+                raise ZorroUnsupportedError(f"the grouped response pass does not implement {unsupported}")
             return _grouped_attention(query, key, value, prompt_key, prompt_value, state, kwargs.get("scaling"))
         if state.rows is not None:  # U -> B rows; index_select's backward sums a prompt's copies
             prompt_key = prompt_key.index_select(0, state.rows)
@@ -288,8 +289,40 @@ def _flex_attention(compiled: bool):
     if compiled not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX[compiled] = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+        # default dynamic: the second shape compiles a shape-generic kernel, so varying batches do not recompile
+        _FLEX[compiled] = torch.compile(flex_attention) if compiled else flex_attention
     return _FLEX[compiled]
+
+
+_FLEX_PROBE: dict[tuple, str | None] = {}
+
+
+def _flex_failure(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Build the grouped pass's compiled FlexAttention forward *and backward* once for this head
+    layout, device and dtype: ``None`` when that works, else why not. The backward is compiled only
+    when first used, inside ``loss.backward()`` where no fallback can reach it; this probe runs first.
+    """
+    key = (str(device), dtype, heads, kv_heads, head_dim)
+    if key not in _FLEX_PROBE:
+        try:
+            p, r, n = _FLEX_BLOCK, _FLEX_BLOCK // 2, 2
+            mask = _group_block_mask(
+                torch.ones(1, p, dtype=torch.bool, device=device),
+                torch.ones(1, n * r, dtype=torch.bool, device=device),
+                p,
+                r,
+                compiled=True,
+            )
+            q = torch.randn(1, heads, n * r, head_dim, device=device, dtype=dtype, requires_grad=True)
+            k = torch.randn(1, kv_heads, p + n * r, head_dim, device=device, dtype=dtype, requires_grad=True)
+            v = torch.randn_like(k, requires_grad=True)
+            _flex_attention(True)(q, k, v, block_mask=mask, enable_gqa=heads != kv_heads).sum().backward()
+            _FLEX_PROBE[key] = None
+        except Exception as exc:  # noqa: BLE001 -- any failure means "use the expanding pass"
+            _FLEX_PROBE[key] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+            logger.warning("ZoRRO: compiled FlexAttention does not work here (%s); using the expanding response pass",
+                           _FLEX_PROBE[key])
+    return _FLEX_PROBE[key]
 
 
 #: FlexAttention's block size: the grouped pass pads its prompt, query and key lengths to multiples of it
@@ -301,7 +334,7 @@ def _round_up(x: int, block: int = _FLEX_BLOCK) -> int:
     return -(-x // block) * block
 
 
-def _group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, p: int, r: int):
+def _group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, p: int, r: int, *, compiled: bool):
     """FlexAttention block mask of the grouped response pass.
 
     Batch ``u`` is one prompt; its queries are its ``n`` rows' responses back to back (``n*R``,
@@ -309,6 +342,8 @@ def _group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, 
     padding]``. Query ``q`` (row ``q // R``, position ``q % R``) sees a prompt key that is not
     padding, and a response key of its own row at a position ``<=`` its own that is not padding --
     the plain pass's causal mask, row by row. Padding queries see the prompt (their output is dropped).
+    ``compiled`` builds it block by block in a compiled kernel (uncompiled, the whole
+    ``U x Q x KV`` boolean mask would be materialised first: gigabytes for long responses).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -328,7 +363,8 @@ def _group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, 
         return torch.where(in_prompt, seen_prompt, own)
 
     return create_block_mask(
-        mask_mod, groups, None, _round_up(width), _round_up(p_pad + width), device=prompt_valid.device
+        mask_mod, groups, None, _round_up(width), _round_up(p_pad + width), device=prompt_valid.device,
+        _compile=compiled,
     )
 
 
@@ -511,13 +547,20 @@ def zorro_forward(
     eager = _BASE_OF[_attn_implementation(model)] == "eager"
     some_key = next(iter(prompt.collected.values()))[0]
     counts = torch.bincount(groups_cpu, minlength=num_unique)
-    n = int(counts[0])
+    n = int(counts[0]) if num_unique else 0
     # FlexAttention has no CPU backward: on CPU the grouped path runs only without gradients
     grouped = (
         _RESPONSE_ATTENTION["kind"] == "flex"
+        and n > 0
         and bool((counts == n).all())
         and (device.type != "cpu" or not torch.is_grad_enabled())
     )
+    if grouped and _RESPONSE_ATTENTION["compiled"]:
+        config = _unwrap(model).config
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        grouped = _flex_failure(device, some_key.dtype, heads, kv_heads, head_dim) is None
     order = None
     if grouped:
         # rows sorted by prompt (stable), so that each prompt's rows are adjacent, in group order
@@ -533,6 +576,7 @@ def zorro_forward(
                 mask2d[:, p:].bool().reshape(num_unique, n * r),
                 p,
                 r,
+                compiled=_RESPONSE_ATTENTION["compiled"],
             )
             # the model's own mask is not used by the grouped attention
             rest_logits = _response_pass(model, state, ids[:, p:], mask2d[:, p:], positions[:, p:], r)
