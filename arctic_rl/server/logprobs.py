@@ -86,15 +86,16 @@ def _chunk_grad(chunk, targets, lse, entropy, g_lp, g_ent, temperature: float) -
     probs = logp.exp()
     grad_z = probs * (-g_lp.unsqueeze(-1))
     if g_ent is not None:
-        grad_z = grad_z - probs * (logp + entropy.unsqueeze(-1)) * g_ent.unsqueeze(-1)
-    grad_z = grad_z.scatter_add(-1, targets.unsqueeze(-1), g_lp.unsqueeze(-1))
+        grad_z -= probs * (logp + entropy.unsqueeze(-1)) * g_ent.unsqueeze(-1)
+    grad_z.scatter_add_(-1, targets.unsqueeze(-1), g_lp.unsqueeze(-1))
     if temperature != 1.0:
-        grad_z = grad_z / temperature
+        grad_z /= temperature
     return grad_z.to(chunk.dtype)
 
 
 #: the chunk functions _TokenStats runs: eager, or compiled (set_compiled_token_stats)
 _CHUNK_FNS = {"stats": _chunk_stats, "grad": _chunk_grad}
+_COMPILED_CHUNK_FNS: dict = {}
 
 
 def set_compiled_token_stats(enabled: bool) -> None:
@@ -106,8 +107,11 @@ def set_compiled_token_stats(enabled: bool) -> None:
     (``--torch-compile`` resolving to ``layers`` or ``modules``).
     """
     if enabled:
-        _CHUNK_FNS["stats"] = torch.compile(_chunk_stats, dynamic=True)
-        _CHUNK_FNS["grad"] = torch.compile(_chunk_grad, dynamic=True)
+        if not _COMPILED_CHUNK_FNS:  # one compiled wrapper per process, however many engines ask
+            _COMPILED_CHUNK_FNS.update(
+                stats=torch.compile(_chunk_stats, dynamic=True), grad=torch.compile(_chunk_grad, dynamic=True)
+            )
+        _CHUNK_FNS.update(_COMPILED_CHUNK_FNS)
     else:
         _CHUNK_FNS.update(stats=_chunk_stats, grad=_chunk_grad)
 
