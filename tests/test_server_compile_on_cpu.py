@@ -51,7 +51,13 @@ def test_auto_is_layers_on_cuda_when_the_probe_compiles_and_off_otherwise(monkey
     assert resolve_compile_mode("auto", cpu) == "off"
     assert resolve_compile_mode("layers", cpu) == "layers" and resolve_compile_mode("off", cuda) == "off"
     monkeypatch.setattr(common, "_compile_probe", lambda device: None)
-    assert resolve_compile_mode("auto", cuda) == "layers"
+    suppress = torch._dynamo.config.suppress_errors
+    try:
+        torch._dynamo.config.suppress_errors = False
+        assert resolve_compile_mode("auto", cuda) == "layers"
+        assert torch._dynamo.config.suppress_errors  # auto: a graph that cannot be built runs eager
+    finally:
+        torch._dynamo.config.suppress_errors = suppress
     monkeypatch.setattr(common, "_compile_probe", lambda device: "RuntimeError: Failed to find C compiler")
     with caplog.at_level("WARNING", logger="arctic_rl.server"):
         assert resolve_compile_mode("auto", cuda) == "off"

@@ -132,6 +132,8 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
         logger.warning("torch_compile=auto: torch.compile does not work on %s (%s); training runs eager", device,
                        failure)
         return "off"
+    # auto means "fastest that works": a graph the compiler cannot build runs eager (Dynamo logs it)
+    torch._dynamo.config.suppress_errors = True
     return "layers"
 
 
