@@ -96,7 +96,10 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
             assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
         assert metrics["actor/lr"] == pytest.approx(1e-3)
         assert 0 < metrics["response_length/mean"] <= 8
-        assert metrics["actor/grad_norm"] > 0  # a real backward pass on the server
+        if metrics["critic/advantages/max"] > metrics["critic/advantages/min"]:
+            assert metrics["actor/grad_norm"] > 0  # a real backward pass on the server
+        elif step == 1:  # every sample of every group scored the same, and the actor is still the reference:
+            assert metrics["actor/grad_norm"] == 0  # GRPO and the KL loss have nothing to push
         assert metrics["training/global_step"] == step
         # the adapter reports the tokens the server really computed: ZoRRO runs each GRPO group's
         # shared prompt once (fewer than the batch holds); the plain pass every row, padding included
