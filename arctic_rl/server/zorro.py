@@ -297,6 +297,11 @@ def _flex_attention(compiled: bool):
 _FLEX_PROBE: dict[tuple, str | None] = {}
 
 
+def _failure_text(exc: BaseException) -> str:
+    """``Type: first line of the message`` (kernel-build errors run to pages)."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
 def _flex_failure(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Build the grouped pass's compiled FlexAttention forward *and backward* once for this head
     layout, device and dtype: ``None`` when that works, else why not. The backward is compiled only
@@ -319,7 +324,7 @@ def _flex_failure(device: torch.device, dtype: torch.dtype, heads: int, kv_heads
             _flex_attention(True)(q, k, v, block_mask=mask, enable_gqa=heads != kv_heads).sum().backward()
             _FLEX_PROBE[key] = None
         except Exception as exc:  # noqa: BLE001 -- any failure means "use the expanding pass"
-            _FLEX_PROBE[key] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+            _FLEX_PROBE[key] = _failure_text(exc)
             logger.warning("ZoRRO: compiled FlexAttention does not work here (%s); using the expanding response pass",
                            _FLEX_PROBE[key])
     return _FLEX_PROBE[key]
@@ -586,9 +591,8 @@ def zorro_forward(
         except Exception as exc:  # noqa: BLE001 -- a kernel that cannot be built for this shape or device
             set_response_attention("expand")
             logger.warning(
-                "ZoRRO: FlexAttention response pass failed (%s: %s); using the expanding response pass from now on",
-                type(exc).__name__,
-                (str(exc).strip().splitlines() or [""])[0][:300],
+                "ZoRRO: FlexAttention response pass failed (%s); using the expanding response pass from now on",
+                _failure_text(exc),
             )
     mask = _response_mask(attention_mask, p, some_key.dtype, eager)
     state = _PassState(prompt_kv=prompt.collected, rows=None if identity else row_to_group)
