@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_zorro_on_cpu import ARCHS, LAYOUTS, make_batch, make_model, rel_err
 
 import arctic_rl.server.zorro as zorro_module
 from arctic_rl.server.engines.common import compile_model
 from arctic_rl.server.logprobs import response_logprobs
 from arctic_rl.server.zorro import set_response_attention
-from test_zorro_on_cpu import ARCHS, LAYOUTS, make_batch, make_model, rel_err
 
 pytestmark = pytest.mark.gpu
 RTOL = 1e-4  # fp32 on a GPU: different kernels, different summation orders

@@ -180,7 +180,7 @@ def causal_lm_logits(
     then selected). No KV cache is kept.
     """
     inner = _unwrap(model)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
     keep = keep.to(device=input_ids.device, dtype=torch.long)
     if _accepts_logits_to_keep(inner):
         return model(**kwargs, logits_to_keep=keep).logits
@@ -373,7 +373,7 @@ def _group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, 
     )
 
 
-def _grouped_attention(query, key, value, prompt_key, prompt_value, state: "_PassState", scaling):
+def _grouped_attention(query, key, value, prompt_key, prompt_value, state: _PassState, scaling):
     """``[B, H, R, D]`` queries of group-sorted rows -> ``[B, R, H, D]``, as ``transformers`` returns it."""
     batch, heads, r, dim = query.shape
     n = state.group_size
@@ -469,7 +469,7 @@ def _response_mask(attention_mask: torch.Tensor, p: int, dtype: torch.dtype, eag
     Boolean (True = attend) for sdpa; additive (0 / dtype min) for eager attention, as
     ``transformers`` builds them for those implementations.
     """
-    batch, total = attention_mask.shape
+    total = attention_mask.shape[1]
     r = total - p
     device = attention_mask.device
     causal = torch.arange(total, device=device)[None, :] <= (p + torch.arange(r, device=device))[:, None]
