@@ -99,6 +99,51 @@ def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, ca
         assert requests.get(srv.url + "/status", timeout=30).json()["jobs"] == {}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("answer_of_step", ["answered", "lost"])
+def test_kill9_right_after_a_step_before_the_recovery_checkpoint(tmp_path_factory, answer_of_step):
+    """The server dies after ``/step`` 2 was applied, while the client reads ``GET /job`` -- the read
+    that precedes a recovery checkpoint (``answered``), or the read that recovers the metrics of a
+    ``/step`` whose answer was lost (``lost``). Neither read may end the run: the client restores,
+    and the state equals the undisturbed run's."""
+    model = tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
+    with running_server(tmp_path_factory.mktemp("server")) as srv, DropProxy(srv.port) as proxy:
+        supervisor = Supervisor(srv)
+        # no watcher: the failed call itself must notice the restart; no recovery.checkpoint_path, so
+        # the directory comes from the job's own info (GET /job) at the first due checkpoint
+        # a lost /step answer is settled by the job's counter only when ids are not replayed (vendor mode)
+        retry = {"server_idempotency": "off"} if answer_of_step == "lost" else {}
+        cfg = client_config(model, proxy.url, recovery={"checkpoint_every_n_steps": 2, "watch_interval_s": 0,
+                                                        "wait_s": 600}, retry=retry)
+        client = ArcticRLClient.from_config(cfg)
+        try:
+            start = client.save_checkpoint(step=0, path="start")["path"]
+            job = f"/job/{client.job_ids['training']}"
+            if answer_of_step == "lost":  # the answer of /step 2 is dropped; the counter read shows it applied
+                proxy.drop("POST", "/step", 2, "drop_response")
+                proxy.drop("GET", job, 2, "drop_request", callback=supervisor.kill_and_restart)
+            else:  # the first due checkpoint reads the job's directory once per client
+                proxy.drop("GET", job, 1, "drop_request", callback=supervisor.kill_and_restart)
+            client.update_actor(train_batch(0))  # steps 1, 2
+            assert supervisor.kills == 1 and len(proxy.fired) == len(proxy.rules)
+            assert client.step == 2
+            got = final_logprobs(client)
+            info = requests.get(f"{srv.url}/job/{client.job_ids['training']}", timeout=30).json()
+            assert info["global_step"] == 2 and info["pending_micro_batches"] == 0
+            stats = client.reliability_stats()
+            assert stats["recovery/restores"] == 1
+            assert stats["recovery/checkpoints_saved"] == 1  # the due checkpoint, taken after the restore
+            assert stats.get("recovery/ambiguous_applied", 0) == (answer_of_step == "lost")
+
+            client.load_checkpoint(path=start)  # the undisturbed reference
+            client.update_actor(train_batch(0))
+            reference = final_logprobs(client)
+            assert torch.equal(got, reference), (got - reference).abs().max()
+        finally:
+            client.destroy()
+            supervisor.wait()
+
+
 # ------------------------------------------------------------------------------------------------ journal
 
 

@@ -479,8 +479,12 @@ class ArcticRLClient(RemoteBackend):
         resp = self._recovery.call(f"POST {Paths.STEP}", send, safe=False, counter=("global_step", self._step))
         self._recovery.journal.record(Paths.STEP, body, None, is_step=True)
         if resp is APPLIED:  # applied, answer lost: what the server's job info still tells
-            _, info = read_counter(self._http, self._job(JobType.TRAINING), "global_step")
-            metrics = {"global_step": self._step + 1, "last_lr": info.get("lr"), "grad_norm": None}
+            # count the step first: a restart during the read replays the journal, which now holds it
+            self._step += 1
+            self._http.step = self._step
+            info = self._recovery.call(f"GET {Paths.JOB}", lambda _id: read_counter(
+                self._http, self._job(JobType.TRAINING), "global_step")[1], safe=True)
+            metrics = {"global_step": self._step, "last_lr": info.get("lr"), "grad_norm": None}
         else:
             metrics = dict(resp.json().get("metrics") or {})
         step = metrics.get("global_step")

@@ -424,7 +424,9 @@ class Recovery:
         if not cfg.enable or not (due or self.journal.overflowed):
             return
         if self._checkpoint_dir is None:
-            info = self.http.get_json(Paths.job(self.client._job(JobType.TRAINING)))
+            # the server may die between the step and this read: survive it like any other call
+            info = self.call(f"GET {Paths.JOB}", lambda _id: self.http.get_json(
+                Paths.job(self.client._job(JobType.TRAINING))), safe=True)
             base = (info or {}).get("checkpoint_path") or self.client.arctic.train.checkpoint_path
             if not base:
                 logger.error("arctic: no directory for recovery checkpoints (set remote_backend.recovery."
