@@ -305,6 +305,24 @@ def test_sliding_window_cache_is_refused():
     assert out.unique_prompts == 4
 
 
+def test_the_layer_check_runs_once_per_model(monkeypatch):
+    """The cache-layer verdict is kept per model; a micro-batch does not build a cache to re-learn it."""
+    import transformers
+
+    sliding = make_model(
+        "qwen2", use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    )
+    full = make_model("qwen3")
+    first = (zorro_unsupported_reason(sliding), zorro_unsupported_reason(full))
+    assert first[0] is not None and first[1] is None
+
+    def no_cache(*args, **kwargs):
+        raise AssertionError("DynamicCache built again for a model already checked")
+
+    monkeypatch.setattr(transformers, "DynamicCache", no_cache)
+    assert (zorro_unsupported_reason(sliding), zorro_unsupported_reason(full)) == first
+
+
 def test_flex_failure_falls_back_to_the_expanding_pass(flex_response_attention, monkeypatch, caplog):
     """A FlexAttention kernel that cannot be built (shape, GPU, compiler) costs a warning, not the request."""
     import arctic_rl.server.zorro as zorro_module

@@ -53,6 +53,7 @@ import inspect
 import logging
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -442,11 +443,27 @@ def install_zorro_attention(model: torch.nn.Module) -> None:
     _unwrap(model).config._attn_implementation = _WRAPPED[impl]
 
 
-def zorro_unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why ``model`` cannot run :func:`zorro_forward`, or ``None`` when it can."""
+#: per model: (its config, the layer-type verdict) -- the config's layer types do not change
+_LAYER_VERDICT: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, str | None]]" = weakref.WeakKeyDictionary()
+
+
+def _layer_reason(inner: torch.nn.Module, config) -> str | None:
+    """Why the model's cache layers rule ZoRRO out (sliding window, linear attention), or ``None``."""
+    known = _LAYER_VERDICT.get(inner)
+    if known is not None and known[0] is config:
+        return known[1]
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
+    cache = DynamicCache(config=config)
+    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    reason = f"the model has non-full-attention layers {odd} (sliding window or linear attention)" if odd else None
+    _LAYER_VERDICT[inner] = (config, reason)
+    return reason
+
+
+def zorro_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run :func:`zorro_forward`, or ``None`` when it can."""
     inner = _unwrap(model)
     config = getattr(inner, "config", None)
     if config is None:
@@ -456,11 +473,7 @@ def zorro_unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"attn_implementation is {impl!r}; ZoRRO runs with {sorted(_WRAPPED)}"
     if inner.training and any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()):
         return "gradient checkpointing is enabled in training mode (checkpointed layers re-run without the prompt)"
-    cache = DynamicCache(config=config)
-    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if odd:
-        return f"the model has non-full-attention layers {odd} (sliding window or linear attention)"
-    return None
+    return _layer_reason(inner, config)
 
 
 def _response_mask(attention_mask: torch.Tensor, p: int, dtype: torch.dtype, eager: bool) -> torch.Tensor:
