@@ -444,7 +444,7 @@ def install_zorro_attention(model: torch.nn.Module) -> None:
 
 
 #: per model: (its config, the layer-type verdict) -- the config's layer types do not change
-_LAYER_VERDICT: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, str | None]]" = weakref.WeakKeyDictionary()
+_LAYER_VERDICT: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, str | None]] = weakref.WeakKeyDictionary()
 
 
 def _layer_reason(inner: torch.nn.Module, config) -> str | None:
