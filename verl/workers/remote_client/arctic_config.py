@@ -38,9 +38,6 @@ __all__ = [
 ]
 
 ROOT = "remote_backend"
-PROTOCOLS = ("auto", "v1", "v2")
-DEVICES = ("cpu", "cuda")
-LOGITS_OPTIMIZATIONS = ("none", "memory", "compute")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
