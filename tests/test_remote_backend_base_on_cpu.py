@@ -1,10 +1,15 @@
-"""The lifecycle ABC, the registry rules and the error tree (pickling included)."""
+"""The lifecycle ABC, the registry rules, the error tree (pickling included), and the owner's clean-up
+under repeated signals."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
+import os
 import pickle
+import signal
+import time
 
 import pytest
 
@@ -181,3 +186,52 @@ def test_error_messages_name_what_matters():
     assert not srv.retryable and E.RemoteServerError("/x", 503, "busy").retryable
     assert isinstance(ERRORS[3], E.RemoteServerError)
     assert isinstance(ERRORS[4], ConnectionError) and isinstance(ERRORS[5], TimeoutError)
+
+
+# ------------------------------------------------------------------ clean-up under repeated signals
+class _SignalledWhileDestroyed(_Backend):
+    """Its ``destroy`` gets ``times`` SIGINTs (a user pressing Ctrl-C again while the jobs go)."""
+
+    times = 0
+
+    def destroy(self) -> None:
+        for _ in range(self.times):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs in this (main) thread before the next line
+        self.destroyed += 1
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_one_more_ctrl_c_does_not_cut_the_clean_up_short(times, caplog):
+    from verl.remote_backend.lifecycle import BackendOwner
+
+    before = signal.getsignal(signal.SIGINT)
+    backend = _SignalledWhileDestroyed(None, None)
+    backend.times = times
+    owner = BackendOwner("fake", backend)
+    with caplog.at_level(logging.WARNING, logger="verl.remote_backend.lifecycle"):
+        if times == 1:  # logged, ignored; the jobs are destroyed
+            owner.destroy()
+            assert backend.destroyed == 1
+            assert "SIGINT received while destroying the jobs of remote backend 'fake'" in caplog.text
+        else:  # the second one ends it, as Ctrl-C does (for a clean-up that hangs)
+            with pytest.raises(KeyboardInterrupt):
+                owner.destroy()
+            assert backend.destroyed == 0
+    assert signal.getsignal(signal.SIGINT) is before
+    owner.destroy()  # once only, even after an interrupted attempt
+    assert backend.destroyed == (1 if times == 1 else 0)
+
+
+def test_an_ignored_ctrl_c_stays_ignored_during_the_clean_up():
+    from verl.remote_backend.lifecycle import BackendOwner
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a job started in the background
+    try:
+        backend = _SignalledWhileDestroyed(None, None)
+        backend.times = 2
+        BackendOwner("fake", backend).destroy()
+        assert backend.destroyed == 1
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -5,6 +5,8 @@
 replicas (:mod:`verl.remote_backend.context`) and destroys it when the run ends, fails, or is
 interrupted: use it as a context manager, and :func:`signals_raise` turns SIGTERM/SIGHUP into an
 exception so that the ``finally`` runs for them too (Ctrl-C already raises KeyboardInterrupt).
+While the jobs are being destroyed, one more Ctrl-C/SIGTERM/SIGHUP is logged and ignored
+(:func:`signals_shielded`); a second one ends the process.
 
 Which process owns the backend: ``python -m verl.remote_backend.main_ppo`` creates it in the
 launching process (so a local reference server is that process's child, and Ctrl-C cleans up);
@@ -27,7 +29,14 @@ from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.context import ensure_backends_registered, install_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 
-__all__ = ["BackendOwner", "backend_name", "resolve_total_training_steps", "restore_python_signal_handlers", "signals_raise"]
+__all__ = [
+    "BackendOwner",
+    "backend_name",
+    "resolve_total_training_steps",
+    "restore_python_signal_handlers",
+    "signals_raise",
+    "signals_shielded",
+]
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -113,7 +122,8 @@ class BackendOwner:
                 return
             self._destroyed = True
         try:
-            self.backend.destroy()
+            with signals_shielded(f"destroying the jobs of remote backend {self.name!r}"):
+                self.backend.destroy()
             logger.info("remote backend %r destroyed", self.name)
         except Exception as exc:  # noqa: BLE001
             logger.error("destroying remote backend %r failed: %s", self.name, exc)
@@ -149,6 +159,40 @@ def signals_raise(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) ->
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def signals_shielded(what: str, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+                     ) -> Iterator[None]:
+    """Within the block, the first of ``signals`` is logged and ignored; a second one acts as usual.
+
+    A user who presses Ctrl-C twice (or a supervisor that sends SIGTERM after SIGINT) would
+    otherwise cut the clean-up short and leave the run's jobs on the server. The second signal
+    still ends the process, for a clean-up that hangs. The previous handlers come back afterwards.
+    A no-op outside the main thread, where Python cannot install handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        seen.append(signum)
+        if len(seen) == 1:
+            logger.warning("%s received while %s; waiting for it to finish (send it again to abandon it)",
+                           signal.Signals(signum).name, what)
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise _Terminated(128 + signum)
+
+    # a signal the process ignores (SIGINT of a job started in the background) stays ignored
+    previous = {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, signal.SIG_DFL if old is None else old)  # None: a handler not set from Python
 
 
 def restore_python_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
