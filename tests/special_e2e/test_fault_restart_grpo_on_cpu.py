@@ -189,13 +189,19 @@ def test_kill9_mid_run_matches_the_undisturbed_run(tmp_path):
         assert gap < 0.05 * per_step, (gap, per_step)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_destroys_the_jobs_and_the_next_run_starts(tmp_path):
     task = build_task(tmp_path / "task", n_val=2)
     with running_server(tmp_path / "server") as server:
         cmd = command(task, tmp_path / "interrupted", server.url, 50)
         log = open(tmp_path / "interrupted.log", "w")
+        # a terminal's foreground job: SIGINT at its default. Started from a background job, pytest (and
+        # every child) inherits an *ignored* SIGINT, and the run would rightly not stop on Ctrl-C.
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=environment(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_default_sigint)
         try:
             deadline = time.monotonic() + 900
             while time.monotonic() < deadline:  # wait until it trains
