@@ -205,22 +205,26 @@ class _SignalledWhileDestroyed(_Backend):
 def test_one_more_ctrl_c_does_not_cut_the_clean_up_short(times, caplog):
     from verl.remote_backend.lifecycle import BackendOwner
 
-    before = signal.getsignal(signal.SIGINT)
-    backend = _SignalledWhileDestroyed(None, None)
-    backend.times = times
-    owner = BackendOwner("fake", backend)
-    with caplog.at_level(logging.WARNING, logger="verl.remote_backend.lifecycle"):
-        if times == 1:  # logged, ignored; the jobs are destroyed
-            owner.destroy()
-            assert backend.destroyed == 1
-            assert "SIGINT received while destroying the jobs of remote backend 'fake'" in caplog.text
-        else:  # the second one ends it, as Ctrl-C does (for a clean-up that hangs)
-            with pytest.raises(KeyboardInterrupt):
+    # Python's own Ctrl-C handler, also when pytest runs as a background job (which ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        backend = _SignalledWhileDestroyed(None, None)
+        backend.times = times
+        owner = BackendOwner("fake", backend)
+        with caplog.at_level(logging.WARNING, logger="verl.remote_backend.lifecycle"):
+            if times == 1:  # logged, ignored; the jobs are destroyed
                 owner.destroy()
-            assert backend.destroyed == 0
-    assert signal.getsignal(signal.SIGINT) is before
-    owner.destroy()  # once only, even after an interrupted attempt
-    assert backend.destroyed == (1 if times == 1 else 0)
+                assert backend.destroyed == 1
+                assert "SIGINT received while destroying the jobs of remote backend 'fake'" in caplog.text
+            else:  # the second one ends it, as Ctrl-C does (for a clean-up that hangs)
+                with pytest.raises(KeyboardInterrupt):
+                    owner.destroy()
+                assert backend.destroyed == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        owner.destroy()  # once only, even after an interrupted attempt
+        assert backend.destroyed == (1 if times == 1 else 0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_an_ignored_ctrl_c_stays_ignored_during_the_clean_up():
