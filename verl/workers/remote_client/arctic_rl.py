@@ -71,7 +71,7 @@ from .layout import RESPONSE_KEYS, dense_batch, nested_from_server, plan_layout,
 from .local_server import LocalServer, start_local_server
 from .metrics import FlopsEstimator, mini_batch_metrics
 from .journal import CheckpointRef
-from .recovery import APPLIED, Recovery, read_counter
+from .recovery import APPLIED, Recovery
 from .verl_settings import VerlSettings
 from .wire import decode_response, detect_protocol, encode_body
 
@@ -482,8 +482,7 @@ class ArcticRLClient(RemoteBackend):
             # count the step first: a restart during the read replays the journal, which now holds it
             self._step += 1
             self._http.step = self._step
-            info = self._recovery.call(f"GET {Paths.JOB}", lambda _id: read_counter(
-                self._http, self._job(JobType.TRAINING), "global_step")[1], safe=True)
+            info = self._recovery.training_job_info()
             metrics = {"global_step": self._step, "last_lr": info.get("lr"), "grad_norm": None}
         else:
             metrics = dict(resp.json().get("metrics") or {})

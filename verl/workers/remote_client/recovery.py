@@ -413,6 +413,13 @@ class Recovery:
             found[job_type.value] = job_id
         return found
 
+    def training_job_info(self) -> dict:
+        """``GET /job/{id}`` of the training job, surviving a restart like any other call (the server
+        may die right after the step that preceded the read; a restore re-reads the new job)."""
+        info = self.call(f"GET {Paths.JOB}", lambda _id: self.http.get_json(
+            Paths.job(self.client._job(JobType.TRAINING))), safe=True)
+        return info if isinstance(info, dict) else {}
+
     # ------------------------------------------------------------------------------ checkpoints
 
     def after_step(self, step: int, save: Callable[..., dict]) -> None:
@@ -424,10 +431,7 @@ class Recovery:
         if not cfg.enable or not (due or self.journal.overflowed):
             return
         if self._checkpoint_dir is None:
-            # the server may die between the step and this read: survive it like any other call
-            info = self.call(f"GET {Paths.JOB}", lambda _id: self.http.get_json(
-                Paths.job(self.client._job(JobType.TRAINING))), safe=True)
-            base = (info or {}).get("checkpoint_path") or self.client.arctic.train.checkpoint_path
+            base = self.training_job_info().get("checkpoint_path") or self.client.arctic.train.checkpoint_path
             if not base:
                 logger.error("arctic: no directory for recovery checkpoints (set remote_backend.recovery."
                              "checkpoint_path); a restart will replay the journal from the start of the run")
