@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -140,30 +140,33 @@ class _Terminated(SystemExit):
 
 
 @contextlib.contextmanager
-def signals_raise(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
-    """Within the block, the given signals raise ``SystemExit(128 + signum)`` in the main thread
-    (so ``finally`` clauses run); the previous handlers come back afterwards. A no-op outside
-    the main thread, where Python cannot install handlers."""
+def _handled_by(handler: Callable[[int, FrameType | None], None], signals: tuple[int, ...]) -> Iterator[None]:
+    """Within the block, ``handler`` handles ``signals``; the previous handlers come back afterwards.
+    A no-op outside the main thread, where Python cannot install handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise _Terminated(128 + signum)
-
-    previous = {}
-    for sig in signals:
-        previous[sig] = signal.signal(sig, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            signal.signal(sig, signal.SIG_DFL if old is None else old)  # None: a handler not set from Python
 
 
-@contextlib.contextmanager
+def signals_raise(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> contextlib.AbstractContextManager:
+    """Within the block, the given signals raise ``SystemExit(128 + signum)`` in the main thread
+    (so ``finally`` clauses run); the previous handlers come back afterwards. A no-op outside
+    the main thread, where Python cannot install handlers."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated(128 + signum)
+
+    return _handled_by(handler, signals)
+
+
 def signals_shielded(what: str, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
-                     ) -> Iterator[None]:
+                     ) -> contextlib.AbstractContextManager:
     """Within the block, the first of ``signals`` is logged and ignored; a second one acts as usual.
 
     A user who presses Ctrl-C twice (or a supervisor that sends SIGTERM after SIGINT) would
@@ -171,9 +174,6 @@ def signals_shielded(what: str, signals: tuple[int, ...] = (signal.SIGINT, signa
     still ends the process, for a clean-up that hangs. The previous handlers come back afterwards.
     A no-op outside the main thread, where Python cannot install handlers.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     seen: list[int] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -187,12 +187,7 @@ def signals_shielded(what: str, signals: tuple[int, ...] = (signal.SIGINT, signa
         raise _Terminated(128 + signum)
 
     # a signal the process ignores (SIGINT of a job started in the background) stays ignored
-    previous = {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, signal.SIG_DFL if old is None else old)  # None: a handler not set from Python
+    return _handled_by(handler, tuple(sig for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN))
 
 
 def restore_python_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
