@@ -1,0 +1,124 @@
+"""Fixtures of the conformance tests: the vendor's own Arctic RL server, served on CPU.
+
+The vendor's code (Arctic-Platform, pinned and unmodified) is the contract that both our adapter and
+our reference server are judged by. ``run_vendor_server.py`` from the shared vendor kit serves it on
+127.0.0.1 with only its GPU-, Ray- and vLLM-bound parts substituted (the kit's README lists them).
+
+The snapshot is looked up at ``$ARCTIC_PLATFORM_SRC`` (a directory holding ``arctic_platform/``) or
+at ``<shared>/vendor/arctic-platform``. Outside CI a missing snapshot skips these tests with a
+message saying how to get it; under CI (``CI=true``) it is a failure, so a green CI always means the
+vendor contract was checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+_HERE = Path(__file__).resolve().parent
+_SHARED = Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", _HERE.parents[2] / "shared"))
+_KIT = _SHARED / "vendor"
+
+
+def _missing(what: str) -> None:
+    text = (f"{what}: the vendor's Arctic-Platform snapshot is needed (set ARCTIC_PLATFORM_SRC to a directory "
+            f"holding arctic_platform/, or put the shared vendor kit at {_KIT}; the public repository is "
+            "Snowflake-AI-Research/Arctic-Platform at commit 586438082833d9f599bf8567cd1c1405b144dc6e)")
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(text, pytrace=False)
+    pytest.skip(text)
+
+
+@pytest.fixture(scope="session")
+def vendor_src() -> Path:
+    """The directory holding the vendor's ``arctic_platform`` package."""
+    src = Path(os.environ.get("ARCTIC_PLATFORM_SRC", _KIT / "arctic-platform"))
+    if not (src / "arctic_platform" / "common" / "http_server.py").is_file():
+        _missing(f"no arctic_platform/common/http_server.py under {src}")
+    return src
+
+
+@pytest.fixture(scope="session")
+def vendor_kit(vendor_src: Path) -> Path:
+    """The folder of ``run_vendor_server.py`` (and the ArcticInference stubs it needs)."""
+    if not (_KIT / "run_vendor_server.py").is_file():
+        _missing(f"no run_vendor_server.py in {_KIT}")
+    return _KIT
+
+
+@dataclass
+class VendorServer:
+    """A running vendor server: its URL, process, log and (optional) exchange trace."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    trace: Path
+
+    def trace_lines(self, path: str | None = None) -> list[dict]:
+        """The exchanges traced so far (``path`` keeps those of one route)."""
+        if not self.trace.exists():
+            return []
+        rows = [json.loads(line) for line in self.trace.read_text().splitlines() if line.strip()]
+        return [r for r in rows if path is None or r.get("path") == path]
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def destroy_all_jobs(self) -> None:
+        """Destroy every job the server holds (the vendor allows one job per type at a time)."""
+        status = requests.get(f"{self.url}/status", timeout=30).json()
+        jobs = status.get("jobs") or status.get("active_jobs") or {}
+        items = jobs.items() if isinstance(jobs, dict) else ((j.get("job_id"), j) for j in jobs)
+        for job_id, info in items:
+            job_type = info.get("job_type") if isinstance(info, dict) else None
+            requests.post(f"{self.url}/destroy", params={"job_id": int(job_id)}, json={"job_type": job_type},
+                          timeout=120)
+
+
+@contextlib.contextmanager
+def running_vendor_server(vendor_kit: Path, vendor_src: Path, workdir: Path, *,
+                          extra_args: tuple[str, ...] = ()) -> Iterator[VendorServer]:
+    """Start ``run_vendor_server.py --port 0`` and stop it (SIGTERM, then SIGKILL) on exit."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log, trace = workdir / "vendor-server.log", workdir / "vendor-trace.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, str(vendor_kit / "run_vendor_server.py"), "--port", "0", "--vendor-src", str(vendor_src),
+           "--trace", str(trace), *extra_args]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(workdir), env=env)
+    try:
+        deadline = time.monotonic() + 300
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("READY") or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the vendor server did not start (first line {line!r}); log tail:\n"
+                               f"{log.read_text(errors='replace')[-4000:]}")
+        server = VendorServer(url=f"http://127.0.0.1:{int(line.split()[1])}", proc=proc, log=log, trace=trace)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vendor_server(vendor_kit: Path, vendor_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VendorServer]:
+    """One vendor server per test module; tests destroy the jobs they create (one per type at a time)."""
+    with running_vendor_server(vendor_kit, vendor_src, tmp_path_factory.mktemp("vendor")) as server:
+        yield server
