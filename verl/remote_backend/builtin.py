@@ -1,10 +1,13 @@
-"""Register the built-in remote backends (today: ``arctic``) in every registry that needs them.
+"""Register the built-in remote backends (``arctic``) in every registry that needs them.
 
-* the adapter class: importing ``verl.workers.remote_client.arctic_rl`` runs its
-  ``@RemoteBackendRegistry.register("arctic")``;
+* the adapter class: importing its module (``verl.workers.remote_client.arctic_rl``, ...) runs its
+  ``@RemoteBackendRegistry.register("<name>")``; an adapter module imports its vendor SDK only
+  when the backend is created, so registering costs no optional dependency;
 * the Ray worker and the rollout replica: lazy loaders in ``RemoteBackendRegistry``
   (``register_worker`` / ``register_replica``) and, for the replica, in verl's own
-  ``RolloutReplicaRegistry`` (so ``actor_rollout_ref.rollout.name=arctic`` resolves).
+  ``RolloutReplicaRegistry`` (so ``actor_rollout_ref.rollout.name=<name>`` resolves). A backend
+  without vendor-specific worker/replica code uses the generic ones
+  (``RemoteActorRolloutRefWorker``, ``RemoteRolloutReplica``).
 
 Cheap and idempotent: no worker, replica or trainer module is imported here. The verl trainer
 mode is registered by ``verl.remote_backend.register`` (the plugin hook), which imports this.

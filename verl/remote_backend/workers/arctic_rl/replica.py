@@ -1,47 +1,26 @@
 """The ``arctic`` rollout replica: verl's generation served by an Arctic RL sampling job.
 
-verl's agent loop asks a rollout *replica* for a server Ray actor and calls its
-``generate(request_id, prompt_ids, sampling_params, ...)`` once per sample. Here:
-
-* :class:`ArcticRLRolloutReplica` (a ``RolloutReplica``, registered as ``arctic`` in verl's
-  ``RolloutReplicaRegistry`` by ``verl.remote_backend.register``) launches one
-  :class:`ArcticRLRolloutServer` actor (no CPU or GPU reserved) and links it to the forwarder
-  worker, which tells it the weight version after every weight sync;
-* the server re-attaches to the driver's backend and sends *token ids* to ``/generate`` through
-  the adapter's ``generate``, coalescing concurrent calls into bounded batches
-  (:mod:`.coalescer`; ``remote_backend.rollout.max_batch_size`` / ``max_wait_ms``);
-* :func:`to_protocol_sampling_params` maps verl's sampling parameters onto
-  ``arctic_rl.protocol.SamplingParams``.
-
-Memory management verbs (``sleep``, ``wake_up``, kv-cache) are no-ops: the remote sampler owns
-its memory. Only the hybrid mode (one replica per forwarder worker) is supported.
+Thin registered subclasses of the generic replica (:mod:`verl.remote_backend.workers.replica`):
+:class:`ArcticRLRolloutReplica` (registered as ``arctic`` in verl's ``RolloutReplicaRegistry``)
+launches one :class:`ArcticRLRolloutServer`, which sends token ids to ``/generate`` through the
+adapter's ``generate``. The only Arctic-specific step is :func:`to_protocol_sampling_params`:
+verl's sampling parameters validated into ``arctic_rl.protocol.SamplingParams``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
-import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-import ray
-from omegaconf import OmegaConf
-
-from verl.remote_backend.context import BackendContext, attach_backend, read_context
-from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.workers.arctic_rl.coalescer import RequestAborted, RequestCoalescer
-from verl.remote_backend.workers.arctic_rl.worker import attach_rollout_server
+from verl.remote_backend.workers.replica import (
+    RemoteRolloutReplica,
+    RemoteRolloutServer,
+    normalize_sampling_params,
+    remote_server_class,
+)
 from verl.workers.remote_client.generation import clean_sampling_params
-from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 __all__ = ["ArcticRLRolloutReplica", "ArcticRLRolloutServer", "to_protocol_sampling_params"]
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
-
-# verl's penalties the protocol lacks, with their neutral values (dropped; warned once when not neutral)
-_IGNORED_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
 _warned: set[str] = set()
 
 
@@ -50,225 +29,29 @@ def to_protocol_sampling_params(
 ) -> dict[str, Any]:
     """verl's per-sample ``sampling_params`` -> the ``/generate`` ``sampling_params`` dict.
 
-    * ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``... pass through;
-      ``top_k`` ``None``/``0`` mean disabled (-1);
-    * ``logprobs`` (verl sends a bool) becomes ``True``/``None``;
-    * ``max_tokens`` (or ``max_new_tokens``) defaults like verl's vLLM server:
-      ``min(response_length, prompt_length + response_length - prompt_len)``, at least 1;
-    * ``repetition_penalty`` and other penalties the protocol lacks are dropped with a one-time
-      warning when not neutral; unknown keys too. ``n`` must be 1 (one call per sample).
-    The rest is the adapter's own :func:`~verl.workers.remote_client.generation.clean_sampling_params`
-    (unknown keys dropped with a one-time warning, values validated: a bad one raises naming the field).
+    :func:`~verl.remote_backend.workers.replica.normalize_sampling_params` (``n`` = 1, ``top_k``
+    ``None``/``0`` -> -1, ``logprobs`` bool -> ``True``/``None``, ``max_tokens`` defaulted like
+    verl's vLLM server, unsupported penalties dropped with a one-time warning), then the adapter's
+    :func:`~verl.workers.remote_client.generation.clean_sampling_params` (unknown keys dropped with
+    a one-time warning, values validated: a bad one raises naming the field).
     """
-    raw: dict[str, Any] = {}
-    for key, value in params.items():
-        if key in _IGNORED_NEUTRAL:
-            if value is not None and float(value) != _IGNORED_NEUTRAL[key] and key not in _warned:
-                _warned.add(key)
-                logger.warning("sampling param %s=%r is not supported by the Arctic RL protocol; ignored", key, value)
-            continue
-        raw[key] = value
-    n = raw.pop("n", 1)
-    if n != 1:
-        raise RemoteBackendConfigError("sampling_params.n", "the rollout server takes one sample per call", allowed=1, received=n)
-    if raw.get("top_k") in (None, 0):
-        raw["top_k"] = -1
-    raw["logprobs"] = True if raw.get("logprobs") else None
-    max_tokens = raw.pop("max_tokens", None)
-    if max_tokens is None:
-        max_tokens = raw.pop("max_new_tokens", None)
-    if max_tokens is None:
-        max_tokens = min(response_length, prompt_length + response_length - prompt_len)
-    raw["max_tokens"] = max(1, int(max_tokens))
+    raw = normalize_sampling_params(params, prompt_len=prompt_len, response_length=response_length,
+                                    prompt_length=prompt_length, backend="Arctic RL")
     return clean_sampling_params(raw, _warned).model_dump(exclude_none=True, exclude_unset=True)
 
 
-def _stop_reason(finish_reason: str | None) -> str | None:
-    if finish_reason in ("stop", "length"):
-        return "completed"
-    if finish_reason in ("abort", "aborted"):
-        return "aborted"
-    return finish_reason
+class ArcticRLRolloutServer(RemoteRolloutServer):
+    """Ray actor behind one ``arctic`` replica: verl's token-in/token-out API over ``/generate``."""
+
+    def convert_sampling_params(self, params: Mapping[str, Any], prompt_len: int) -> dict[str, Any]:
+        return to_protocol_sampling_params(params, prompt_len=prompt_len, response_length=self.response_length,
+                                           prompt_length=self.prompt_length)
 
 
-def _field(result: Any, name: str) -> Any:
-    """A field of one ``GenerateResult`` (a pydantic model, or its dict form)."""
-    return result.get(name) if isinstance(result, Mapping) else getattr(result, name, None)
+_RemoteServer = remote_server_class(ArcticRLRolloutServer)
 
 
-class ArcticRLRolloutServer:
-    """Ray actor behind one replica: verl's token-in/token-out server API over ``/generate``.
+class ArcticRLRolloutReplica(RemoteRolloutReplica):
+    """verl rollout replica whose server forwards generation to the Arctic RL sampling job."""
 
-    Args:
-        context: the backend context dict (see :mod:`verl.remote_backend.context`).
-        replica_rank: rank of the owning replica.
-    """
-
-    def __init__(self, context: dict, replica_rank: int = 0):
-        self._context = BackendContext.from_mapping(context)
-        self.replica_rank = replica_rank
-        main = self._context.main_config_node()
-        rollout = main.actor_rollout_ref.rollout
-        self.prompt_length = int(rollout.prompt_length)
-        self.response_length = int(rollout.response_length)
-        rb_rollout = OmegaConf.select(main, "remote_backend.rollout", default=None) or {}
-        self.max_batch_size = int(rb_rollout.get("max_batch_size", 64))
-        self.max_wait_ms = float(rb_rollout.get("max_wait_ms", 5))
-        self.max_in_flight = int(rb_rollout.get("max_in_flight", 1))
-        self._backend = attach_backend(self._context)
-        self._coalescer: RequestCoalescer | None = None
-        self.global_steps = 0
-        self._admit = asyncio.Event()  # closed between abort_all_requests and resume_generation
-        self._admit.set()
-        self._reject = False
-        self.batches = 0
-        self.samples = 0
-
-    async def ready(self) -> bool:
-        """Answer once the actor is constructed (and attached)."""
-        return True
-
-    def _coalescer_for_loop(self) -> RequestCoalescer:
-        if self._coalescer is None:
-            self._coalescer = RequestCoalescer(
-                self._generate_batch,
-                max_batch_size=self.max_batch_size,
-                max_wait_ms=self.max_wait_ms,
-                max_in_flight=self.max_in_flight,
-            )
-        return self._coalescer
-
-    async def _generate_batch(self, prompts: list[list[int]], params: dict[str, Any]) -> Sequence[Any]:
-        start = time.monotonic()
-        results = await asyncio.to_thread(self._backend.generate, prompts, params)
-        self.batches += 1
-        self.samples += len(prompts)
-        logger.debug("/generate: %d prompts in %.2f s", len(prompts), time.monotonic() - start)
-        return results
-
-    def _aborted(self) -> TokenOutput:
-        return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields={"global_steps": self.global_steps})
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        image_data: Any = None,
-        video_data: Any = None,
-        **kwargs: Any,
-    ) -> TokenOutput:
-        """Generate one sample for ``prompt_ids`` (token ids in, token ids out)."""
-        if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
-            raise RemoteBackendConfigError("generate.image_data/video_data", "multimodal prompts are not supported by the arctic rollout", received="multimodal data")
-        if not self._admit.is_set():
-            if self._reject:
-                return self._aborted()
-            await self._admit.wait()
-        prompt = [int(t) for t in prompt_ids]
-        params = to_protocol_sampling_params(
-            sampling_params, prompt_len=len(prompt), response_length=self.response_length, prompt_length=self.prompt_length
-        )
-        try:
-            result = await self._coalescer_for_loop().submit(prompt, params)
-        except RequestAborted:
-            return self._aborted()
-        logprobs = _field(result, "logprobs")
-        log_probs = [float(x) for x in logprobs] if params.get("logprobs") and logprobs is not None else None
-        return TokenOutput(
-            token_ids=[int(t) for t in _field(result, "token_ids")],
-            log_probs=log_probs,
-            stop_reason=_stop_reason(_field(result, "finish_reason")),
-            extra_fields={"global_steps": self.global_steps},
-        )
-
-    # ---------------------------------------------------------------- verl's control verbs
-    async def set_global_steps(self, global_steps: int) -> None:
-        """Weight version of the sampler (set by the worker after each weight sync)."""
-        self.global_steps = int(global_steps)
-
-    async def abort_all_requests(self, reject_request: bool = False, **kwargs: Any) -> dict[str, Any]:
-        """Drop queued (unsent) calls; hold new ones until :meth:`resume_generation` (or answer
-        them as aborted when ``reject_request``). Batches already sent run to completion."""
-        self._reject = bool(reject_request)
-        self._admit.clear()
-        aborted = self._coalescer.abort_pending("abort_all_requests") if self._coalescer else 0
-        return {"aborted": aborted}
-
-    async def resume_generation(self) -> None:
-        self._reject = False
-        self._admit.set()
-
-    async def wake_up(self, *args: Any, **kwargs: Any) -> None:
-        return None  # the remote sampler keeps its weights and cache resident
-
-    async def sleep(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    async def clear_kv_cache(self) -> None:
-        return None
-
-    async def release_kv_cache(self) -> None:
-        return None
-
-    async def resume_kv_cache(self) -> None:
-        return None
-
-    async def start_profile(self, **kwargs: Any) -> None:
-        return None
-
-    async def stop_profile(self) -> None:
-        return None
-
-    def get_address(self) -> str:
-        """A label for verl's load balancer (``host:port`` of the backend when known)."""
-        url = str((self._context.handle or {}).get("url") or "")
-        host_port = url.split("://", 1)[-1].rstrip("/")
-        return f"{host_port or 'arctic-rl'}#replica{self.replica_rank}"
-
-    def stats(self) -> dict[str, int]:
-        """Batches and samples sent so far (for logs and tests)."""
-        return {"batches": self.batches, "samples": self.samples, "global_steps": self.global_steps}
-
-
-_RemoteServer = ray.remote(num_cpus=0)(ArcticRLRolloutServer)
-
-
-class ArcticRLRolloutReplica(RolloutReplica):
-    """verl rollout replica whose server forwards generation to the remote sampling job."""
-
-    def rollout_worker_use_gpu(self) -> bool:
-        return False
-
-    async def launch_servers(self) -> None:
-        """Start the server actor, wait until it is attached, and link it to the worker(s)."""
-        if not self.workers:
-            raise RemoteBackendConfigError(
-                "actor_rollout_ref.rollout.name",
-                "the arctic rollout runs in hybrid mode only (one replica per forwarder worker); "
-                "it has no worker group to attach to",
-                received=getattr(self.rollout_mode, "value", self.rollout_mode),
-            )
-        context = read_context(self.config)
-        name = f"arctic_rl_rollout_server_{self.replica_rank}{self.name_suffix}"
-        server = _RemoteServer.options(name=name, max_concurrency=self.max_concurrency).remote(
-            context=context.to_dict(), replica_rank=self.replica_rank
-        )
-        await server.ready.remote()
-        linked = await asyncio.gather(*[w.__ray_call__.remote(attach_rollout_server, server) for w in self.workers])
-        if sum(linked) == 0:
-            raise RemoteBackendConfigError(
-                "actor_rollout_ref.rollout.name",
-                "the arctic rollout needs the ArcticRLActorRolloutRefWorker as actor worker (run through the "
-                "remote-backend trainer)",
-                received="another worker class",
-            )
-        self.servers = [server]
-        self._server_handle = server
-        self._server_address = await server.get_address.remote()
-
-    async def init_standalone(self) -> None:
-        raise NotImplementedError("the arctic rollout has no standalone mode: the remote backend owns the sampler")
-
-    async def init_colocated(self, resource_pool: Any) -> None:
-        raise NotImplementedError("the arctic rollout has no colocated mode: the remote backend owns the sampler")
+    server_class = ArcticRLRolloutServer
