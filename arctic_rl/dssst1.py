@@ -42,6 +42,7 @@ import hashlib
 import json
 import mmap
 import sys
+import threading
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -116,7 +117,7 @@ def _uninitialized_allocator() -> Any:
         buf = bytearray()
         if n:
             resize(buf, n)  # raises MemoryError on failure
-        if n >= 4 << 20:  # advice is a hint: failure only costs speed
+        if n >= _LARGE:  # advice is a hint: failure only costs speed
             start = ctypes.addressof((ctypes.c_char * n).from_buffer(buf))
             first, last = -(-start // page) * page, (start + n) // page * page
             madvise(first, last - first, mmap.MADV_HUGEPAGE)
@@ -125,7 +126,54 @@ def _uninitialized_allocator() -> Any:
     return allocate
 
 
-_new_buffer = _uninitialized_allocator()  # callers must overwrite every byte before exposing it
+class _ReusedBuffers:
+    """``n -> bytearray`` that hands a thread its previous large buffer again once nobody holds it.
+
+    Fresh large buffers are what makes a round trip slow now and then: their pages are new to the
+    process, and faulting them in (huge pages, or memory the kernel or hypervisor must first find
+    and clear) took 140-250 ms per 84 MB frame in bursts, while rewriting memory the process
+    already has takes ~20 ms. So each thread keeps its last buffer of at least ``_LARGE`` bytes;
+    the next request reuses it (resized in place) when its only reference is this cache -- the
+    caller dropped the frame, and no decoded tensor or memoryview still exports it. Otherwise a
+    fresh buffer is made and cached instead, so a thread holds at most one idle buffer, of the
+    size it last asked for. The "only reference" test is a reference count compared with one
+    measured here for a buffer known to be unshared, so it does not depend on how the interpreter
+    counts its own temporaries; without a GIL (free-threaded builds) nothing is reused.
+    """
+
+    def __init__(self, fresh: Any) -> None:
+        self._fresh = fresh
+        self._local = threading.local()
+        self._resize = None
+        gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+        if sys.implementation.name == "cpython" and gil and fresh is not bytearray:
+            self._resize = ctypes.pythonapi.PyByteArray_Resize
+            self._local.buf = bytearray(1)
+            self._unshared = self._references()  # the count of a buffer only this cache holds
+            self._local.buf = None
+
+    def _references(self) -> int:
+        return sys.getrefcount(self._local.buf)
+
+    def __call__(self, n: int) -> bytearray:
+        if n < _LARGE or self._resize is None:
+            return self._fresh(n)
+        if getattr(self._local, "buf", None) is not None and self._references() == self._unshared:
+            buf = self._local.buf
+            try:
+                self._resize(buf, n)  # in place below the allocation; realloc (pages kept) above it
+                return buf
+            except (MemoryError, BufferError):
+                pass
+        self._local.buf = None  # let go of the idle buffer before making a new one
+        buf = self._fresh(n)
+        self._local.buf = buf
+        return buf
+
+
+_LARGE: Final = 4 << 20
+# callers must overwrite every byte before exposing it
+_new_buffer = _ReusedBuffers(_uninitialized_allocator())
 
 
 class WireError(ValueError):
@@ -453,35 +501,44 @@ def _tensor_view(section: memoryview, name: str, entry: tuple[str, list[int], in
     return raw.view(dtype).view(shape)
 
 
-def _materialize(frame: _Frame, section: memoryview, tree: Any) -> Any:
-    cache: dict[str, torch.Tensor] = {}
+class _Builder:
+    """Builds the decoded object from the skeleton tree, each tensor a view of ``section``.
 
-    def tensor(node: list, path: str) -> torch.Tensor:
+    A class rather than nested functions: a recursive closure refers to itself, a reference
+    cycle that would keep ``section`` -- and with it the whole received frame -- alive until the
+    garbage collector runs, long after the caller dropped the decoded tensors."""
+
+    def __init__(self, frame: _Frame, section: memoryview) -> None:
+        self.frame = frame
+        self.section = section
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def tensor(self, node: list, path: str) -> torch.Tensor:
         name = node[1] if len(node) in (2, 3) else None
         options = node[2] if len(node) == 3 else {}
         if not isinstance(name, str) or not isinstance(options, dict):
             raise WireError(f"malformed tensor node at {path or '<root>'}: expected ['t', name, {{options}}?]")
-        if name not in cache:
-            if name not in frame.entries:
+        if name not in self.cache:
+            if name not in self.frame.entries:
                 raise WireError(f"tree references tensor {name!r} (at {path or '<root>'}), absent from the header")
-            cache[name] = _tensor_view(section, name, frame.entries[name])
-        t = cache[name]
+            self.cache[name] = _tensor_view(self.section, name, self.frame.entries[name])
+        t = self.cache[name]
         if options.get("scalar"):
             if t.numel() != 1:
                 raise WireError(f"tensor {name!r} is marked scalar but has shape {list(t.shape)}")
             return t.view(())
         return t
 
-    def build(node: Any, path: str) -> Any:
+    def build(self, node: Any, path: str) -> Any:
         if not isinstance(node, list) or len(node) < 2 or not isinstance(node[0], str):
             raise WireError(f"malformed tree node at {path or '<root>'}: expected [tag, payload]")
         tag, payload = node[0], node[1]
         if tag == "j" and len(node) == 2:
             return payload
         if tag == "t":
-            return tensor(node, path)
+            return self.tensor(node, path)
         if tag in ("l", "u") and len(node) == 2 and isinstance(payload, list):
-            items = [build(child, _join(path, str(i))) for i, child in enumerate(payload)]
+            items = [self.build(child, _join(path, str(i))) for i, child in enumerate(payload)]
             return items if tag == "l" else tuple(items)
         if tag == "d" and len(node) == 2 and isinstance(payload, list):
             result: dict[str, Any] = {}
@@ -490,18 +547,21 @@ def _materialize(frame: _Frame, section: memoryview, tree: Any) -> Any:
                     raise WireError(f"malformed dict entry at {path or '<root>'}: expected [str key, node]")
                 if pair[0] in result:
                     raise WireError(f"dict at {path or '<root>'} repeats the key {pair[0]!r}")
-                result[pair[0]] = build(pair[1], _join(path, pair[0]))
+                result[pair[0]] = self.build(pair[1], _join(path, pair[0]))
             return result
         if tag not in ("j", "t", "l", "u", "d"):
             raise WireError(f"unknown structure tag {tag!r} at {path or '<root>'}"[:300])
         raise WireError(f"malformed {tag!r} node at {path or '<root>'}")
 
+
+def _materialize(frame: _Frame, section: memoryview, tree: Any) -> Any:
+    builder = _Builder(frame, section)
     try:
         if section.readonly:  # copy=False over bytes: torch warns about non-writable memory; see module doc
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                return build(tree, "")
-        return build(tree, "")
+                return builder.build(tree, "")
+        return builder.build(tree, "")
     except RecursionError:
         raise WireError("structure tree is nested too deeply") from None
 

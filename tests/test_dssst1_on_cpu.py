@@ -8,12 +8,16 @@ flattened, row-major, as JSON numbers or bools).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import json
 import os
 import pickle
 import random
 import struct
+import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -660,3 +664,67 @@ def test_large_frames_use_every_byte_of_their_uninitialized_buffer() -> None:
     assert_same(dssst1.loads(bytes(frame)), contiguous)
     chunks = dssst1.encode_byte_chunks(frame, kind="result", max_bytes=5 << 20)
     assert bytes(dssst1.decode_byte_chunks(chunks)) == bytes(frame)
+
+
+def _large(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"ids": torch.randint(0, 1 << 40, (600_000,), generator=gen), "x": torch.randn(1000, 300, generator=gen)}
+
+
+def test_a_dropped_large_frame_buffer_is_reused_and_fully_rewritten() -> None:
+    """Large frames reuse the thread's previous buffer once nobody holds it (no fresh pages to fault in)."""
+    first = dssst1.dumps(_large(1))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(first))
+    del first
+    second_obj = _large(2)
+    second = dssst1.dumps(second_obj)
+    assert ctypes.addressof(ctypes.c_char.from_buffer(second)) == address  # the same memory, rewritten
+    assert_same(dssst1.loads(second), second_obj)
+    smaller = {"ids": second_obj["ids"][:500_000].clone()}
+    del second
+    assert_same(dssst1.loads(dssst1.dumps(smaller)), smaller)  # resized in place, still exact
+
+
+def test_a_frame_still_held_or_exported_is_never_reused() -> None:
+    obj1, obj2, obj3 = _large(1), _large(2), _large(3)
+    held = dssst1.dumps(obj1)  # the caller keeps the frame
+    decoded = dssst1.loads(dssst1.dumps(obj2))  # the caller keeps only zero-copy tensors over a frame
+    view = memoryview(dssst1.dumps(obj3))  # the caller keeps only a memoryview of a frame
+    for seed in (4, 5, 6):
+        assert_same(dssst1.loads(dssst1.dumps(_large(seed))), _large(seed))
+    assert_same(dssst1.loads(held), obj1)
+    assert_same(decoded, obj2)
+    assert_same(dssst1.loads(view), obj3)
+
+
+def test_decoded_tensors_release_their_frame_without_the_garbage_collector() -> None:
+    frame = dssst1.dumps(_large(1))
+    baseline = sys.getrefcount(frame)
+    gc.disable()
+    try:
+        decoded = dssst1.loads(frame)
+        assert sys.getrefcount(frame) > baseline
+        del decoded
+        assert sys.getrefcount(frame) == baseline  # no reference cycle keeps the buffer alive
+    finally:
+        gc.enable()
+
+
+def test_threads_never_share_a_buffer() -> None:
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        for round_ in range(5):
+            obj = _large(seed * 10 + round_)
+            frame = dssst1.dumps(obj)
+            decoded = dssst1.loads(frame)
+            del frame
+            if not all(torch.equal(decoded[k], v) for k, v in obj.items()):
+                errors.append(f"thread {seed} round {round_}")
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
