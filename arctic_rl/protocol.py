@@ -34,6 +34,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LOSS_NAMES",
     "KL_TYPES",
+    "OPTIONAL_FORWARD_TENSORS",
     "OPTIONAL_TRAIN_TENSORS",
     "POST_PROCESSORS",
     "REQUEST_ID_HEADER",
@@ -43,6 +44,7 @@ __all__ = [
     "STEP_HEADER",
     "BatchMeta",
     "DestroyRequest",
+    "DsWorkerConfig",
     "ErrorDetail",
     "Features",
     "ForwardBackwardResponse",
@@ -57,19 +59,27 @@ __all__ = [
     "JobType",
     "LoadCheckpointRequest",
     "LoadCheckpointResponse",
+    "LogProbsRequest",
     "LogprobAlignment",
     "LossConfig",
+    "OperationRequest",
+    "OperationType",
     "Paths",
     "Processing",
     "ProtocolVersion",
+    "ResetPrefixCacheRequest",
     "SamplingParams",
     "SaveRequest",
     "SaveResponse",
     "StepRequest",
     "StepResponse",
+    "TokenLogprob",
     "V1SyncWeightsRequest",
+    "WeightNormRequest",
+    "WeightNormResponse",
     "WeightSyncRequest",
     "WeightSyncResponse",
+    "sampled_logprobs",
 ]
 
 DEFAULT_SEED = 42
@@ -105,6 +115,18 @@ class Paths:
     SAVE = "/save"
     LOAD_CHECKPOINT = "/load-checkpoint"
     WEIGHT_SYNC = "/weight-sync"
+    # v2 control routes of the vendor's server (Arctic-Platform ``common/http_server.py``)
+    SLEEP_INFERENCE = "/sleep-inference"  # ?job_id=<sampling>; body {level} (or query ``level``)
+    WAKE_INFERENCE = "/wake-inference"  # ?job_id=<sampling>; body a tag list or {tags}
+    RESET_PREFIX_CACHE = "/reset-prefix-cache"  # ?job_id=<sampling>; body ResetPrefixCacheRequest
+    OPERATION = "/operation"  # ?job_id=<primary job>; body OperationRequest
+    SLEEP_TRAINING = "/sleep-training"  # ?job_id=<training>; body {mode} (or query ``mode``)
+    WAKE_TRAINING = "/wake-training"  # ?job_id=<training>
+    SLEEP_LOG_PROB = "/sleep-log-prob"  # ?job_id=<log_prob>
+    WAKE_LOG_PROB = "/wake-log-prob"  # ?job_id=<log_prob>
+    EMPTY_TRAINING_CACHE = "/empty-training-cache"  # ?job_id=<training>
+    WEIGHT_NORM = "/weight-norm"  # no job_id; body WeightNormRequest
+    LOG_PROBS = "/log-probs"  # ?job_id=<log_prob>; body LogProbsRequest (JSON in, DSSST1 out)
 
     # v1
     V1_FWD_BWD = "/fwd-bwd"
@@ -189,6 +211,32 @@ class JobConfig(BaseModel):
         return DEFAULT_SEED if value is None else value
 
 
+class DsWorkerConfig(BaseModel):
+    """``JobConfig.ds_worker_config`` of the training and log_prob jobs: the model and per-token knobs.
+
+    The vendor's server builds its model from this dict (``ModelSpec.from_ds_worker_config``) and
+    answers 500 when ``attn_implementation`` is missing, so every DeepSpeed job must send it; its
+    ZoRRO patch needs a flash-attention backend. Tolerant of keys added later (``extra="allow"``).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    #: Hugging Face attention backend of the server's model (required by the vendor)
+    attn_implementation: str | None = None
+    zorro_train_enable: bool = False
+    logits_optimization: Literal["none", "memory", "compute"] | None = "none"
+    logits_optimization_peak_mem_size_in_gib: int | float = Field(4, gt=0)
+    logits_compute_in_fp32: bool = False
+    response_len: int | None = Field(None, ge=1)
+    max_token_len: int | None = Field(None, ge=1)
+    rollout_n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, gt=0)
+    enable_gradient_checkpointing: bool = False
+    use_liger: bool = False
+    use_unpad: bool | None = None
+    zorro_train_load_balancer: Any = None
+
+
 class InitializeResponse(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -253,9 +301,12 @@ POST_PROCESSORS: tuple[str, ...] = (
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_TYPES: tuple[str, ...] = ("low_var_kl", "kl", "abs", "mse")
 
-#: Dense ``[B, P+R]`` (``prompts``: ``[B, P]``, ``responses``: ``[B, R]``) tensors of a
-#: ``/forward`` body.
-REQUIRED_FORWARD_TENSORS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids", "prompts", "responses")
+#: Tensors every ``/forward`` body must carry: dense ``[B, P+R]`` ``input_ids``/``attention_mask``
+#: and ``[B, P]`` ``prompts`` (its width tells the server P). As at the vendor, ``position_ids``
+#: (rebuilt from ``attention_mask`` when absent: ``cumsum - 1``, clamped at 0) and ``responses``
+#: (``input_ids[:, P:]``) are optional: :data:`OPTIONAL_FORWARD_TENSORS`.
+REQUIRED_FORWARD_TENSORS: tuple[str, ...] = ("input_ids", "attention_mask", "prompts")
+OPTIONAL_FORWARD_TENSORS: tuple[str, ...] = ("position_ids", "responses")
 #: ... and of a ``/forward-backward`` body with an RL loss. RL tensors are left-padded with zeros
 #: to the full ``P+R`` width (their last ``R`` columns are the response).
 REQUIRED_TRAIN_TENSORS: tuple[str, ...] = REQUIRED_FORWARD_TENSORS + ("response_mask", "old_log_probs", "advantages")
@@ -263,15 +314,18 @@ OPTIONAL_TRAIN_TENSORS: tuple[str, ...] = ("ref_log_prob", "rollout_is_weights",
 
 LOGPROBS_KEY = "logprobs"
 ENTROPY_KEY = "entropy"
+#: optional key of our server's ``/forward`` answer naming the :class:`LogprobAlignment` it used. The
+#: vendor's server sends none: a client must know the alignment from the job config (ZoRRO on or off).
 LOGPROB_ALIGNMENT_KEY = "logprob_alignment"
 
 
 class LogprobAlignment(str, enum.Enum):
-    """How ``/forward`` log-probs line up with the tokens.
+    """How ``/forward`` log-probs line up with the tokens. Both are ``[B, P+R]`` (the vendor's layouts).
 
-    ``shifted``: ``[B, P+R]`` with ``lp[:, i] = log p(input_ids[:, i+1] | input_ids[:, :i+1])``
-    (the last column is 0). ``response``: ``[B, R]`` with ``lp[:, j] = log p(responses[:, j] |
-    prompt, responses[:, :j])`` -- what the ZoRRO path emits.
+    ``shifted`` (ZoRRO off): ``lp[:, c] = log p(input_ids[:, c+1] | input_ids[:, :c+1])`` (the
+    last column holds no prediction). ``response`` (ZoRRO on): ``lp[:, P+j] = log p(responses[:, j] |
+    prompt, responses[:, :j])``, zeros in the prompt columns ``0..P-1``. The two are one column
+    apart on the response: reading one as the other is wrong by whole nats.
     """
 
     SHIFTED = "shifted"
@@ -476,6 +530,36 @@ class GenerateRequest(BaseModel):
     strict: bool = False
 
 
+class TokenLogprob(BaseModel):
+    """One candidate token of a generated position: its log-prob and its rank (1 = most likely)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    logprob: float
+    rank: int | None = None
+
+
+def sampled_logprobs(token_ids: list[int], logprobs: list[Any]) -> list[float]:
+    """The sampled tokens' log-probs of a result: ``logprobs[i][str(token_ids[i])]`` (vendor format) or
+    the floats as given. ``ValueError`` (``TypeError`` for a malformed entry) naming the position when an
+    entry lacks its sampled token."""
+    if len(logprobs) != len(token_ids):
+        raise ValueError(f"logprobs: {len(logprobs)} entries for {len(token_ids)} generated tokens")
+    out: list[float] = []
+    for i, (token, entry) in enumerate(zip(token_ids, logprobs)):
+        if isinstance(entry, (int, float)) and not isinstance(entry, bool):
+            out.append(float(entry))
+            continue
+        if not isinstance(entry, dict):
+            raise TypeError(f"logprobs[{i}]: expected an object {{token_id: {{logprob, rank}}}}, got "
+                             f"{type(entry).__name__}")
+        value = entry.get(str(int(token)), entry.get(int(token)))
+        if value is None:
+            raise ValueError(f"logprobs[{i}]: no entry for the sampled token {int(token)} (keys {sorted(entry)[:8]})")
+        out.append(float(value.logprob if isinstance(value, TokenLogprob) else value["logprob"]))
+    return out
+
+
 class GenerateResult(BaseModel):
     """One sample. With ``n > 1`` results are grouped by prompt: prompt ``i``'s samples are
     ``results[i*n:(i+1)*n]`` (``prompt_index``/``sample_index`` say so too)."""
@@ -488,7 +572,10 @@ class GenerateResult(BaseModel):
     prompt_len: int
     generation_len: int
     prefix_cache_len: int = 0
-    logprobs: list[float] | None = None
+    #: on the wire (vendor v2 and ours): one ``{str(token_id): TokenLogprob}`` per generated token,
+    #: holding the sampled token and the top ``sampling_params.logprobs`` tokens (vLLM's rule). The
+    #: adapter hands verl the sampled tokens' values as floats (:func:`sampled_logprobs`).
+    logprobs: list[dict[str, TokenLogprob]] | list[float] | None = None
     prompt_index: int | None = None
     sample_index: int | None = None
     weight_version: int | None = None
@@ -499,3 +586,74 @@ class GenerateResponse(BaseModel):
 
     job_id: int
     results: list[GenerateResult]
+
+
+# --------------------------------------------------------------------------------------------
+# Vendor v2 control routes: sleep/wake, prefix cache, /operation, weight norm, /log-probs
+# --------------------------------------------------------------------------------------------
+
+
+class ResetPrefixCacheRequest(BaseModel):
+    """``POST /reset-prefix-cache?job_id=<sampling>``. The knobs are the vendor's (accepted for parity
+    with its managed service); the cache is dropped at once either way."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    drain: bool = True
+    timeout_s: float = Field(60.0, ge=0.0)
+    retry_interval_s: float = Field(0.1, ge=0.0)
+
+
+class OperationType(str, enum.Enum):
+    """``operation_type`` values ``/operation`` dispatches (the vendor's four)."""
+
+    WEIGHT_SYNC = "weight-sync"
+    RESET_PREFIX_CACHE = "reset-prefix-cache"
+    SLEEP_INFERENCE = "sleep-inference"
+    WAKE_INFERENCE = "wake-inference"
+
+
+class OperationRequest(BaseModel):
+    """``POST /operation?job_id=<id>``: one envelope for the control operations. ``sub_job_id`` and
+    ``sub_job_type`` are routing hints of the vendor's managed service (jobs are named by
+    ``?job_id=`` here); ``payload`` is the body of the named operation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    operation_type: str
+    sub_job_id: int | str | None = None
+    sub_job_type: str | None = None
+    payload: dict[str, Any] = Field(default_factory=dict)
+
+
+class WeightNormRequest(BaseModel):
+    """``POST /weight-norm``: compare the training and sampling models after a weight sync."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    training_job_id: int
+    sampling_job_id: int
+
+
+class WeightNormResponse(BaseModel):
+    """Global L2 norms (sqrt of the sum of squares over all parameters) and parameter counts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    training_norm: float
+    sampling_norm: float
+    training_num_params: int
+    sampling_num_params: int
+
+
+class LogProbsRequest(BaseModel):
+    """``POST /log-probs?job_id=<log_prob>`` (JSON): per-token log-probs of ``prompts[i] +
+    completions[i]`` (or of ``prompts[i]`` alone). The answer is DSSST1 ``{job_id, results}`` with
+    ``results`` ``[B, S-1]``: column ``c`` = log p(token ``c+1``), rows right-padded by the tokenizer.
+    ``top_k`` is accepted and, as by the vendor's DeepSpeed engine, not used."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[str] = Field(min_length=1)
+    completions: list[str] | None = None
+    top_k: int = Field(1, ge=0)

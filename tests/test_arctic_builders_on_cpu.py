@@ -16,7 +16,7 @@ import re
 import pytest
 import yaml
 
-from arctic_rl.protocol import JobConfig, LossConfig
+from arctic_rl.protocol import DsWorkerConfig, JobConfig, LossConfig
 from verl.remote_backend import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.workers.remote_client.arctic_config import ArcticConfig
@@ -273,6 +273,7 @@ def test_ds_worker_config_golden_zorro_on_and_off():
                                      "logits": {"optimization": "memory", "peak_mem_size_in_gib": 2,
                                                 "compute_in_fp32": True}}})
     assert build_ds_worker_config(v, a) == {
+        "attn_implementation": "flash_attention_2",  # auto: the vendor packs rows; flash attention keeps them apart
         "zorro_train_enable": True,
         "response_len": 32,
         "max_token_len": 4096,
@@ -291,6 +292,27 @@ def test_ds_worker_config_golden_zorro_on_and_off():
     assert off["zorro_train_enable"] is False and "zorro_train_load_balancer" not in off
     assert off["attn_implementation"] == "sdpa" and off["logits_optimization"] == "none"
     assert "logits_compute_from_fp32_inputs" not in off  # deliberately not exposed
+    v, a = settings(GRPO)
+    assert build_ds_worker_config(v, a)["attn_implementation"] == "flash_attention_2"  # auto: always sent
+    assert DsWorkerConfig.model_validate(build_job_config("log_prob", v, a)["ds_worker_config"]).attn_implementation
+
+
+def test_default_deepspeed_stages_are_accepted_by_the_vendors_engines():
+    """bf16 + fp32 gradient accumulation (the vendor's training default) needs ZeRO >= 1; the optimizer-less
+    log_prob engine refuses stages 1-2."""
+    v, a = settings(GRPO)
+    assert build_ds_config(v, a)["zero_optimization"]["stage"] == 1
+    assert build_log_prob_ds_config(a)["zero_optimization"] == {"stage": 0}
+    v, a = settings(GRPO, {"train": {"deepspeed": {"zero_stage": 3}}})
+    assert build_log_prob_ds_config(a)["zero_optimization"] == {"stage": 3}
+    with pytest.raises(RemoteBackendConfigError) as err:
+        settings(GRPO, {"train": {"deepspeed": {"zero_stage": 0}}})
+    assert err.value.field == "remote_backend.train.deepspeed.zero_stage" and err.value.received == 0
+    v, a = settings(GRPO, {"train": {"deepspeed": {"zero_stage": 0, "bf16": False}}})
+    assert build_ds_config(v, a)["zero_optimization"]["stage"] == 0
+    with pytest.raises(RemoteBackendConfigError) as err:
+        settings(GRPO, {"train": {"attn_implementation": "flash"}})
+    assert err.value.field == "remote_backend.train.attn_implementation" and "sdpa" in str(err.value.allowed)
 
 
 def test_logits_knobs_reach_ds_worker_config_and_meta():
@@ -371,22 +393,20 @@ def test_meta_golden():
 # ------------------------------------------------------------------------------ metrics and registry
 
 
-def test_mini_batch_metrics_use_verls_names_and_aggregation():
-    micro = [
-        {"pg_loss": 0.25, "pg_clipfrac": 0.1, "ppo_kl": 0.01, "entropy": 2.0, "kl": 0.5, "loss": 0.3,
-         "tokens_computed": 40.0, "seconds": 1.0, "pg_clipfrac_lower": 0.0},
-        {"pg_loss": 0.75, "pg_clipfrac": 0.3, "ppo_kl": [0.03, 0.05], "entropy": 1.0, "kl": 0.25, "loss": 0.7,
-         "tokens_computed": 20.0, "seconds": 2.0, "pg_clipfrac_lower": 0.2},
-    ]
+def test_mini_batch_metrics_are_the_calls_token_means_under_verls_names():
+    """One /forward-backward per mini-batch: its token means are the mini-batch's, never added up."""
+    ours = {"pg_loss": 0.25, "pg_clipfrac": 0.1, "ppo_kl": [0.03, 0.05], "entropy": 2.0, "kl": 0.5, "loss": 0.3,
+            "tokens_computed": 40.0, "seconds": 1.0, "pg_clipfrac_lower": 0.0, "micro_batches": 2.0}
     step = {"last_lr": 1e-6, "grad_norm": 0.9, "global_step": 3}
-    summed = mini_batch_metrics(micro, step, summed=True, kl_coef=0.001)
-    assert summed == pytest.approx({
-        "actor/pg_loss": 1.0, "actor/pg_clipfrac": 0.2, "actor/pg_clipfrac_lower": 0.1, "actor/ppo_kl": 0.025,
-        "actor/entropy_loss": 3.0, "kl_loss": 0.75, "kl_coef": 0.001, "loss": 1.0, "arctic/tokens_computed": 60.0,
+    assert mini_batch_metrics(ours, step, kl_coef=0.001) == pytest.approx({
+        "actor/pg_loss": 0.25, "actor/pg_clipfrac": 0.1, "actor/pg_clipfrac_lower": 0.0, "actor/ppo_kl": 0.04,
+        "actor/entropy_loss": 2.0, "kl_loss": 0.5, "kl_coef": 0.001, "loss": 0.3, "arctic/tokens_computed": 40.0,
         "grad_norm": 0.9, "lr": 1e-6})
-    averaged = mini_batch_metrics(micro, step, summed=False, kl_coef=None)
-    assert averaged["actor/pg_loss"] == pytest.approx(0.5) and averaged["loss"] == pytest.approx(0.5)
-    assert "kl_coef" not in averaged and averaged["arctic/tokens_computed"] == 60.0
+    # the vendor's names (already collapsed), and a .sum/.tokens pair left uncollapsed
+    vendor = {"actor/pg_loss": 0.41, "actor/pg_clipfrac": 0.0, "loss": 0.41, "kl_loss.sum": 3.0, "kl_loss.tokens": 12.0}
+    got = mini_batch_metrics(vendor, {"last_lr": 1e-6}, kl_coef=None)
+    assert got == pytest.approx({"actor/pg_loss": 0.41, "actor/pg_clipfrac": 0.0, "loss": 0.41, "kl_loss": 0.25,
+                                 "lr": 1e-6})
 
 
 def test_mfu_from_the_parameter_count(tiny_model_dir):

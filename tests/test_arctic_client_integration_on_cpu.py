@@ -139,7 +139,7 @@ def test_full_cycle_v2(server, model_dir, monkeypatch):
         again = no_padding_2_padding(attached.compute_log_prob(data)["log_probs"], data)
         torch.testing.assert_close(again[mask], got[mask])
 
-        # one GRPO update: 8 rows = 2 mini-batches of 4 rows, 2 /forward-backward calls each
+        # one GRPO update: 8 rows = 2 mini-batches of 4 rows, one /forward-backward each (2 micro-batches)
         data = train_inputs(client, data)
         metrics = tu.get(client.update_actor(data), "metrics")
         for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy_loss", "grad_norm", "lr",

@@ -193,7 +193,7 @@ def test_v1_paths_with_torch_save_bodies(srv):
     v1_out = torch_load_safe(v1.content)
     assert torch.equal(v1_out["batch"]["logprobs"], v2["batch"]["logprobs"])
     fb = requests.post(f"{srv.url}/fwd-bwd?job_id={ids['training']}", data=torch_save_bytes(body), headers=headers)
-    assert fb.status_code == 200 and torch_load_safe(fb.content)["metrics"]["micro_step"] == 1
+    assert fb.status_code == 200 and torch_load_safe(fb.content)["metrics"]["micro_batches"] == 1
     assert decode(requests.post(f"{srv.url}/step?job_id={ids['training']}"))["metrics"]["global_step"] >= 1
     saved = decode(requests.post(f"{srv.url}/save-checkpoint?job_id={ids['training']}"))
     assert pathlib.Path(saved["path"]).is_dir()

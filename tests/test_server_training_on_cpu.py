@@ -2,8 +2,10 @@
 
 Covers: SFT steps lower the loss and change the weights; ``/forward`` log-probs of both job
 types equal a direct ``transformers`` computation (shifted and response-aligned, temperature,
-entropy); ZoRRO on/off agree (log-probs, loss, gradient); ``loss_scale_tokens`` compensates
-DeepSpeed's 1/GAS; a GAS mismatch is a 400; ``X-Request-Id`` replays apply once.
+entropy); ZoRRO on/off agree (log-probs, loss, gradient); one ``/forward-backward`` per mini-batch,
+split into GAS micro-batches by the server (same gradient and token-mean metrics for GAS 1 and 2;
+``meta.batch_num_tokens`` and ``meta.rollout_is_weights`` read as at the vendor); a second call before
+``/step`` or a ``/step`` without a call is a 400; ``X-Request-Id`` replays apply once.
 """
 
 import sys, pathlib  # noqa: E401
@@ -59,7 +61,9 @@ def grpo_body(batch, *, loss_fn="grpo", zorro=False, config=None, temperature=1.
     return {
         "batch": batch,
         "meta": {"zorro_train_enable": zorro, "temperature": temperature, "calculate_entropy": entropy},
-        "processing": {"loss_fn": loss_fn, "config": config or {}},
+        # the vendor scales logits by meta.temperature only under the apply_temperature post-processor
+        "processing": {"loss_fn": loss_fn, "config": config or {},
+                       **({"post": ["apply_temperature"]} if temperature != 1.0 else {})},
     }
 
 
@@ -146,12 +150,32 @@ def test_forward_matches_transformers(srv, model_dir, job_type):
     assert torch.allclose(lp[:, :-1][real], lp_ref[real], atol=1e-5)
     assert torch.allclose(ent[:, :-1][real], ent_ref[real], atol=1e-5)
     resp_mask = batch["response_mask"][:, p:].bool()
-    assert aligned["batch"]["logprobs"].shape == (3, r)
-    assert torch.allclose(aligned["batch"]["logprobs"][resp_mask], to_response(lp_ref, p, r)[resp_mask], atol=1e-5)
-    assert torch.allclose(aligned["batch"]["entropy"][resp_mask], to_response(ent_ref, p, r)[resp_mask], atol=1e-5)
+    # the vendor's ZoRRO layout: [B, P+R], column P+j = response token j, zeros in the prompt columns
+    assert aligned["batch"]["logprobs"].shape == (3, p + r) and (aligned["batch"]["logprobs"][:, :p] == 0).all()
+    aligned_lp = aligned["batch"]["logprobs"][:, p:]
+    assert torch.allclose(aligned_lp[resp_mask], to_response(lp_ref, p, r)[resp_mask], atol=1e-5)
+    assert torch.allclose(aligned["batch"]["entropy"][:, p:][resp_mask], to_response(ent_ref, p, r)[resp_mask],
+                          atol=1e-5)
 
 
-def test_zorro_on_off_agree_and_loss_scale_tokens(srv, model_dir):
+def test_forward_the_vendor_way_temperature_and_optional_tensors(srv, model_dir):
+    """As at the vendor: ``meta.temperature`` scales nothing without the ``apply_temperature`` post-processor,
+    and a body without ``position_ids`` (rebuilt from the mask) and ``responses`` (``input_ids[:, P:]``)
+    is served -- the vendor's verl client sends such bodies."""
+    batch = make_batch(PROMPTS, RESPONSES)
+    lp_ref, _ = direct_shifted(model_dir, batch, temperature=1.0)
+    real = batch["response_mask"][:, 1:].bool()
+    body = {"batch": {k: v for k, v in batch.items() if k not in ("position_ids", "responses")},
+            "meta": {"temperature": 0.7}, "processing": {"post": ["compute_entropy_and_logprobs"]}}
+    with job(srv, model_dir, "log_prob") as jid:
+        out = forward(srv, jid, body)
+    assert torch.allclose(out["batch"]["logprobs"][:, :-1][real], lp_ref[real], atol=1e-5)
+
+
+def test_zorro_on_off_agree_and_the_mini_batch_token_mean(srv, model_dir):
+    """One /forward-backward per mini-batch: the server splits it into GAS micro-batches (the vendor's
+    contract), the gradient is that of the mini-batch's token mean whatever GAS is, and the metrics are
+    the call's token means. ``meta.batch_num_tokens`` (the vendor's field) beats ``loss_scale_tokens``."""
     # GRPO layout: each prompt sampled twice, rows of a group adjacent
     prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10]]
     responses = [[20, 21, 22], [23, 24], [25, 26, 27, 28], [29]]
@@ -159,6 +183,13 @@ def test_zorro_on_off_agree_and_loss_scale_tokens(srv, model_dir):
     p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
     resp_mask = batch["response_mask"][:, p:].bool()
     n_tokens = float(resp_mask.sum())
+
+    def one_step(jid, zorro=False, config=None, meta=None):
+        body = grpo_body(batch, zorro=zorro, config=config)
+        body["meta"].update(meta or {})
+        metrics = decode(fwd_bwd(srv, jid, body))["metrics"]
+        return metrics, decode(step(srv, jid))["metrics"]["grad_norm"]
+
     # lr 0: the weights never change, so every step sees the same gradient
     with job(srv, model_dir, gas=2, lr=0.0) as jid:
         off = forward(srv, jid, grpo_body(batch))
@@ -168,56 +199,64 @@ def test_zorro_on_off_agree_and_loss_scale_tokens(srv, model_dir):
             and on["metrics"]["tokens_computed"] < off["metrics"]["tokens_computed"]
         )
         lp_off = to_response(off["batch"]["logprobs"], p, r)
-        assert torch.allclose(on["batch"]["logprobs"][resp_mask], lp_off[resp_mask], atol=1e-5)
+        lp_on = on["batch"]["logprobs"][:, -r:]  # ZoRRO: response-aligned columns
+        assert torch.allclose(lp_on[resp_mask], lp_off[resp_mask], atol=1e-5)
         batch["old_log_probs"] = torch.cat([torch.zeros(4, p), lp_off.detach()], dim=1)  # ratio 1
-
-        def grad_norm(zorro, config=None):
-            metrics = [
-                decode(fwd_bwd(srv, jid, grpo_body(batch, zorro=zorro, config=config)))["metrics"] for _ in range(2)
-            ]
-            return metrics, decode(step(srv, jid))["metrics"]["grad_norm"]
-
-        m_off, g_off = grad_norm(False)
-        m_on, g_on = grad_norm(True)
-        _, g_scaled = grad_norm(False, {"loss_scale_tokens": 2 * n_tokens})
-        _, g_half = grad_norm(False, {"loss_scale_tokens": n_tokens})
-    assert m_on[0]["loss"] == pytest.approx(m_off[0]["loss"], abs=1e-5)
-    assert m_on[0]["pg_loss"] == pytest.approx(m_off[0]["pg_loss"], abs=1e-5)
-    assert m_on[0]["tokens_computed"] < m_off[0]["tokens_computed"]
+        m_off, g_off = one_step(jid)
+        m_on, g_on = one_step(jid, zorro=True)
+        _, g_scaled = one_step(jid, config={"loss_scale_tokens": 2 * n_tokens})
+        _, g_meta = one_step(jid, config={"loss_scale_tokens": n_tokens}, meta={"batch_num_tokens": 2 * n_tokens})
+        _, g_weighted = one_step(jid, meta={"rollout_is_weights": torch.full(batch["input_ids"].shape, 2.0)})
+        m_zero, g_zero = one_step(jid, meta={"rollout_is_weights": 0.0})
+        in_batch = grpo_body({**batch, "rollout_is_weights": torch.ones(batch["input_ids"].shape)})
+        refused = fwd_bwd(srv, jid, in_batch)
+        info = requests.get(f"{srv.url}/job/{jid}", timeout=30).json()
+    with job(srv, model_dir, gas=1, lr=0.0) as jid:
+        m_gas1, g_gas1 = one_step(jid)
+    assert refused.status_code == 400 and refused.json()["detail"]["field"] == "batch.rollout_is_weights"
+    assert info["global_step"] == 6 and info["pending_forward_backward"] == 0
+    assert m_off["micro_batches"] == 2 and m_off["num_rows"] == 4 and m_off["num_tokens"] == n_tokens
+    advantages = batch["advantages"][:, p:][resp_mask]
+    assert m_off["pg_loss"] == pytest.approx(-float(advantages.sum()) / n_tokens, abs=1e-5)  # the call's token mean
+    assert m_off["pg_loss"] == pytest.approx(m_gas1["pg_loss"], abs=1e-5)
+    assert m_off["ppo_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert m_on["loss"] == pytest.approx(m_off["loss"], abs=1e-5)
+    assert m_on["pg_loss"] == pytest.approx(m_off["pg_loss"], abs=1e-5)
+    assert m_on["tokens_computed"] < m_off["tokens_computed"]
     assert g_off > 0 and g_on == pytest.approx(g_off, rel=1e-4)
-    # sum over the step's 2 micro-batches of sum(loss*mask)/(2N) == token-mean of one: same gradient
-    assert g_scaled == pytest.approx(g_off, rel=1e-4)
-    assert g_half == pytest.approx(2 * g_off, rel=1e-4)  # /N twice is twice the gradient
+    assert g_gas1 == pytest.approx(g_off, rel=1e-4)  # splitting into micro-batches changes nothing
+    assert g_scaled == pytest.approx(g_off / 2, rel=1e-4)  # sum / (2N): half the gradient
+    assert g_meta == pytest.approx(g_off / 2, rel=1e-4)  # meta.batch_num_tokens wins
+    assert g_weighted == pytest.approx(2 * g_off, rel=1e-4)  # meta.rollout_is_weights multiply the token losses
+    assert m_zero["pg_loss"] == 0.0 and not g_zero
 
 
 def test_job_level_zorro_answers_response_aligned(srv, model_dir):
     batch = make_batch(PROMPTS, RESPONSES)
     with job(srv, model_dir, "log_prob", ds_worker_config={"zorro_train_enable": True, "use_liger": False}) as jid:
         out = forward(srv, jid, grpo_body(batch))
-    assert out["logprob_alignment"] == "response" and out["batch"]["logprobs"].shape == batch["responses"].shape
+    assert out["logprob_alignment"] == "response" and out["batch"]["logprobs"].shape == batch["input_ids"].shape
 
 
-def test_gradient_accumulation_mismatch_is_400(srv, model_dir):
-    body = grpo_body(rl_batch())
+def test_one_forward_backward_per_step_else_400(srv, model_dir):
+    body = grpo_body(rl_batch(PROMPTS * 2, RESPONSES * 2))
     with job(srv, model_dir, gas=2) as jid:
-        decode(fwd_bwd(srv, jid, body))
         early = step(srv, jid)
-        assert early.status_code == 400
-        detail = early.json()["detail"]
-        assert (
-            "after 1 forward-backward" in detail["message"] and "gradient_accumulation_steps is 2" in detail["message"]
-        )
-        assert (detail["allowed"], detail["received"]) == (2, 1)
-        assert decode(fwd_bwd(srv, jid, body))["metrics"]["micro_step"] == 2
-        extra = fwd_bwd(srv, jid, body)
-        assert extra.status_code == 400 and extra.json()["detail"]["received"] == 3
+        assert early.status_code == 400 and early.json()["detail"]["field"] == "ds_config.gradient_accumulation_steps"
+        odd = fwd_bwd(srv, jid, grpo_body(rl_batch()))  # 3 rows do not split into 2 micro-batches
+        assert odd.status_code == 400 and odd.json()["detail"]["field"] == "batch.input_ids"
+        assert odd.json()["detail"]["received"] == 3
+        assert decode(fwd_bwd(srv, jid, body))["metrics"]["micro_batches"] == 2
+        second = fwd_bwd(srv, jid, body)
+        assert second.status_code == 400 and "/step" in second.json()["detail"]["message"]
         assert decode(step(srv, jid))["metrics"]["global_step"] == 1
+        assert step(srv, jid).status_code == 400
 
 
 def test_request_ids_replay_without_reapplying(srv, model_dir):
     body = grpo_body(rl_batch())
     other = grpo_body(rl_batch(seed=1))
-    config = {"model_name": str(model_dir), "job_type": "training", "ds_config": {"gradient_accumulation_steps": 2}}
+    config = {"model_name": str(model_dir), "job_type": "training", "ds_config": {"gradient_accumulation_steps": 1}}
     init_a = requests.post(srv.url + "/initialize", json=config, headers={"X-Request-Id": "init-1"}, timeout=300)
     init_b = requests.post(srv.url + "/initialize", json=config, headers={"X-Request-Id": "init-1"}, timeout=300)
     assert init_a.status_code == init_b.status_code == 200 and init_a.json() == init_b.json()
@@ -229,14 +268,12 @@ def test_request_ids_replay_without_reapplying(srv, model_dir):
         assert replay.content == first.content and replay.headers.get("X-Idempotent-Replay") == "true"
         conflict = fwd_bwd(srv, jid, other, headers={"X-Request-Id": "fb-1"})
         assert conflict.status_code == 409 and conflict.json()["detail"]["field"] == "X-Request-Id"
-        second = decode(fwd_bwd(srv, jid, body, headers={"X-Request-Id": "fb-2"}))
-        assert second["metrics"]["micro_step"] == 2  # the replay accumulated nothing
-        assert second["metrics"]["loss"] == pytest.approx(decode(first)["metrics"]["loss"])
+        assert requests.get(f"{srv.url}/job/{jid}").json()["pending_forward_backward"] == 1  # applied once
         s1 = decode(step(srv, jid, headers={"X-Request-Id": "st-1"}))
         s1_again = decode(step(srv, jid, headers={"X-Request-Id": "st-1"}))
         assert s1 == s1_again and s1["metrics"]["global_step"] == 1
         info = requests.get(f"{srv.url}/job/{jid}").json()
-        assert info["global_step"] == 1 and info["pending_micro_batches"] == 0
+        assert info["global_step"] == 1 and info["pending_forward_backward"] == 0
     finally:
         requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
 

@@ -193,15 +193,14 @@ class ServerState:
         batch, out = await self._on_job(job, run)
         m = out["metrics"]
         logger.info(
-            "forward-backward job=%d loss_fn=%s rows=%d tokens=%d computed=%d loss=%.5g micro=%d/%d %.2fs",
+            "forward-backward job=%d loss_fn=%s rows=%d tokens=%d computed=%d loss=%.5g micro-batches=%d %.2fs",
             job_id,
             batch.loss_name,
             batch.rows,
             batch.rows * batch.total_len,
             m["tokens_computed"],
             m.get("loss", float("nan")),
-            m["micro_step"],
-            m["gradient_accumulation_steps"],
+            m["micro_batches"],
             time.perf_counter() - t0,
         )
         return {"job_id": job_id, **out}

@@ -3,7 +3,8 @@
 Everything a client can get wrong is checked here, before any compute, and answered with a 400
 naming the field, the allowed values and the value received: missing tensors
 (:data:`~arctic_rl.protocol.REQUIRED_FORWARD_TENSORS`, :data:`~arctic_rl.protocol.REQUIRED_TRAIN_TENSORS`),
-non-tensors, wrong rank or dtype, mismatched batch sizes or widths, ``input_ids`` that disagree
+non-tensors, wrong rank or dtype (``position_ids`` and ``responses`` are optional, as at the vendor:
+rebuilt from ``attention_mask`` and ``input_ids[:, P:]``), mismatched batch sizes or widths, ``input_ids`` that disagree
 with ``prompts | responses``, token ids outside the vocabulary, non-0/1 masks, NaN/inf in the
 float RL tensors, unknown loss or post-processor names, and invalid ``meta``/``processing.config``.
 
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from arctic_rl.protocol import (
     LOSS_NAMES,
+    OPTIONAL_FORWARD_TENSORS,
     POST_PROCESSORS,
     REQUIRED_FORWARD_TENSORS,
     REQUIRED_TRAIN_TENSORS,
@@ -36,7 +38,9 @@ __all__ = ["ParsedBatch", "parse_batch_body"]
 
 _ID_TENSORS = ("input_ids", "prompts", "responses")
 _MASKS = ("response_mask", "loss_mask")
-_FLOAT_TENSORS = ("advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights")
+_FLOAT_TENSORS = ("advantages", "old_log_probs", "ref_log_prob")
+#: read from ``meta`` only, as the vendor's loss does (sent in the batch they would be ignored there)
+_META_ONLY = ("rollout_is_weights",)
 _ENTROPY_POSTS = ("compute_entropy", "compute_entropy_and_logprobs")
 
 
@@ -81,6 +85,23 @@ class ParsedBatch:
             return bool(self.meta.calculate_entropy) or "compute_entropy" in posts
         return any(p in _ENTROPY_POSTS for p in posts)
 
+    @property
+    def applies_temperature(self) -> bool:
+        """Whether ``processing.post`` names ``apply_temperature`` (the vendor's only way to scale logits)."""
+        posts = self.processing.post
+        return "apply_temperature" in ([posts] if isinstance(posts, str) else list(posts or []))
+
+    def scoring_temperature(self, zorro_job_temperature: float | None = None) -> float:
+        """The temperature the log-probs of this body are computed at, the vendor's way.
+
+        ZoRRO jobs with ``ds_worker_config.temperature`` use it on every call (the vendor builds its
+        ZoRRO patch with it); otherwise ``meta.temperature`` applies only when ``processing.post``
+        names ``apply_temperature``, and the distribution is unscaled (1.0) when it does not.
+        """
+        if zorro_job_temperature is not None:
+            return float(zorro_job_temperature)
+        return float(self.meta.temperature) if self.applies_temperature else 1.0
+
     def slice_rows(self, start: int, stop: int) -> ParsedBatch:
         """Rows ``start:stop`` (for chunked no-grad forwards)."""
         return ParsedBatch(
@@ -95,6 +116,47 @@ class ParsedBatch:
             self.loss_config,
             {k: v[start:stop] for k, v in self.rl.items()},
         )
+
+
+def _scalar_meta(raw: dict) -> dict:
+    """``meta`` with one-element tensors made numbers (the vendor's client sends ``batch_num_tokens``
+    as ``response_mask.sum()``, a 0-d tensor); ``rollout_is_weights`` is left as sent."""
+    out = dict(raw)
+    for key, value in raw.items():
+        if key not in _META_ONLY and isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[key] = value.item()
+    return out
+
+
+def _meta_weights(value: Any, rows: int, total: int, resp: int) -> torch.Tensor | None:
+    """``meta.rollout_is_weights`` as a response-sliced ``[B, R]`` float tensor (``None``: absent).
+
+    Accepted: a number or one-element tensor (every token), or a tensor shaped like the call's
+    batch, ``[B, P+R]`` (left-padded) or ``[B, R]``; its rows follow the rows of the call when the
+    server splits it into micro-batches."""
+    field_name = "meta.rollout_is_weights"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise BadRequest(f"{field_name}: expected a number or a float tensor", field=field_name,
+                         allowed=["number", f"[{rows}, {total}]", f"[{rows}, {resp}]"],
+                         received=type(value).__name__)
+    tensor = torch.as_tensor(value, dtype=torch.float32) if not isinstance(value, torch.Tensor) else value
+    if not (tensor.is_floating_point() or isinstance(value, (int, float))):
+        raise BadRequest(f"{field_name}: expected a floating-point dtype", field=field_name,
+                         allowed=["float32", "float64", "bfloat16", "float16"],
+                         received=str(tensor.dtype).replace("torch.", ""))
+    tensor = tensor.float()
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise BadRequest(f"{field_name}: {bad} non-finite value(s) (NaN/inf)", field=field_name,
+                         received=f"{bad} non-finite")
+    if tensor.numel() == 1:
+        return tensor.reshape(()).expand(rows, resp).clone()
+    if tensor.ndim != 2 or tensor.shape[0] != rows or tensor.shape[1] not in (total, resp):
+        raise BadRequest(f"{field_name}: expected a number or a tensor shaped like the batch", field=field_name,
+                         allowed=["number", f"[{rows}, {total}]", f"[{rows}, {resp}]"], received=list(tensor.shape))
+    return tensor[:, tensor.shape[1] - resp :]
 
 
 def _section(obj: dict, key: str) -> dict:
@@ -210,7 +272,7 @@ def parse_batch_body(obj: Any, *, vocab_size: int, train: bool) -> ParsedBatch:
     if obj.get("batch") is None:
         raise BadRequest("batch: required", field="batch", received=None)
     batch = _section(obj, "batch")
-    raw_meta = _section(obj, "meta")
+    raw_meta = _scalar_meta(_section(obj, "meta"))
     try:
         meta = BatchMeta.model_validate(raw_meta)
     except ValidationError as exc:
@@ -227,7 +289,17 @@ def parse_batch_body(obj: Any, *, vocab_size: int, train: bool) -> ParsedBatch:
             allowed=list(required),
             received=sorted(batch.keys()),
         )
-    tensors = {name: _tensor(batch, name, required=False) for name in set(required) | set(_MASKS) | set(_FLOAT_TENSORS)}
+    for name in _META_ONLY:
+        if batch.get(name) is not None:
+            raise BadRequest(
+                f"batch.{name}: read from meta only (the vendor's loss ignores it in the batch); "
+                f"send it as meta.{name}",
+                field=f"batch.{name}",
+                allowed=f"meta.{name}",
+                received=f"batch.{name}",
+            )
+    optional = set(OPTIONAL_FORWARD_TENSORS) | set(_MASKS) | set(_FLOAT_TENSORS)
+    tensors = {name: _tensor(batch, name, required=False) for name in set(required) | optional}
 
     input_ids = _as_ids(tensors["input_ids"], "input_ids")
     rows, total = input_ids.shape
@@ -239,26 +311,40 @@ def parse_batch_body(obj: Any, *, vocab_size: int, train: bool) -> ParsedBatch:
         if value is not None:
             _check_rows(name, value, rows)
     prompts = _as_ids(tensors["prompts"], "prompts")
-    responses = _as_ids(tensors["responses"], "responses")
-    p, r = prompts.shape[1], responses.shape[1]
-    if p < 1 or r < 1 or p + r != total:
-        raise BadRequest(
-            f"batch: prompts width P={p} + responses width R={r} must equal input_ids width {total} (P, R >= 1)",
-            field="batch.responses",
-            allowed=total,
-            received=p + r,
-        )
+    p = prompts.shape[1]
+    if tensors["responses"] is not None:  # optional, as at the vendor: input_ids[:, P:] otherwise
+        responses = _as_ids(tensors["responses"], "responses")
+        r = responses.shape[1]
+        if p < 1 or r < 1 or p + r != total:
+            raise BadRequest(
+                f"batch: prompts width P={p} + responses width R={r} must equal input_ids width {total} (P, R >= 1)",
+                field="batch.responses",
+                allowed=total,
+                received=p + r,
+            )
+    else:
+        r = total - p
+        if p < 1 or r < 1:
+            raise BadRequest(
+                f"batch.prompts: width P={p} must leave at least one response column in input_ids width {total}",
+                field="batch.prompts",
+                allowed=f"[1, {total - 1}]",
+                received=p,
+            )
+        responses = input_ids[:, p:]
     for name in ("attention_mask", "position_ids"):
-        if tuple(tensors[name].shape) != (rows, total):
+        if tensors[name] is not None and tuple(tensors[name].shape) != (rows, total):
             raise BadRequest(
                 f"batch.{name}: expected shape {[rows, total]} (that of input_ids)",
                 field=f"batch.{name}",
                 allowed=[rows, total],
                 received=list(tensors[name].shape),
             )
-    if not torch.equal(input_ids[:, :p], prompts) or not torch.equal(input_ids[:, p:], responses):
+    attention_mask = _as_mask(tensors["attention_mask"], "attention_mask").to(torch.int64)
+    real = attention_mask != 0  # padding may hold any id (clients pad prompts and input_ids differently)
+    if bool(((input_ids != torch.cat([prompts, responses], 1)) & real).any()):
         raise BadRequest(
-            "batch.input_ids: expected input_ids == cat(prompts, responses) along dim 1",
+            "batch.input_ids: expected input_ids == cat(prompts, responses) along dim 1 (at attended tokens)",
             field="batch.input_ids",
         )
     lo, hi = int(input_ids.min()), int(input_ids.max())
@@ -269,8 +355,10 @@ def parse_batch_body(obj: Any, *, vocab_size: int, train: bool) -> ParsedBatch:
             allowed=f"[0, {vocab_size})",
             received=lo if lo < 0 else hi,
         )
-    attention_mask = _as_mask(tensors["attention_mask"], "attention_mask").to(torch.int64)
-    position_ids = _as_ids(tensors["position_ids"], "position_ids")
+    if tensors["position_ids"] is None:  # the vendor's clients drop them by default: rebuild from the mask
+        position_ids = (attention_mask.cumsum(1) - 1).clamp_min(0)
+    else:
+        position_ids = _as_ids(tensors["position_ids"], "position_ids")
     if int(position_ids.min()) < 0:
         raise BadRequest("batch.position_ids: expected non-negative positions", field="batch.position_ids")
 
@@ -297,6 +385,9 @@ def parse_batch_body(obj: Any, *, vocab_size: int, train: bool) -> ParsedBatch:
                 received=f"{bad} non-finite",
             )
         rl[name] = _response_slice(name, value, total, r).float()
+    weights = _meta_weights(raw_meta.get("rollout_is_weights"), rows, total, r)
+    if weights is not None:
+        rl["rollout_is_weights"] = weights
     if train:
         if "response_mask" not in rl and "loss_mask" not in rl:
             rl["response_mask"] = attention_mask[:, p:] != 0  # SFT bodies may rely on the attention mask

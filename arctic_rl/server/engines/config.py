@@ -8,8 +8,8 @@ Two pure functions of a :class:`~arctic_rl.protocol.JobConfig`'s dicts:
 * :func:`build_training_ds_config` turns the client's ``ds_config`` into one DeepSpeed accepts on
   this device: AdamW through ``torch.optim`` (``torch_adam``: no JIT op build), bf16 only where
   the device supports it, ``managed_gradient_accumulation=false`` (the server's ``/step`` is the
-  accumulation boundary; ``gradient_accumulation_steps`` is the number of ``/forward-backward``
-  calls per ``/step``), batch sizes made consistent, ZeRO stage 0-2, and an allow-listed
+  accumulation boundary; each ``/forward-backward`` is split into ``gradient_accumulation_steps``
+  micro-batches, as at the vendor), batch sizes made consistent, ZeRO stage 0-2, and an allow-listed
   scheduler. Every rewrite is reported as a note.
 
 What is not here: building the engine (:mod:`arctic_rl.server.engines.training`).
@@ -18,10 +18,11 @@ What is not here: building the engine (:mod:`arctic_rl.server.engines.training`)
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
+from arctic_rl.protocol import DsWorkerConfig
 from arctic_rl.server.errors import BadRequest, from_validation_error
 
 __all__ = [
@@ -66,21 +67,8 @@ _KNOWN_UNUSED = (
 )
 
 
-class WorkerKnobs(BaseModel):
-    """The ``ds_worker_config`` keys the reference server reads."""
-
-    model_config = ConfigDict(extra="allow")
-
-    zorro_train_enable: bool = False
-    logits_optimization: Literal["none", "memory", "compute"] | None = "none"
-    logits_optimization_peak_mem_size_in_gib: float = Field(4.0, gt=0)
-    logits_compute_in_fp32: bool = False
-    response_len: int | None = Field(None, ge=1)
-    max_token_len: int | None = Field(None, ge=1)
-    rollout_n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, gt=0)
-    enable_gradient_checkpointing: bool = False
-    attn_implementation: str | None = None
+#: the ``ds_worker_config`` keys the reference server reads: the protocol's model (one definition)
+WorkerKnobs = DsWorkerConfig
 
 
 def parse_worker_knobs(raw: dict[str, Any] | None) -> tuple[WorkerKnobs, list[str], list[str]]:
@@ -90,9 +78,8 @@ def parse_worker_knobs(raw: dict[str, Any] | None) -> tuple[WorkerKnobs, list[st
         knobs = WorkerKnobs.model_validate(raw)
     except ValidationError as exc:
         raise from_validation_error(exc, prefix="ds_worker_config") from None
-    extra = sorted((knobs.model_extra or {}).keys())
-    unused = [k for k in extra if k in _KNOWN_UNUSED]
-    unknown = [k for k in extra if k not in _KNOWN_UNUSED]
+    unused = sorted(k for k in raw if k in _KNOWN_UNUSED)
+    unknown = sorted(k for k in (knobs.model_extra or {}) if k not in _KNOWN_UNUSED)
     return knobs, unused, unknown
 
 
@@ -200,7 +187,8 @@ def build_training_ds_config(
     if "train_batch_size" in src and src["train_batch_size"] != micro * gas:
         notes.append(
             f"ds_config.train_batch_size={src['train_batch_size']} replaced by {micro * gas} "
-            "(rows per call are not fixed; accumulation counts /forward-backward calls)"
+            "(rows per call are not fixed; each /forward-backward is split into gradient_accumulation_steps "
+            "micro-batches)"
         )
     out["train_batch_size"] = micro * gas  # one process: micro * gas * world_size(1)
     out.setdefault("gradient_clipping", 1.0)

@@ -1,16 +1,17 @@
 """The training engine: a DeepSpeed engine over a Hugging Face causal LM (one process).
 
-* ``forward_backward`` -- one micro-batch: log-probs (:func:`~arctic_rl.server.logprobs.response_logprobs`,
-  ZoRRO when enabled), the allow-listed loss (:func:`~arctic_rl.server.losses.compute_loss`) and
-  ``engine.backward``. The forward runs *through* the DeepSpeed engine (the model is wrapped in
-  :class:`_PolicyModule`, whose forward takes the whole computation as a function), so DeepSpeed's
-  backward hooks see it exactly as with a plain ``engine(batch)``.
-* ``step`` -- the optimizer step. ``gradient_accumulation_steps`` (GAS) is the number of
-  ``forward_backward`` calls per step: DeepSpeed runs with ``managed_gradient_accumulation=false``
-  and this engine counts the calls; a ``step`` after another number, or a ``forward_backward``
-  beyond GAS, is a 400 naming both numbers. DeepSpeed divides each micro-batch loss by GAS (a
-  mean over micro-batches); with ``loss_scale_tokens`` set that division is compensated, so the
-  gradient is that of ``sum over the step's micro-batches of sum(loss * mask) / loss_scale_tokens``.
+* ``forward_backward`` -- one mini-batch, as at the vendor's worker: its rows are split into
+  ``gradient_accumulation_steps`` (GAS) micro-batches, each runs log-probs
+  (:func:`~arctic_rl.server.logprobs.response_logprobs`, ZoRRO when enabled), the allow-listed loss
+  (:func:`~arctic_rl.server.losses.compute_loss`) and ``engine.backward``. The forward runs *through*
+  the DeepSpeed engine (the model is wrapped in :class:`_PolicyModule`, whose forward takes the whole
+  computation as a function), so DeepSpeed's backward hooks see it exactly as with ``engine(batch)``.
+  ``token-mean`` divides by the mini-batch's tokens (``meta.batch_num_tokens``), so the gradient is
+  that of ``sum(loss * mask) / batch_num_tokens`` over the whole mini-batch.
+* ``step`` -- the optimizer step closing the mini-batch (DeepSpeed runs with
+  ``managed_gradient_accumulation=false``; this engine is the accumulation boundary). A second
+  ``forward_backward`` before ``step``, or a ``step`` without one, is a 400. ``global_step`` counts
+  ``/step`` calls, as the vendor's engine does for the same call sequence.
 * ``forward`` -- no-grad log-probs (eval mode).
 * ``save`` / ``load`` -- DeepSpeed's own checkpoint (module, optimizer, scheduler, step) plus
   RNG states, in the layout of :mod:`arctic_rl.server.checkpoint`.
@@ -139,7 +140,7 @@ class TrainingEngine:
         set_response_attention("flex" if self.device.type == "cuda" and self.torch_compile != "off" else "expand")
         set_compiled_token_stats(self.torch_compile != "off")  # fused log-softmax / entropy chunks
         self.gas = int(self.engine.gradient_accumulation_steps())
-        self.pending = 0  # forward_backward calls since the last step
+        self.pending = 0  # 1 after a /forward-backward until the /step that closes it
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
         logger.info(
             "training engine ready: %s, %s, ZeRO-%d, GAS=%d, lr=%s, zorro=%s, torch_compile=%s",
@@ -170,74 +171,104 @@ class TrainingEngine:
         return bool(self.knobs.zorro_train_enable or batch.meta.zorro_train_enable)
 
     def _temperature(self, batch: ParsedBatch) -> float:
-        if "temperature" in batch.meta_keys or self.knobs.temperature is None:
-            return float(batch.meta.temperature)
-        return float(self.knobs.temperature)
+        """The vendor's rule (:meth:`ParsedBatch.scoring_temperature`): a ZoRRO job's own temperature, else
+        ``meta.temperature`` under the ``apply_temperature`` post-processor, else 1."""
+        job_t = self.knobs.temperature if self.knobs.zorro_train_enable else None
+        return batch.scoring_temperature(job_t)
 
     # ------------------------------------------------------------------ compute
 
     def forward_backward(self, batch: ParsedBatch) -> dict[str, Any]:
-        """One micro-batch of fwd+bwd; returns ``{metrics, avg_loss}``."""
+        """One mini-batch of fwd+bwd, split into GAS micro-batches; returns ``{metrics, avg_loss}``.
+
+        As at the vendor's worker: the call's rows are split into ``gradient_accumulation_steps``
+        contiguous micro-batches, each is run forward and backward, and ``/step`` closes the
+        accumulation. ``token-mean`` divides by the mini-batch's token count: ``meta.batch_num_tokens``
+        (where the vendor reads it), else ``processing.config.loss_scale_tokens``, else the call's own
+        response tokens. The metrics are the call's token means (never sums over micro-batches).
+        """
         from arctic_rl.server.logprobs import response_logprobs
         from arctic_rl.server.losses import compute_loss
 
-        if self.pending >= self.gas:
+        if self.pending:
             raise BadRequest(
-                f"gradient_accumulation_steps is {self.gas} and {self.pending} forward-backward call(s) are already "
-                f"accumulated: call /step before forward-backward call {self.pending + 1}",
+                "one /forward-backward per mini-batch: the previous one is not closed by /step yet "
+                f"(the server splits each call into its gradient_accumulation_steps={self.gas} micro-batches)",
                 field="ds_config.gradient_accumulation_steps",
-                allowed=self.gas,
-                received=self.pending + 1,
+                allowed="/step before the next /forward-backward",
+                received="a second /forward-backward",
             )
         cfg = batch.loss_config
         if cfg is None or batch.loss_name is None:
             raise RuntimeError("forward_backward needs a batch parsed with train=True")
+        if batch.rows % self.gas:
+            raise BadRequest(
+                f"batch: {batch.rows} rows do not split into gradient_accumulation_steps={self.gas} "
+                "equal micro-batches",
+                field="batch.input_ids",
+                allowed=f"a multiple of {self.gas} rows",
+                received=batch.rows,
+            )
+        token_mean = cfg.loss_agg_mode == "token-mean"
+        mask_key = "response_mask" if "response_mask" in batch.rl else "loss_mask"
+        call_tokens = float(batch.rl[mask_key].sum())
+        if token_mean:
+            denom = batch.meta.batch_num_tokens or cfg.loss_scale_tokens or max(call_tokens, 1.0)
+            cfg = cfg.model_copy(update={"loss_scale_tokens": float(denom)})
         zorro, temperature = self._zorro(batch), self._temperature(batch)
         want_entropy = batch.wants_entropy or cfg.entropy_coeff != 0.0
-        rl = {k: v.to(self.device) for k, v in batch.rl.items()}
-        ids, mask, pos = (t.to(self.device) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
+        rows = batch.rows // self.gas
         t0 = time.perf_counter()
-
-        def run(model: torch.nn.Module):
-            out = response_logprobs(
-                model,
-                ids,
-                mask,
-                pos,
-                batch.prompt_len,
-                temperature=temperature,
-                calculate_entropy=want_entropy,
-                zorro=zorro,
-            )
-            loss, metrics = compute_loss(batch.loss_name, out, rl, cfg)
-            return loss, _Carry((out, metrics))
-
+        parts: list[tuple[dict[str, float], float, Any]] = []
         self.engine.train()
-        loss, carry = self.engine(run)
-        out, metrics = carry.value
-        if not bool(torch.isfinite(loss.detach())):
-            raise BadRequest(
-                f"loss is not finite ({float(loss.detach())}); the micro-batch was not applied",
-                field="loss",
-                received=float(loss.detach()),
-            )
-        # DeepSpeed divides every micro-batch loss by GAS (the mean over micro-batches). With
-        # loss_scale_tokens the loss is already this micro-batch's share of the step's sum: undo it.
-        # (Multiplying here rather than passing scale_wrt_gas=False: with the forward run through
-        # the engine, DeepSpeed's output hooks would still divide.)
-        self.engine.backward(loss * self.gas if cfg.loss_scale_tokens is not None else loss)
-        self.pending += 1
-        metrics = {k: float(v) for k, v in metrics.items()}
+        for index in range(self.gas):
+            micro = batch.slice_rows(index * rows, (index + 1) * rows)
+            rl = {k: v.to(self.device) for k, v in micro.rl.items()}
+            ids, mask, pos = (t.to(self.device) for t in (micro.input_ids, micro.attention_mask, micro.position_ids))
+
+            def run(model: torch.nn.Module, ids=ids, mask=mask, pos=pos, rl=rl):
+                out = response_logprobs(
+                    model, ids, mask, pos, batch.prompt_len,
+                    temperature=temperature, calculate_entropy=want_entropy, zorro=zorro,
+                )
+                loss, metrics = compute_loss(batch.loss_name, out, rl, cfg)
+                return loss, _Carry((out, metrics))
+
+            loss, carry = self.engine(run)
+            out, metrics = carry.value
+            if not bool(torch.isfinite(loss.detach())):
+                if index:  # gradients of earlier micro-batches are accumulated: drop them
+                    self._discard_gradients()
+                raise BadRequest(
+                    f"loss is not finite ({float(loss.detach())}); the mini-batch was not applied",
+                    field="loss",
+                    received=float(loss.detach()),
+                )
+            # DeepSpeed divides every micro-batch loss by GAS (a mean over micro-batches). A token-mean loss
+            # is already this micro-batch's share of the mini-batch's sum: undo the division, as the vendor
+            # does with scale_wrt_gas=False. (Multiplying here: with the forward run through the engine,
+            # DeepSpeed's output hooks would divide even with scale_wrt_gas=False.)
+            self.engine.backward(loss * self.gas if token_mean else loss)
+            tokens = float(metrics.get("num_tokens", rl[mask_key].sum()))
+            parts.append(({k: float(v) for k, v in metrics.items()}, tokens, out))
+        self.pending = 1
+        metrics = _combine_micro_metrics(parts, token_mean=token_mean, denom=cfg.loss_scale_tokens)
         metrics.update(
-            tokens_computed=float(out.tokens_computed),
-            unique_prompts=float(out.unique_prompts),
+            tokens_computed=float(sum(out.tokens_computed for _, _, out in parts)),
+            unique_prompts=float(sum(out.unique_prompts for _, _, out in parts)),
             num_rows=float(batch.rows),
+            num_tokens=call_tokens,
             lr=self.lr,
-            micro_step=float(self.pending),
+            micro_batches=float(self.gas),
             gradient_accumulation_steps=float(self.gas),
             seconds=time.perf_counter() - t0,
         )
         return {"metrics": metrics, "avg_loss": metrics.get("loss")}
+
+    def _discard_gradients(self) -> None:
+        self.engine.zero_grad()
+        if hasattr(self.engine.optimizer, "zero_grad"):
+            self.engine.optimizer.zero_grad()
 
     def _param_grad_norm(self) -> float | None:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -246,13 +277,14 @@ class TrainingEngine:
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
     def step(self, learning_rate: float | None = None) -> dict[str, Any]:
-        """The optimizer step after exactly GAS forward-backward calls."""
-        if self.pending != self.gas:
+        """The optimizer step closing the mini-batch of the last ``/forward-backward``."""
+        if not self.pending:
             raise BadRequest(
-                f"/step after {self.pending} forward-backward call(s), but gradient_accumulation_steps is {self.gas}",
+                "/step without a /forward-backward since the last step (one /forward-backward per mini-batch, "
+                "then one /step)",
                 field="ds_config.gradient_accumulation_steps",
-                allowed=self.gas,
-                received=self.pending,
+                allowed="/forward-backward before /step",
+                received="/step",
             )
         if learning_rate is not None:
             logger.info("step: learning_rate=%s ignored (the DeepSpeed scheduler decides the LR)", learning_rate)
@@ -293,7 +325,7 @@ class TrainingEngine:
     def save(self, ckpt: Path, *, export_hf: bool) -> dict[str, Any]:
         """Write model + optimizer + scheduler + step + RNG to ``ckpt`` (``.../checkpoint-<step>``)."""
         if self.pending:
-            logger.warning("save: %d accumulated micro-batch gradient(s) are not part of a checkpoint", self.pending)
+            logger.warning("save: the gradients of a /forward-backward not closed by /step are not in the checkpoint")
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         self.engine.save_checkpoint(str(ckpt.parent), tag=ckpt.name, save_latest=False)
         ckpt_layout.save_rng_state(ckpt)
@@ -311,10 +343,8 @@ class TrainingEngine:
     def load(self, ckpt: Path) -> dict[str, Any]:
         """Restore what :meth:`save` wrote; the next step is the one the saved run would have taken."""
         if self.pending:
-            logger.warning("load: discarding %d accumulated micro-batch gradient(s)", self.pending)
-            self.engine.zero_grad()
-            if hasattr(self.engine.optimizer, "zero_grad"):
-                self.engine.optimizer.zero_grad()
+            logger.warning("load: discarding the gradients of a /forward-backward not closed by /step")
+            self._discard_gradients()
             self.pending = 0
         path, _ = self.engine.load_checkpoint(
             str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True, load_lr_scheduler_states=True
@@ -327,7 +357,8 @@ class TrainingEngine:
     def info(self) -> dict[str, Any]:
         return {
             "global_step": self.global_step,
-            "pending_micro_batches": self.pending,
+            "pending_forward_backward": self.pending,
+            "pending_micro_batches": self.pending * self.gas,
             "gradient_accumulation_steps": self.gas,
             "zero_stage": self.zero_stage,
             "lr": self.lr,
@@ -341,3 +372,30 @@ class TrainingEngine:
         del self.engine
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+#: loss-valued metrics: with ``token-mean`` each micro-batch's value is its masked sum / the mini-batch's tokens
+_LOSS_METRICS = ("loss", "pg_loss", "kl", "entropy", "sft_loss")
+
+
+def _combine_micro_metrics(parts: list[tuple[dict[str, float], float, Any]], *, token_mean: bool,
+                           denom: float | None) -> dict[str, float]:
+    """One call's metrics from its micro-batches', as the vendor reports them: token means over the call.
+
+    Ratio metrics (``pg_clipfrac``, ``ppo_kl``, ...) are per-micro-batch token means: weighted by tokens.
+    Loss-valued metrics under ``token-mean`` are masked sums / ``denom``: ``sum * denom / tokens`` is
+    the call's token mean. Under the seq-mean modes each micro-batch holds the same number of rows:
+    their plain mean."""
+    tokens = sum(t for _, t, _ in parts)
+    names = {k for m, _, _ in parts for k in m if k != "num_tokens"}
+    out: dict[str, float] = {}
+    for name in sorted(names):
+        values = [(m[name], t) for m, t, _ in parts if name in m]
+        if name in _LOSS_METRICS and token_mean and denom:
+            out[name] = sum(v for v, _ in values) * denom / tokens if tokens else 0.0
+        elif name in _LOSS_METRICS:
+            out[name] = sum(v for v, _ in values) / len(values)
+        else:
+            weight = sum(t for _, t in values)
+            out[name] = sum(v * t for v, t in values) / weight if weight else sum(v for v, _ in values) / len(values)
+    return out

@@ -39,6 +39,8 @@ __all__ = [
 
 ROOT = "remote_backend"
 ZERO_STAGES = (0, 1, 2, 3)
+#: ``train.attn_implementation``; ``auto`` resolves to verl's override or flash_attention_2 (``builders``)
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 def _require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> None:
@@ -51,6 +53,7 @@ class LocalServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
+    sampler: Literal["auto", "vllm", "transformers"] = "auto"
     threads: int = 1
     checkpoint_root: str | None = None
     log_dir: str | None = None
@@ -165,7 +168,7 @@ class LogitsConfig:
 
 @dataclass(frozen=True)
 class DeepSpeedSettings:
-    zero_stage: int = 0
+    zero_stage: int = 1
     bf16: bool = True
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -177,6 +180,12 @@ class DeepSpeedSettings:
         if self.offload_optimizer:
             _require(self.zero_stage >= 1, f"{p}.offload_optimizer", "needs ZeRO stage >= 1",
                      "false, or zero_stage 1/2/3", self.offload_optimizer)
+        if self.bf16 and self.zero_stage == 0:
+            accum = (self.extra.get("data_types") or {}).get("grad_accum_dtype", "fp32") \
+                if isinstance(self.extra.get("data_types"), Mapping) else "fp32"
+            _require(accum != "fp32", f"{p}.zero_stage", "bf16 training accumulates gradients in fp32 (the Arctic "
+                     "server's default), which DeepSpeed refuses at ZeRO stage 0", "1, 2 or 3 (or bf16: false)",
+                     self.zero_stage)
         if self.offload_param:
             _require(self.zero_stage == 3, f"{p}.offload_param", "needs ZeRO stage 3", "false, or zero_stage 3",
                      self.offload_param)
@@ -189,7 +198,7 @@ class TrainJobConfig:
     checkpoint_path: str | None = None
     seed: int | None = None
     full_determinism: bool = False
-    attn_implementation: str | None = None
+    attn_implementation: str = "auto"
     zorro_train: ZorroTrainConfig = field(default_factory=ZorroTrainConfig)
     logits: LogitsConfig = field(default_factory=LogitsConfig)
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
@@ -199,6 +208,8 @@ class TrainJobConfig:
             _require(self.micro_batch_size >= 1, f"{p}.micro_batch_size", "must be positive", ">= 1 or null",
                      self.micro_batch_size)
         _require(self.num_devices >= 1, f"{p}.num_devices", "must be positive", ">= 1", self.num_devices)
+        _require(self.attn_implementation in ATTN_IMPLEMENTATIONS, f"{p}.attn_implementation",
+                 "unknown attention implementation", list(ATTN_IMPLEMENTATIONS), self.attn_implementation)
         if self.logits.optimization == "memory":
             _require(self.zorro_train.enable, f"{p}.logits.optimization", "`memory` exists only on the ZoRRO path",
                      "none or compute (or enable train.zorro_train.enable)", self.logits.optimization)

@@ -13,8 +13,10 @@ Compute methods take and return ``TensorDict``s exactly like verl 0.9.1's
 * ``compute_log_prob`` -- ``/forward`` on the training job; nested ``log_probs`` (and ``entropy``
   when the batch asks ``calculate_entropy``) with the offsets of ``input_ids``, ``metrics{mfu}``;
 * ``compute_ref_log_prob`` -- the same on the log_prob job;
-* ``update_actor`` -- for each of ``epochs`` x mini-batches: ``gradient_accumulation_steps``
-  ``/forward-backward`` calls, then one ``/step``; metrics under verl's names (:mod:`.metrics`);
+* ``update_actor`` -- for each of ``epochs`` x mini-batches: one ``/forward-backward`` (the server
+  splits it into ``gradient_accumulation_steps`` micro-batches), then one ``/step``; rollout
+  importance weights folded into the advantages (:func:`.layout.fold_is_weights`); metrics under
+  verl's names (:mod:`.metrics`), the call's token means as the server reports them;
 * ``generate`` -- one ``/generate`` call for a list of token-id prompts.
 
 The wire layout is built by :mod:`.layout`, the job configs by :mod:`.builders`, HTTP is
@@ -50,8 +52,10 @@ from arctic_rl.protocol import (
     HealthResponse,
     JobType,
     LoadCheckpointResponse,
+    LogprobAlignment,
     Paths,
     ProtocolVersion,
+    ResetPrefixCacheRequest,
 )
 from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import (
@@ -59,15 +63,24 @@ from verl.remote_backend.errors import (
     RemoteBackendError,
     RemoteJobNotFoundError,
     RemoteProtocolError,
+    RemoteServerError,
 )
 from verl.utils import tensordict_utils as tu
 
 from .arctic_config import ArcticConfig
-from .builders import build_job_config, build_loss_config, build_meta, plan_batches
+from .builders import build_job_config, build_loss_config, build_meta, plan_batches, vendor_ignored_settings
 from .generation import SeedDeriver, clean_sampling_params, ordered_results
 from .http import ArcticHttp, resolve_token
 from .jobs import HANDLE_VERSION, JOB_ORDER, check_handle, create_job, destroy_jobs, read_health, tagged_jobs
-from .layout import RESPONSE_KEYS, dense_batch, nested_from_server, plan_layout, shuffled_rows, split_rows
+from .layout import (
+    RESPONSE_KEYS,
+    dense_batch,
+    fold_is_weights,
+    nested_from_server,
+    plan_layout,
+    shuffled_rows,
+    split_rows,
+)
 from .local_server import LocalServer, start_local_server
 from .metrics import FlopsEstimator, mini_batch_metrics
 from .journal import CheckpointRef
@@ -79,7 +92,9 @@ __all__ = ["ArcticRLClient"]
 
 logger = logging.getLogger(__name__)
 
-_FORWARD_POST = ["compute_entropy_and_logprobs"]
+#: the vendor scales logits by ``meta.temperature`` only under ``apply_temperature``: old log-probs must be
+#: computed at the sampling temperature exactly as the ``/forward-backward`` of the update is
+_FORWARD_POST = ["apply_temperature", "compute_entropy_and_logprobs"]
 _TRAIN_POST = ["apply_temperature", "compute_entropy_and_logprobs"]
 
 
@@ -161,6 +176,15 @@ class ArcticRLClient(RemoteBackend):
             protocol = detect_protocol(http, arctic.server.protocol)
             client = cls(arctic=arctic, verl=verl, http=http, protocol=protocol, health=health, job_ids={},
                          owned=True, local_server=local, client_tag=tag)
+            if not health.features:  # not our reference server (the vendor's /health lists no features)
+                attn = bodies[JobType.TRAINING]["ds_worker_config"]["attn_implementation"]
+                if not str(attn).startswith("flash"):
+                    logger.warning("arctic: remote_backend.train.attn_implementation=%s: the vendor's server packs the "
+                                   "rows of a call into one sequence that only a flash-attention backend keeps apart "
+                                   "(rows attend to each other with %s)", attn, attn)
+                for line in vendor_ignored_settings(verl):
+                    logger.warning("arctic: the server at %s lists no features (the vendor's server): it ignores %s; "
+                                   "the update runs with the vendor's value", url, line)
             for job_type in JOB_ORDER:
                 job_id = create_job(http, job_type, bodies[job_type], tag=tag,
                                     reclaim_idle_s=arctic.server.reclaim_idle_jobs_s)
@@ -328,8 +352,14 @@ class ArcticRLClient(RemoteBackend):
         payload = encode_body(self.protocol, body)
 
         def send(request_id: str):
-            return self._http.request("POST", path, op=op, params={"job_id": self._job(job_type)}, data=payload,
-                                      content_type=OCTET_STREAM, idempotent=idempotent, request_id=request_id)
+            job_id = self._job(job_type)
+            try:
+                return self._http.request("POST", path, op=op, params={"job_id": job_id}, data=payload,
+                                          content_type=OCTET_STREAM, idempotent=idempotent, request_id=request_id)
+            except RemoteServerError as exc:
+                if path == Paths.FORWARD and exc.status == 500 and not isinstance(exc, RemoteJobNotFoundError):
+                    self._raise_if_job_gone(f"POST {path}", job_id, exc)
+                raise
 
         resp = self._recovery.call(f"POST {path}", send, safe=idempotent, counter=counter)
         if not idempotent:
@@ -341,6 +371,18 @@ class ArcticRLClient(RemoteBackend):
         if not isinstance(out, dict):
             raise RemoteProtocolError(f"POST {path}", f"expected an object, got {type(out).__name__}")
         return out
+
+    def _raise_if_job_gone(self, endpoint: str, job_id: int, exc: RemoteServerError) -> None:
+        """The vendor's ``/forward`` indexes its job table before checking the id: an unknown job is a
+        plain 500 there. ``GET /job/{id}`` tells: a 404 makes it :class:`RemoteJobNotFoundError`."""
+        try:
+            self._http.request("GET", Paths.job(job_id), op="default")
+        except RemoteJobNotFoundError as gone:
+            raise RemoteJobNotFoundError(endpoint, 404, f"job {job_id} not found (the server answered HTTP "
+                                         f"{exc.status} and GET {Paths.job(job_id)} 404)",
+                                         detail=gone.detail) from exc
+        except RemoteBackendError:
+            pass  # the job read failed too: keep the original error
 
     def _temperature(self, data: TensorDict) -> float:
         value = tu.get(data, "temperature", None)
@@ -388,7 +430,12 @@ class ArcticRLClient(RemoteBackend):
         out = self._post_tensors(Paths.FORWARD, Paths.V1_FWD_NO_GRAD, job_type, body, op="forward", idempotent=True)
         endpoint = "POST /forward"
         tensors = out.get("batch") if isinstance(out.get("batch"), dict) else {}
-        alignment = out.get(LOGPROB_ALIGNMENT_KEY) or (out.get("metrics") or {}).get(LOGPROB_ALIGNMENT_KEY)
+        # the job config says which layout comes back (the vendor's answer carries no key for it)
+        alignment = LogprobAlignment.RESPONSE if zorro else LogprobAlignment.SHIFTED
+        said = out.get(LOGPROB_ALIGNMENT_KEY) or (out.get("metrics") or {}).get(LOGPROB_ALIGNMENT_KEY)
+        if said is not None and said != alignment.value:
+            raise RemoteProtocolError(endpoint, f"{LOGPROB_ALIGNMENT_KEY}: the server answered {said!r} log-probs, "
+                                      f"but a job with zorro_train.enable={zorro} answers {alignment.value!r} ones")
         result = {"log_probs": nested_from_server(_tensor(tensors, (LOGPROBS_KEY, "log_probs"), endpoint), layout,
                                                   alignment, key=LOGPROBS_KEY, endpoint=endpoint)}
         if entropy:
@@ -399,7 +446,7 @@ class ArcticRLClient(RemoteBackend):
         return tu.get_tensordict(result, non_tensor_dict={"metrics": metrics})
 
     def update_actor(self, data: TensorDict) -> TensorDict:
-        """PPO/GRPO update: ``epochs`` x mini-batches of (``/forward-backward`` x GAS, ``/step``)."""
+        """PPO/GRPO update: ``epochs`` x mini-batches of (one ``/forward-backward``, one ``/step``)."""
         with self._training_call():
             return self._update_actor(data)
 
@@ -433,6 +480,7 @@ class ArcticRLClient(RemoteBackend):
         batch = dense_batch(data, layout, pad_token_id=self.pad_token_id, keys=keys)
         if "response_mask" not in batch:
             raise RemoteBackendConfigError("data.response_mask", "required by update_actor", received=None)
+        fold_is_weights(batch)
         seq_lens = layout.offsets.diff().index_select(0, layout.order)
         temperature = self._temperature(data)
         token_mean = verl.loss_agg_mode == "token-mean"
@@ -444,25 +492,23 @@ class ArcticRLClient(RemoteBackend):
                 tokens = float(batch["response_mask"].index_select(0, mini).sum())
                 scale = (verl.loss_scale_factor or max(tokens, 1.0)) if token_mean else None
                 loss = build_loss_config(verl, loss_scale_tokens=scale)
+                # one /forward-backward per mini-batch (the server splits it into its GAS micro-batches),
+                # then one /step: the vendor's contract. batch_num_tokens in meta is where the vendor reads it.
                 meta = build_meta(verl, self.arctic, max_prompt_len=layout.prompt_width,
                                   max_response_len=layout.response_width, temperature=temperature,
                                   calculate_entropy=entropy, pad_token_id=self.pad_token_id,
-                                  global_batch_size=mini_rows, batch_num_tokens=tokens, loss=loss)
+                                  global_batch_size=mini_rows, batch_num_tokens=scale or tokens, loss=loss)
                 processing = {"loss_fn": "verl_grpo", "post": list(_TRAIN_POST), "config": loss.model_dump(mode="json")}
-                micro_metrics = []
-                for index, micro in enumerate(split_rows(mini, plan.micro_batch_rows)):
-                    body = {"batch": {k: v.index_select(0, micro) for k, v in batch.items()}, "meta": meta,
-                            "processing": processing}
-                    res = self._post_tensors(Paths.FORWARD_BACKWARD, Paths.V1_FWD_BWD, JobType.TRAINING, body,
-                                             op="forward_backward", idempotent=False,
-                                             counter=("pending_micro_batches", index))
-                    metrics = dict(res.get("metrics") or {})
-                    if res.get("avg_loss") is not None:
-                        metrics.setdefault("loss", res["avg_loss"])
-                    micro_metrics.append(metrics)
+                body = {"batch": {k: v.index_select(0, mini) for k, v in batch.items()}, "meta": meta,
+                        "processing": processing}
+                res = self._post_tensors(Paths.FORWARD_BACKWARD, Paths.V1_FWD_BWD, JobType.TRAINING, body,
+                                         op="forward_backward", idempotent=False,
+                                         counter=("pending_forward_backward", 0))
+                call_metrics = dict(res.get("metrics") or {})
+                if res.get("avg_loss") is not None:
+                    call_metrics.setdefault("loss", res["avg_loss"])
                 step = self._optimizer_step()
-                values = mini_batch_metrics(micro_metrics, step, summed=scale is not None,
-                                            kl_coef=verl.kl_loss_coef if verl.use_kl_loss else None)
+                values = mini_batch_metrics(call_metrics, step, kl_coef=verl.kl_loss_coef if verl.use_kl_loss else None)
                 values["mfu"] = self._flops.mfu(int(seq_lens.index_select(0, mini).sum()), time.perf_counter() - t0,
                                                 devices=plan.num_devices, training=True)
                 for name, value in values.items():
@@ -529,9 +575,26 @@ class ArcticRLClient(RemoteBackend):
     # ------------------------------------------------------------------------------ weights, checkpoints
 
     def update_weights(self) -> dict:
-        """Push the training job's weights to the sampler (and to the log_prob job if configured)."""
+        """Push the training job's weights to the sampler (and to the log_prob job if configured), then
+        drop the sampler's prefix cache where the server has ``/reset-prefix-cache`` (as the vendor's own
+        client does: cached prompt prefixes were computed with the old weights)."""
         with self._training_call():
-            return self._recovery.call("weight sync", lambda _id: self._sync_weights_now(), safe=True)
+            out = self._recovery.call("weight sync", lambda _id: self._sync_weights_now(), safe=True)
+            if Paths.RESET_PREFIX_CACHE in self._server_paths:
+                sampling = self._job(JobType.SAMPLING)
+                self._recovery.call(
+                    f"POST {Paths.RESET_PREFIX_CACHE}",
+                    lambda _id: self._http.post_json(Paths.RESET_PREFIX_CACHE, ResetPrefixCacheRequest().model_dump(),
+                                                     params={"job_id": sampling}, op="weight_sync", idempotent=True),
+                    safe=True)
+            return out
+
+    @functools.cached_property
+    def _server_paths(self) -> frozenset[str]:
+        """The routes the server lists in ``/openapi.json`` (empty when it lists none)."""
+        spec = self._http.probe(Paths.OPENAPI, timeout_s=self.arctic.timeouts.connect_s + 10.0)
+        paths = spec.get("paths") if isinstance(spec, dict) else None
+        return frozenset(paths) if isinstance(paths, dict) else frozenset()
 
     def _sync_weights_now(self) -> dict:
         ws = self.arctic.weight_sync

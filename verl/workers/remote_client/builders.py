@@ -7,9 +7,9 @@ in ``tests/test_arctic_builders_on_cpu.py`` pin their output.
 
 Batch accounting (DeepSpeed counts gradient accumulation in micro-backwards)::
 
-    mini-batch rows  = ppo_mini_batch_size * rollout_n         = ds train_batch_size   (one /step)
-    micro-batch rows = micro_batch_size_per_device * num_devices                     (one /forward-backward)
-    gradient_accumulation_steps = mini-batch rows / micro-batch rows  = /forward-backward calls per /step
+    mini-batch rows  = ppo_mini_batch_size * rollout_n  = ds train_batch_size  (one /forward-backward + one /step)
+    micro-batch rows = micro_batch_size_per_device * num_devices
+    gradient_accumulation_steps = mini-batch rows / micro-batch rows  = micro-batches the server splits a call into
 
 What is not here: HTTP, tensors, or reading the configs.
 """
@@ -17,10 +17,11 @@ What is not here: HTTP, tensors, or reading the configs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from arctic_rl.protocol import JobConfig, JobType, LossConfig
+from arctic_rl.protocol import DsWorkerConfig, JobConfig, JobType, LossConfig
 from verl.remote_backend.errors import RemoteBackendConfigError
 
 from .arctic_config import ArcticConfig, DeepSpeedSettings
@@ -36,7 +37,12 @@ __all__ = [
     "build_lr_scheduler",
     "build_meta",
     "plan_batches",
+    "resolve_attn_implementation",
+    "vendor_ignored_settings",
 ]
+
+#: what the vendor's ``verl_grpo`` loss uses whatever it is sent (its clip ratios are constants)
+VENDOR_FIXED_LOSS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
 
 _ACTOR = "actor_rollout_ref.actor"
 _OPTIM = f"{_ACTOR}.optim"
@@ -49,8 +55,8 @@ class BatchPlan:
     mini_batch_rows: int  # rows per optimizer step (= ds train_batch_size)
     micro_batch_per_device: int  # ds train_micro_batch_size_per_gpu
     num_devices: int
-    micro_batch_rows: int  # rows per /forward-backward call
-    gradient_accumulation_steps: int  # /forward-backward calls per /step
+    micro_batch_rows: int  # rows per micro-batch (the server splits each /forward-backward into these)
+    gradient_accumulation_steps: int  # micro-batches per /forward-backward (one call + one /step per mini-batch)
     steps_per_global_step: int  # optimizer steps per verl training step (ppo_epochs * mini-batches)
 
 
@@ -186,15 +192,19 @@ def build_ds_config(verl: VerlSettings, arctic: ArcticConfig) -> dict:
 
 
 def build_log_prob_ds_config(arctic: ArcticConfig) -> dict:
-    """DeepSpeed config of the forward-only log_prob job: no optimizer, one row per device per batch."""
+    """DeepSpeed config of the forward-only log_prob job: no optimizer, one row per device per batch.
+
+    Without an optimizer DeepSpeed refuses ZeRO stages 1 and 2 (``zero stage N requires an optimizer``):
+    the job runs stage 3 when the training job does, else stage 0."""
     ds = arctic.train.deepspeed
     devices = arctic.log_prob.num_devices
+    stage = 3 if ds.zero_stage == 3 else 0
     config = {
         "train_batch_size": devices,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": ds.bf16},
-        "zero_optimization": _zero_section(ds, with_optimizer=False),
+        "zero_optimization": _zero_section(dataclasses.replace(ds, zero_stage=stage), with_optimizer=False),
     }
     extra = {k: v for k, v in ds.extra.items() if k not in ("optimizer", "scheduler", "gradient_clipping")}
     return _deep_merge(config, extra)
@@ -215,6 +225,7 @@ def build_ds_worker_config(verl: VerlSettings, arctic: ArcticConfig) -> dict:
     """
     train = arctic.train
     config: dict[str, Any] = {
+        "attn_implementation": resolve_attn_implementation(verl, arctic),
         "zorro_train_enable": train.zorro_train.enable,
         "response_len": verl.max_response_length,
         "max_token_len": verl.ppo_max_token_len_per_gpu,
@@ -229,10 +240,18 @@ def build_ds_worker_config(verl: VerlSettings, arctic: ArcticConfig) -> dict:
     if train.zorro_train.enable:
         config["use_unpad"] = True  # the vendor's ZoRRO path runs unpadded
         config["zorro_train_load_balancer"] = train.zorro_train.load_balancer
-    attn = train.attn_implementation or verl.attn_implementation
-    if attn:
-        config["attn_implementation"] = attn
-    return config
+    return DsWorkerConfig.model_validate(config).model_dump(mode="json", exclude_unset=True)
+
+
+def resolve_attn_implementation(verl: VerlSettings, arctic: ArcticConfig) -> str:
+    """``train.attn_implementation``, where ``auto`` is verl's model override if it sets one, else
+    ``flash_attention_2``: the vendor packs the rows of a call into one sequence, which only a
+    flash-attention backend keeps apart (with eager/sdpa rows attend to each other there), and its
+    ZoRRO patch needs one. The reference server runs eager/sdpa itself and accepts any name."""
+    attn = arctic.train.attn_implementation
+    if attn != "auto":
+        return attn
+    return verl.attn_implementation or "flash_attention_2"
 
 
 def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: ArcticConfig) -> dict:
@@ -347,3 +366,20 @@ def build_meta(
                                       "entropy_coeff")},
         }
     return meta
+
+
+def vendor_ignored_settings(verl: VerlSettings) -> list[str]:
+    """One line per verl setting that the vendor's Arctic server would silently ignore (empty: none).
+
+    Its ``verl_grpo`` loss fixes the PPO clip ratios at 0.2 and the dual-clip bound at 3.0
+    (``integrations/verl/grpo_loss.py``); only our reference server honours other values."""
+    out = []
+    for key, fixed in VENDOR_FIXED_LOSS.items():
+        value = getattr(verl, key)
+        if key in ("clip_ratio_low", "clip_ratio_high") and value is None:
+            value = verl.clip_ratio
+        if value is not None and float(value) != fixed:
+            out.append(f"{_ACTOR}.{key}={value} (the vendor's verl_grpo loss always uses {fixed})")
+    if verl.clip_ratio_c is None:
+        out.append(f"{_ACTOR}.clip_ratio_c=null (the vendor's verl_grpo loss always applies dual clip at 3.0)")
+    return out

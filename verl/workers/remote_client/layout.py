@@ -14,8 +14,10 @@ ZoRRO finds them). Rows of a group need not be adjacent in verl's order (``_bala
 reorders rows by length), so :func:`plan_layout` computes a permutation ``order`` (server row
 ``i`` is verl row ``order[i]``) and the way back.
 
-Log-probs come back in one of two conventions (:class:`arctic_rl.protocol.LogprobAlignment`):
-``shifted`` ``[B, P+R]`` (``lp[:, c]`` predicts column ``c+1``) or ``response`` ``[B, R]`` (ZoRRO).
+Log-probs come back ``[B, P+R]`` in one of the vendor's two conventions
+(:class:`arctic_rl.protocol.LogprobAlignment`): ``shifted`` (``lp[:, c]`` predicts column ``c+1``;
+ZoRRO off) or ``response`` (``lp[:, P+j]`` is response token ``j``; ZoRRO on). The answer does not
+say which: the caller knows it from the job config.
 :func:`nested_from_server` turns either into verl's nested layout: same offsets as
 ``input_ids``, value ``k`` of a row = log p(token ``k+1`` of the row), which is what verl's
 ``no_padding_2_padding`` / ``response_from_nested`` slice. Positions the server did not compute
@@ -40,6 +42,7 @@ __all__ = [
     "RESPONSE_KEYS",
     "RowLayout",
     "dense_batch",
+    "fold_is_weights",
     "group_spans",
     "nested_from_server",
     "plan_layout",
@@ -228,22 +231,44 @@ def dense_batch(data, layout: RowLayout, *, pad_token_id: int, keys: tuple[str, 
     return {k: v.index_select(0, layout.order) for k, v in batch.items()}
 
 
-def nested_from_server(values: torch.Tensor, layout: RowLayout, alignment: str | LogprobAlignment | None, *,
+def fold_is_weights(batch: dict[str, torch.Tensor]) -> None:
+    """Multiply ``rollout_is_weights`` into ``advantages`` in place and drop the weights.
+
+    The Arctic loss reads the weights from ``meta`` only, where one tensor reaches every micro-batch
+    unsplit, so they cannot be sent per token. Folding is exact for weights ``w >= 0``: verl's clipped
+    loss is ``max(-A r, -A clip(r))`` (then ``min(., -A c)`` for ``A < 0``), and scaling ``A`` by ``w``
+    scales every branch by ``w`` without changing which branch wins, so ``loss(w A) == w loss(A)``
+    token by token. (``pg_clipfrac`` counts a token of weight 0 as unclipped.) Negative or non-finite
+    weights are refused."""
+    weights = batch.pop("rollout_is_weights", None)
+    if weights is None:
+        return
+    mask = batch["response_mask"] != 0
+    real = weights[mask]
+    if not bool(torch.isfinite(real).all()) or bool((real < 0).any()):
+        bad = real[~torch.isfinite(real) | (real < 0)]
+        raise RemoteBackendConfigError(
+            "data.rollout_is_weights", "the Arctic loss can apply rollout importance weights only folded into the "
+            "advantages, which is exact for non-negative weights only", allowed="finite values >= 0",
+            received=f"{bad.numel()} value(s) such as {float(bad[0])}")
+    batch["advantages"] = batch["advantages"] * torch.where(mask, weights, torch.ones_like(weights)).to(
+        batch["advantages"].dtype)
+
+
+def nested_from_server(values: torch.Tensor, layout: RowLayout, alignment: str | LogprobAlignment, *,
                        key: str = "logprobs", endpoint: str = "/forward") -> torch.Tensor:
-    """Server per-token values (rows in server order) -> verl's nested layout (verl row order)."""
+    """Server per-token values ``[B, P+R]`` (rows in server order) -> verl's nested layout (verl row order).
+
+    ``alignment`` comes from what the caller knows (the job's ZoRRO setting), never from the width:
+    both of the vendor's layouts are ``[B, P+R]``."""
     b, p, r = layout.rows, layout.prompt_width, layout.response_width
-    if values.dim() != 2 or values.shape[0] != b:
-        raise RemoteProtocolError(endpoint, f"{key}: expected [{b}, {p + r}] or [{b}, {r}], got {list(values.shape)}")
-    if alignment is None:  # older servers do not say; the width tells
-        alignment = LogprobAlignment.SHIFTED if values.shape[1] == p + r else LogprobAlignment.RESPONSE
     try:
         alignment = LogprobAlignment(alignment)
     except ValueError:
         raise RemoteProtocolError(endpoint, f"logprob_alignment: expected one of "
                                   f"{[a.value for a in LogprobAlignment]}, got {alignment!r}") from None
-    expected = p + r if alignment is LogprobAlignment.SHIFTED else r
-    if values.shape[1] != expected:
-        raise RemoteProtocolError(endpoint, f"{key}: {alignment.value} alignment needs [{b}, {expected}], "
+    if values.dim() != 2 or tuple(values.shape) != (b, p + r):
+        raise RemoteProtocolError(endpoint, f"{key}: {alignment.value} alignment needs [{b}, {p + r}], "
                                   f"got {list(values.shape)}")
     verl_rows = values.detach().cpu().index_select(0, layout.inverse)
     rows, k, cols = layout.token_rows_cols()
@@ -251,9 +276,9 @@ def nested_from_server(values: torch.Tensor, layout: RowLayout, alignment: str |
     if alignment is LogprobAlignment.SHIFTED:
         out = verl_rows[rows, cols]
     else:
-        j = k - (layout.prompt_lens[rows] - 1)  # value k predicts response token k - (p_b - 1)
+        j = k - (layout.prompt_lens[rows] - 1)  # value k of a row predicts response token k - (p_b - 1) ...
         keep = (j >= 0) & (j < layout.response_lens[rows])
-        out[keep] = verl_rows[rows[keep], j[keep]]
+        out[keep] = verl_rows[rows[keep], p + j[keep]]  # ... which the server put at column P + j
     out[layout.offsets[1:] - 1] = 0  # the last token predicts nothing
     return torch.nested.nested_tensor_from_jagged(out, offsets=layout.offsets)
 

@@ -6,7 +6,8 @@ lists whose policy-loss keys come prefixed from its loss (``actor/pg_loss``, ``a
 (``loss``, ``grad_norm``, ``lr``, ``kl_loss``, ``kl_coef``, ``mfu``): the trainer then adds ``actor/``
 to the bare ones (``rename_dict``) and moves ``actor/mfu`` to ``perf/mfu/actor``. ``actor/entropy``
 is not a worker metric: the trainer computes it from ``compute_log_prob``'s ``entropy``.
-:func:`mini_batch_metrics` maps the server's per-call metrics onto exactly those keys.
+:func:`mini_batch_metrics` maps the metrics of a mini-batch's one ``/forward-backward`` (token
+means over the mini-batch, as the server reports them) and its ``/step`` onto exactly those keys.
 
 MFU: FLOPs are estimated as ``2 * params * tokens`` for a forward pass and ``6 * params * tokens``
 for forward+backward (attention FLOPs ignored, the usual dense approximation), where ``tokens``
@@ -20,30 +21,28 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["FlopsEstimator", "mini_batch_metrics"]
 
 logger = logging.getLogger(__name__)
 
-#: server metric name -> verl worker metric name; values of these add up over the micro-batches
-#: of a step when the loss is a global token mean (``loss_scale_tokens``), else they are averaged
-_LOSS_VALUED = {
+#: server metric name -> verl worker metric name. One ``/forward-backward`` per mini-batch: the
+#: server reports the call's token means (the vendor: ``.sum``/``.tokens`` pairs collapsed over its
+#: micro-batches and ranks), so each value is the mini-batch's as it is -- never added up over calls.
+_TOKEN_MEANS = {
     "loss": "loss",
     "pg_loss": "actor/pg_loss",
     "entropy": "actor/entropy_loss",
     "entropy_loss": "actor/entropy_loss",
     "kl": "kl_loss",
     "kl_loss": "kl_loss",
-}
-#: ... and these are per-token ratios, averaged over micro-batches like verl does
-_AVERAGED = {
     "pg_clipfrac": "actor/pg_clipfrac",
     "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
     "ppo_kl": "actor/ppo_kl",
 }
-#: server bookkeeping that is summed into one adapter metric (ZoRRO's savings are visible there)
+#: server bookkeeping passed on under the adapter's prefix (ZoRRO's savings are visible there)
 _COUNTED = {"tokens_computed": "arctic/tokens_computed"}
 
 
@@ -60,34 +59,25 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
-def mini_batch_metrics(
-    micro: Iterable[Mapping[str, Any]],
-    step: Mapping[str, Any],
-    *,
-    summed: bool,
-    kl_coef: float | None,
-) -> dict[str, float]:
-    """One optimizer step's metrics from its micro-batches' ``/forward-backward`` metrics and ``/step``'s.
+def mini_batch_metrics(call: Mapping[str, Any], step: Mapping[str, Any], *, kl_coef: float | None) -> dict[str, float]:
+    """One optimizer step's metrics from its ``/forward-backward``'s metrics and ``/step``'s.
 
-    ``summed``: the loss was scaled by the step's token count (``loss_scale_tokens``), so the
-    loss-valued metrics of the micro-batches add up to the step's value.
+    Names are accepted bare (reference server) or ``actor/``-prefixed (the vendor's loss); a
+    ``.sum``/``.tokens`` pair that a server left uncollapsed is collapsed here.
     """
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for metrics in micro:
-        for raw, value in metrics.items():
-            name = raw[len("actor/"):] if raw.startswith("actor/") else raw
-            target = _LOSS_VALUED.get(name) or _AVERAGED.get(name) or _COUNTED.get(name)
-            number = _scalar(value)
-            if target is None or number is None:
-                continue
-            sums[target] = sums.get(target, 0.0) + number
-            counts[target] = counts.get(target, 0) + 1
     out: dict[str, float] = {}
-    loss_targets, count_targets = set(_LOSS_VALUED.values()), set(_COUNTED.values())
-    for target, total in sums.items():
-        add_up = target in count_targets or (summed and target in loss_targets)
-        out[target] = total if add_up else total / counts[target]
+    for raw, value in call.items():
+        name = raw.removeprefix("actor/")
+        if name.endswith(".sum"):
+            tokens = _scalar(call.get(raw[: -len(".sum")] + ".tokens"))
+            number = _scalar(value)
+            if tokens is None or number is None:
+                continue
+            name, value = name[: -len(".sum")], (number / tokens if tokens > 0 else 0.0)
+        target = _TOKEN_MEANS.get(name) or _COUNTED.get(name)
+        number = _scalar(value)
+        if target is not None and number is not None:
+            out[target] = number
     if kl_coef is not None and "kl_loss" in out:
         out["kl_coef"] = float(kl_coef)
     grad_norm = _scalar(step.get("grad_norm"))
