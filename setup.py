@@ -64,7 +64,11 @@ setup(
         "gpu": ["vllm"],
         # the examples' reward-curve plot (examples/reverse_text/plot.py)
         "examples": ["matplotlib"],
-        "test": ["pytest>=8", "pytest-timeout", "httpx", "matplotlib", "schemathesis"],
+        # remote_backend=tinker: the official Tinker SDK (its releases need Python >= 3.11)
+        "tinker": ['tinker>=0.24.1; python_version >= "3.11"'],
+        # tests drive a local Tinker server that speaks the JSON wire of SDK 0.24.1
+        "test": ["pytest>=8", "pytest-timeout", "httpx", "matplotlib", "schemathesis",
+                 'tinker==0.24.1; python_version >= "3.11"'],
     },
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
 )

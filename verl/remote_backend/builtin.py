@@ -1,4 +1,4 @@
-"""Register the built-in remote backends (``arctic``) in every registry that needs them.
+"""Register the built-in remote backends (``arctic``, ``tinker``) in every registry that needs them.
 
 * the adapter class: importing its module (``verl.workers.remote_client.arctic_rl``, ...) runs its
   ``@RemoteBackendRegistry.register("<name>")``; an adapter module imports its vendor SDK only
@@ -27,6 +27,11 @@ BUILTIN_BACKENDS: dict[str, tuple[str, str, str]] = {
         "verl.workers.remote_client.arctic_rl",
         "verl.remote_backend.workers.arctic_rl.worker:ArcticRLActorRolloutRefWorker",
         "verl.remote_backend.workers.arctic_rl.replica:ArcticRLRolloutReplica",
+    ),
+    "tinker": (
+        "verl.workers.remote_client.tinker",
+        "verl.remote_backend.workers.worker:RemoteActorRolloutRefWorker",
+        "verl.remote_backend.workers.replica:RemoteRolloutReplica",
     ),
 }
 

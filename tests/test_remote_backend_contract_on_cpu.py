@@ -1,0 +1,105 @@
+"""The contract every registered remote backend keeps, checked for each one (``arctic``, ``tinker``, ...).
+
+* the adapter class is a concrete ``RemoteBackend`` and offers both compute protocols
+  (``RemoteActor``, ``RemoteSampler``) with the signatures the worker and replica call;
+* its worker is a ``RemoteActorRolloutRefWorker``, its replica a ``RemoteRolloutReplica``, and
+  verl's own ``RolloutReplicaRegistry`` resolves ``rollout.name=<backend>`` to that replica;
+* its Hydra option group file exists, names the backend, has a comment over every key, and
+  ``remote_backend=<name>`` composes to a config whose rollout is that backend's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+
+import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
+from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
+from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_METHODS, RemoteActor, RemoteSampler
+from verl.remote_backend.workers.replica import RemoteRolloutReplica
+from verl.remote_backend.workers.worker import RemoteActorRolloutRefWorker
+
+REPO = Path(__file__).resolve().parents[1]
+GROUP_DIR = REPO / "verl" / "trainer" / "config" / "remote_backend"
+BACKENDS = RemoteBackendRegistry.list()
+
+
+def test_both_built_in_backends_are_registered():
+    assert {"arctic", "tinker"} <= set(BACKENDS)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_adapter_is_a_concrete_backend_with_both_protocols(name):
+    cls = RemoteBackendRegistry.get(name)
+    assert issubclass(cls, RemoteBackend) and not inspect.isabstract(cls)
+    assert issubclass(cls, RemoteActor) and issubclass(cls, RemoteSampler)
+    for method in (*ACTOR_METHODS, *SAMPLER_METHODS):
+        assert callable(getattr(cls, method, None)), f"{name}: no {method}"
+    for method in ("compute_log_prob", "compute_ref_log_prob", "update_actor"):
+        inspect.signature(getattr(cls, method)).bind(None, object())  # (self, data)
+    for method in ("save_checkpoint", "load_checkpoint"):
+        inspect.signature(getattr(cls, method)).bind(None, step=3)  # the worker passes step=
+    inspect.signature(cls.update_weights).bind(None)
+    inspect.signature(cls.generate).bind(None, [[1, 2]], {"max_tokens": 4})
+    inspect.signature(cls.from_config).bind(object(), handle=None)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_worker_and_replica_are_the_generic_ones_or_subclasses(name):
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    worker, replica = RemoteBackendRegistry.get_worker(name), RemoteBackendRegistry.get_replica(name)
+    assert issubclass(worker, RemoteActorRolloutRefWorker)
+    assert issubclass(replica, RemoteRolloutReplica)
+    assert RolloutReplicaRegistry.get(name) is replica
+
+
+def test_arctic_keeps_its_documented_entry_points():
+    from verl.remote_backend.workers.arctic_rl.replica import ArcticRLRolloutReplica
+    from verl.remote_backend.workers.arctic_rl.worker import ArcticRLActorRolloutRefWorker
+
+    assert RemoteBackendRegistry.get_worker("arctic") is ArcticRLActorRolloutRefWorker
+    assert RemoteBackendRegistry.get_replica("arctic") is ArcticRLRolloutReplica
+
+
+def _keys_without_comment(path: Path) -> list[str]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    missing = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or ":" not in stripped:
+            continue
+        above = lines[i - 1].strip() if i else ""
+        if not above.startswith("#"):
+            missing.append(stripped.split(":", 1)[0])
+    return missing
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_option_group_file_names_the_backend_with_a_comment_over_every_key(name):
+    path = GROUP_DIR / f"{name}.yaml"
+    assert path.exists(), f"no Hydra option group file for {name}"
+    assert yaml.safe_load(path.read_text(encoding="utf-8"))["name"] == name
+    assert _keys_without_comment(path) == []
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_remote_backend_option_composes_to_that_backends_rollout(name):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from verl.remote_backend.main_ppo import CONFIG_DIR, CONFIG_NAME, register_searchpath_plugin
+    from verl.remote_backend.settings import rewrite_overrides
+
+    register_searchpath_plugin()
+    overrides, _ = rewrite_overrides([f"remote_backend={name}", "actor_rollout_ref.rollout.name=vllm"],
+                                     has_accelerator=False)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
+    assert cfg.remote_backend.name == name
+    assert cfg.actor_rollout_ref.rollout.name == name
+    assert cfg.trainer.v1.trainer_mode == "remote_backend"

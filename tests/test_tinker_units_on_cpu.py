@@ -1,0 +1,234 @@
+"""Unit tests of the Tinker adapter: config, verl options, batch conversion, SDK records.
+
+Hand-computed values throughout; no server. The SDK-record tests need the ``tinker`` SDK (the
+``test`` extra installs 0.24.1 on Python >= 3.11; the same tests pass with the newest SDK).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from verl.remote_backend.errors import RemoteBackendConfigError, RemoteConnectionError, RemoteProtocolError
+from verl.workers.remote_client.tinker import batch as tb
+from verl.workers.remote_client.tinker.config import TinkerConfig
+from verl.workers.remote_client.tinker.options import learning_rate, plan_run
+from verl.workers.remote_client.tinker.sampling import tinker_sampling_params
+from verl.workers.remote_client.tinker.sdk import full_length_logprobs, make_datum, map_error
+
+YAML = Path(__file__).resolve().parents[1] / "verl/trainer/config/remote_backend/tinker.yaml"
+
+
+def _nested(rows: list[list[float]], dtype=torch.float32) -> torch.Tensor:
+    return torch.nested.as_nested_tensor([torch.tensor(r, dtype=dtype) for r in rows], layout=torch.jagged)
+
+
+def _main(**overrides) -> OmegaConf:
+    base = {
+        "remote_backend": OmegaConf.to_container(OmegaConf.load(YAML)),
+        "actor_rollout_ref": {
+            "model": {"path": "/models/tiny-qwen3", "lora_rank": 8},
+            "actor": {"ppo_mini_batch_size": 2, "clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                      "loss_agg_mode": "token-mean", "use_kl_loss": False, "entropy_coeff": 0.0,
+                      "policy_loss": {"loss_mode": "vanilla"},
+                      "optim": {"lr": 1e-3, "lr_warmup_steps": 2, "lr_scheduler_type": "cosine",
+                                "total_training_steps": 10, "min_lr_ratio": 0.0, "num_cycles": 0.5}},
+            "rollout": {"n": 4, "temperature": 1.0},
+        },
+    }
+    return OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(overrides))
+
+
+# ------------------------------------------------------------------ config
+def test_shipped_yaml_and_dataclass_mirror_each_other():
+    shipped = yaml.safe_load(YAML.read_text(encoding="utf-8"))
+    assert TinkerConfig.from_dict(shipped).to_dict() == TinkerConfig().to_dict()
+
+    def keys(d, prefix=""):
+        return {f"{prefix}{k}" for k in d} | {x for k, v in d.items() if isinstance(v, dict) for x in keys(v, f"{k}.")}
+
+    assert keys(shipped) == keys(TinkerConfig().to_dict())
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"train": {"loss_fn": "dro"}}, "remote_backend.train.loss_fn"),
+    ({"train": {"lora_rank": 0}}, "remote_backend.train.lora_rank"),
+    ({"server": {"url": "ftp://x"}}, "remote_backend.server.url"),
+    ({"timeouts": {"call_s": 0}}, "remote_backend.timeouts.call_s"),
+    ({"rollout": {"max_batch_size": "8"}}, "remote_backend.rollout.max_batch_size"),
+    ({"server": {"token": "x"}}, "remote_backend.server.token"),
+    ({"checkpoint": {"load_path": "/tmp/x"}}, "remote_backend.checkpoint.load_path"),
+])
+def test_bad_config_values_are_refused_naming_the_key(data, field):
+    with pytest.raises(RemoteBackendConfigError) as info:
+        TinkerConfig.from_dict(data)
+    assert info.value.field == field
+
+
+# ------------------------------------------------------------------ verl options
+def test_plan_maps_clip_ratios_rank_and_mini_batches():
+    run = plan_run(_main(), TinkerConfig.from_main_config(_main()))
+    assert run.loss_fn == "ppo"
+    assert run.loss_fn_config == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
+    assert (run.lora_rank, run.mini_batch_rows, run.base_model) == (8, 8, "/models/tiny-qwen3")
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"actor_rollout_ref": {"model": {"lora_rank": 0}}}, "actor_rollout_ref.model.lora_rank"),
+    ({"actor_rollout_ref": {"actor": {"use_kl_loss": True}}}, "actor_rollout_ref.actor.use_kl_loss"),
+    ({"actor_rollout_ref": {"actor": {"entropy_coeff": 0.01}}}, "actor_rollout_ref.actor.entropy_coeff"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gspo"}}}},
+     "actor_rollout_ref.actor.policy_loss.loss_mode"),
+    ({"actor_rollout_ref": {"actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}}},
+     "actor_rollout_ref.actor.loss_agg_mode"),
+    ({"actor_rollout_ref": {"rollout": {"temperature": 0.7}}}, "actor_rollout_ref.rollout.temperature"),
+    ({"remote_backend": {"train": {"lora_rank": 4}}}, "remote_backend.train.lora_rank"),
+    ({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "linear"}}}},
+     "actor_rollout_ref.actor.optim.lr_scheduler_type"),
+])
+def test_options_tinker_cannot_honour_are_refused_naming_the_key(overrides, field):
+    main = _main(**overrides)
+    with pytest.raises(RemoteBackendConfigError) as info:
+        plan_run(main, TinkerConfig.from_main_config(main))
+    assert info.value.field == field
+
+
+def test_learning_rate_follows_verls_warmup_and_cosine():
+    run = plan_run(_main(), TinkerConfig.from_main_config(_main()))
+    # warm-up 2 steps from 0; cosine over the 8 steps after it, to min_lr_ratio 0
+    assert [learning_rate(run, s) for s in (0, 1, 2)] == pytest.approx([0.0, 5e-4, 1e-3])
+    assert learning_rate(run, 6) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert learning_rate(run, 10) == pytest.approx(0.0, abs=1e-12)
+    const = _main(remote_backend={"train": {"lr_schedule": "constant"}})
+    assert learning_rate(plan_run(const, TinkerConfig.from_main_config(const)), 0) == pytest.approx(1e-3)
+
+
+# ------------------------------------------------------------------ batches
+def _batch(padded: bool = False):
+    from verl.utils import tensordict_utils as tu
+
+    prompts, responses = [[5, 6, 7], [5, 6]], [[8, 9], [10, 11, 12]]
+    fields = {
+        "input_ids": _nested([p + r for p, r in zip(prompts, responses)], torch.int64),
+        "prompts": _nested(prompts, torch.int64),
+        "responses": _nested(responses, torch.int64),
+    }
+    mask, old, adv = [[1.0, 1.0], [1.0, 1.0, 0.0]], [[-0.5, -1.0], [-0.1, -0.2, -0.3]], [[2.0, 2.0], [-1.0, -1.0, -1.0]]
+    if padded:
+        def pad(rows):
+            return torch.tensor([r + [0.0] * (4 - len(r)) for r in rows])
+
+        fields.update(response_mask=pad(mask), old_log_probs=pad(old), advantages=pad(adv))
+    else:
+        fields.update(response_mask=_nested(mask), old_log_probs=_nested(old), advantages=_nested(adv))
+    return tu.get_tensordict(fields)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_rows_and_response_values_from_nested_and_padded_batches(padded):
+    data = _batch(padded)
+    rows = tb.split_rows(data)
+    assert rows.tokens == [[5, 6, 7, 8, 9], [5, 6, 10, 11, 12]]
+    assert (rows.prompt_lens, rows.response_lens) == ([3, 2], [2, 3])
+    values = tb.response_values(data, "old_log_probs", rows)
+    assert [len(v) for v in values] == [2, 3]
+    assert sum(values, []) == pytest.approx([-0.5, -1.0, -0.1, -0.2, -0.3])
+
+
+def test_datum_inputs_align_response_values_with_their_target_tokens():
+    rows = tb.split_rows(_batch())
+    tokens, inputs = tb.target_inputs(rows, 0, {"logprobs": [-0.5, -1.0], "advantages": [0.5, 0.5]})
+    assert tokens == [5, 6, 7, 8]  # t_0 .. t_{L-2}
+    assert inputs["target_tokens"] == [6, 7, 8, 9]  # target j predicts t_{j+1}: 8 and 9 are targets 2 and 3
+    assert inputs["logprobs"] == [0.0, 0.0, -0.5, -1.0]
+    assert inputs["advantages"] == [0.0, 0.0, 0.5, 0.5]
+    tokens, inputs = tb.target_inputs(rows, 1, {"advantages": [1.0, 2.0, 3.0]})
+    assert tokens == [5, 6, 10, 11] and inputs["target_tokens"] == [6, 10, 11, 12]
+    assert inputs["advantages"] == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(RemoteBackendConfigError, match="data.advantages"):
+        tb.target_inputs(rows, 1, {"advantages": [1.0]})
+
+
+def test_nested_log_probs_are_what_verls_response_slicing_expects():
+    from verl.workers.utils.padding import response_from_nested
+
+    data = _batch()
+    rows = tb.split_rows(data)
+    per_target = [[-1.0, -2.0, -3.0, -4.0], [-5.0, -6.0, -7.0, -8.0]]
+    nested = tb.nested_like(per_target, rows)
+    assert nested.offsets().tolist() == data["input_ids"].offsets().tolist()
+    assert nested.values().tolist() == [-1.0, -2.0, -3.0, -4.0, 0.0, -5.0, -6.0, -7.0, -8.0, 0.0]
+    response = response_from_nested(nested, data["response_mask"])
+    # response token k of row b is target P-1+k: row 0 -> targets 2, 3; row 1 -> targets 1, 2, 3
+    assert [r.tolist() for r in response.unbind()] == [[-3.0, -4.0], [-6.0, -7.0, -8.0]]
+
+
+def test_row_scales_turn_tinkers_sum_into_verls_aggregation():
+    masks = [[1.0, 1.0], [1.0, 1.0, 0.0]]
+    assert tb.row_scales(masks, "token-mean", None) == pytest.approx([0.25, 0.25])
+    assert tb.row_scales(masks, "token-mean", 10.0) == pytest.approx([0.1, 0.1])
+    assert tb.row_scales(masks, "seq-mean-token-sum", None) == pytest.approx([0.5, 0.5])
+    assert tb.row_scales(masks, "seq-mean-token-mean", None) == pytest.approx([0.25, 0.25])
+    assert tb.row_scales([[1.0], [1.0, 1.0, 1.0]], "seq-mean-token-mean", None) == pytest.approx([0.5, 1 / 6])
+    # the summed, scaled loss equals verl's token-mean: sum(l * s) over 4 tokens of loss 1 = 1
+    assert sum(m * s for row, s in zip(masks, tb.row_scales(masks, "token-mean", None)) for m in row) == 1.0
+    with pytest.raises(RemoteBackendConfigError, match="loss_agg_mode"):
+        tb.row_scales(masks, "seq-mean-token-sum-norm", None)
+
+
+def test_batch_without_prompt_boundaries_is_refused():
+    from verl.utils import tensordict_utils as tu
+
+    data = tu.get_tensordict({"input_ids": _nested([[1, 2, 3]], torch.int64)})
+    with pytest.raises(RemoteBackendConfigError, match="prompt from response"):
+        tb.split_rows(data)
+
+
+# ------------------------------------------------------------------ sampling params, SDK records
+def test_sampling_params_are_validated_and_mapped():
+    fields, n = tinker_sampling_params({"max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "top_k": -1, "seed": 3,
+                                        "stop": ["\n"], "logprobs": True})
+    assert n == 1 and fields == {"max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "top_k": -1, "seed": 3,
+                                 "stop": ["\n"]}
+    assert tinker_sampling_params({"max_tokens": 4, "n": 3, "top_k": 0})[0]["top_k"] == -1
+    for bad, field in (({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 4, "top_p": 0}, "top_p"),
+                       ({"max_tokens": 4, "n": 0}, "n")):
+        with pytest.raises(RemoteBackendConfigError) as info:
+            tinker_sampling_params(bad)
+        assert info.value.field == f"sampling_params.{field}"
+
+
+def test_compute_logprobs_lengths_are_normalised():
+    assert full_length_logprobs([None, -1.0, -2.0], 3, "x") == [None, -1.0, -2.0]  # hosted service
+    assert full_length_logprobs([-1.0, -2.0], 3, "x") == [None, -1.0, -2.0]  # n-1 values (open servers)
+    with pytest.raises(RemoteProtocolError):
+        full_length_logprobs([-1.0], 3, "x")
+
+
+def test_sdk_records_carry_the_converted_rows():
+    tinker = pytest.importorskip("tinker")
+    rows = tb.split_rows(_batch())
+    datum = make_datum(tinker.types, *tb.target_inputs(rows, 0, {"logprobs": [-0.5, -1.0], "advantages": [1.0, 1.0]}))
+    assert datum.model_input.to_ints() == [5, 6, 7, 8]
+    inputs = {k: (v.tolist() if hasattr(v, "tolist") else v.data) for k, v in datum.loss_fn_inputs.items()}
+    assert inputs["target_tokens"] == [6, 7, 8, 9]
+    assert inputs["logprobs"] == pytest.approx([0.0, 0.0, -0.5, -1.0])
+    fields, _ = tinker_sampling_params({"max_tokens": 8, "seed": 1, "stop": None})
+    params = tinker.types.SamplingParams(**fields)
+    assert (params.max_tokens, params.seed, params.top_k) == (8, 1, -1)
+    assert set(tinker.types.AdamParams.model_fields) >= {"learning_rate", "beta1", "beta2", "eps"}
+
+
+def test_sdk_errors_map_into_our_error_tree():
+    tinker = pytest.importorskip("tinker")
+    import httpx
+
+    request = httpx.Request("POST", "http://127.0.0.1:9/api/v1/forward")
+    assert isinstance(map_error(tinker.APIConnectionError(request=request), "forward"), RemoteConnectionError)
+    err = map_error(ValueError("Error: 400 - {'detail': 'LoRA rank 64 must be between 1 and 32'}"), "create")
+    assert getattr(err, "status", None) == 400 and "LoRA rank 64" in str(err)

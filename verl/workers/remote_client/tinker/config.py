@@ -1,0 +1,193 @@
+"""Typed configuration of the Tinker remote backend: ``config.remote_backend`` as dataclasses.
+
+``TinkerConfig`` mirrors ``verl/trainer/config/remote_backend/tinker.yaml`` key for key (a test
+loads the shipped yaml and checks both directions). :meth:`TinkerConfig.from_dict` is strict: an
+unknown key, a value of the wrong type or out of range raises
+:class:`~verl.remote_backend.errors.RemoteBackendConfigError` naming the dotted key
+(``remote_backend.train.loss_fn``), the allowed values and the value received.
+
+The API key is never configuration: it comes from the ``TINKER_API_KEY`` environment variable.
+What is not here: the verl options the adapter supports or refuses (:mod:`.options`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from verl.remote_backend.errors import RemoteBackendConfigError
+
+__all__ = [
+    "API_KEY_ENV",
+    "TinkerCheckpointConfig",
+    "TinkerConfig",
+    "TinkerRolloutConfig",
+    "TinkerServerConfig",
+    "TinkerTimeoutsConfig",
+    "TinkerTrainConfig",
+]
+
+ROOT = "remote_backend"
+#: environment variable the API key is read from (the SDK's own convention)
+API_KEY_ENV = "TINKER_API_KEY"
+
+
+def _require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> None:
+    if not ok:
+        raise RemoteBackendConfigError(key, message, allowed=allowed, received=received)
+
+
+@dataclass(frozen=True)
+class TinkerServerConfig:
+    url: str | None = None
+    base_model: str | None = None
+
+    def _validate(self, p: str) -> None:
+        if self.url is not None:
+            ok = self.url.startswith(("http://", "https://")) and len(self.url.split("://", 1)[1].strip("/")) > 0
+            _require(ok, f"{p}.url", "not an http(s) URL", "http://host:port, https://host[:port] or null", self.url)
+        if self.base_model is not None:
+            _require(bool(self.base_model.strip()), f"{p}.base_model", "empty", "a model name or null",
+                     self.base_model)
+
+
+@dataclass(frozen=True)
+class TinkerTrainConfig:
+    lora_rank: int | None = None
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    loss_fn: Literal["ppo", "importance_sampling"] = "ppo"
+    lr_schedule: Literal["verl", "constant"] = "verl"
+    adam_eps: float = 1e-8
+
+    def _validate(self, p: str) -> None:
+        if self.lora_rank is not None:
+            _require(self.lora_rank >= 1, f"{p}.lora_rank", "must be positive", ">= 1 or null", self.lora_rank)
+        _require(self.train_mlp or self.train_attn or self.train_unembed, f"{p}.train_mlp",
+                 "at least one of train_mlp, train_attn, train_unembed must be true", True, False)
+        _require(self.adam_eps > 0, f"{p}.adam_eps", "must be positive", "> 0", self.adam_eps)
+
+
+@dataclass(frozen=True)
+class TinkerTimeoutsConfig:
+    call_s: float = 600.0
+    connect_s: float = 30.0
+
+    def _validate(self, p: str) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _require(value > 0, f"{p}.{f.name}", "must be positive", "> 0 seconds", value)
+
+
+@dataclass(frozen=True)
+class TinkerRolloutConfig:
+    max_batch_size: int = 64
+    max_wait_ms: float = 5.0
+    max_in_flight: int = 4
+
+    def _validate(self, p: str) -> None:
+        _require(self.max_batch_size >= 1, f"{p}.max_batch_size", "must be positive", ">= 1", self.max_batch_size)
+        _require(self.max_wait_ms >= 0, f"{p}.max_wait_ms", "negative", ">= 0", self.max_wait_ms)
+        _require(self.max_in_flight >= 1, f"{p}.max_in_flight", "must be positive", ">= 1", self.max_in_flight)
+
+
+@dataclass(frozen=True)
+class TinkerCheckpointConfig:
+    index_dir: str | None = None
+    load_path: str | None = None
+
+    def _validate(self, p: str) -> None:
+        if self.load_path is not None:
+            _require(self.load_path.startswith("tinker://"), f"{p}.load_path", "not a Tinker state path",
+                     "tinker://<run>/weights/<name> or null", self.load_path)
+
+
+@dataclass(frozen=True)
+class TinkerConfig:
+    name: Literal["tinker"] = "tinker"
+    server: TinkerServerConfig = field(default_factory=TinkerServerConfig)
+    train: TinkerTrainConfig = field(default_factory=TinkerTrainConfig)
+    timeouts: TinkerTimeoutsConfig = field(default_factory=TinkerTimeoutsConfig)
+    rollout: TinkerRolloutConfig = field(default_factory=TinkerRolloutConfig)
+    checkpoint: TinkerCheckpointConfig = field(default_factory=TinkerCheckpointConfig)
+
+    def _validate(self, p: str) -> None:
+        return None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, prefix: str = ROOT) -> TinkerConfig:
+        """Build and validate from a plain mapping (``None`` = all defaults)."""
+        return _build(cls, {} if data is None else data, prefix)
+
+    @classmethod
+    def from_main_config(cls, main_config: Any) -> TinkerConfig:
+        """``TinkerConfig.from_dict(main_config.remote_backend)`` (resolves an OmegaConf node first)."""
+        node = main_config.get("remote_backend") if hasattr(main_config, "get") else None
+        return cls.from_dict(_to_plain(node))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _to_plain(node: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(node, DictConfig):
+            return OmegaConf.to_container(node, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return node
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise RemoteBackendConfigError(prefix, "expected a mapping", allowed="a mapping of keys", received=data)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise RemoteBackendConfigError(f"{prefix}.{unknown[0]}", "unknown key", allowed=names, received=unknown)
+    values = {}
+    for name in names:
+        if name in data:
+            values[name] = _convert(hints[name], data[name], f"{prefix}.{name}")
+    obj = cls(**values)
+    obj._validate(prefix)
+    return obj
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, {} if value is None else value, key)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        inner = [o for o in options if o is not type(None)]
+        return _convert(inner[0], value, key)
+    if origin is Literal:
+        allowed = list(typing.get_args(tp))
+        _require(value in allowed, key, "not an allowed value", allowed, value)
+        return value
+    if tp is bool:
+        _require(isinstance(value, bool), key, "expected a boolean", "true or false", value)
+        return value
+    if tp is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), key, "expected an integer", "an integer",
+                 value)
+        return value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _require(ok, key, "expected a number", "a number", value)
+        return float(value)
+    if tp is str:
+        _require(isinstance(value, str), key, "expected a string", "a string", value)
+        return value
+    raise TypeError(f"{key}: unsupported field type {tp!r}")  # a bug in this module, not user input
