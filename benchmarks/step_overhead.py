@@ -8,7 +8,8 @@ start it, ``tests/server_process.py``) serves a locally built Qwen3 (``--hidden`
 the default is small but not trivial on one CPU core). The adapter, ``ArcticRLClient``, runs here
 exactly as verl's forwarder worker runs it. Part A drives full GRPO training steps through the
 adapter -- ``compute_log_prob`` (old policy), ``compute_ref_log_prob``, ``update_actor`` (one
-mini-batch: ``rows / micro`` ``/forward-backward`` calls and one ``/step``) and ``update_weights``
+mini-batch: one ``/forward-backward``, split by the server into ``rows / micro`` micro-batches, and
+one ``/step``) and ``update_weights``
 -- on a verl-shaped batch (verl's own ``left_right_2_no_padding``: nested ``input_ids``, padded
 RL tensors; GRPO groups of ``n`` rows). Every step's wall time is split into:
 
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8, help="GRPO group size (rollout.n)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=512)
-    ap.add_argument("--micro", type=int, default=16, help="rows per /forward-backward call")
+    ap.add_argument("--micro", type=int, default=16, help="rows per micro-batch (the server splits each /forward-backward into rows / micro)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)

@@ -5,8 +5,8 @@ root by a supervisor thread, three times in one run of 6 optimizer steps (checkp
 
 1. between steps, while only a rollout-replica-like client (attached, generation only) is calling:
    the training client's watcher restores the jobs, the other client adopts them;
-2. during a step, before the 2nd ``/forward-backward`` of step 4 (the journal holds step 3 and one
-   micro-batch of step 4);
+2. during a step, before the ``/forward-backward`` of step 4 (the journal holds step 3: its
+   ``/forward-backward`` and its ``/step``);
 3. during a step, *after* the server applied ``/step`` 5 but before its answer left (the proxy
    reads the answer, kills the server, drops the answer).
 
@@ -64,9 +64,9 @@ def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, ca
             assert client.reliability_stats()["recovery/restores"] == 1
             assert follower.reliability_stats()["recovery/adoptions"] == 1
 
-            # 2) kill -9 before the 2nd /forward-backward of step 4
+            # 2) kill -9 before the /forward-backward of step 4 (one per mini-batch)
             proxy.counts.clear()
-            proxy.drop("POST", "/forward-backward", 4, "drop_request", callback=supervisor.kill_and_restart)
+            proxy.drop("POST", "/forward-backward", 2, "drop_request", callback=supervisor.kill_and_restart)
             client.update_actor(train_batch(1))  # steps 3, 4 -> recovery checkpoint of step 4
             assert client.step == 4
 
@@ -81,12 +81,13 @@ def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, ca
             assert torch.equal(got, reference), (got - reference).abs().max()
             assert client.step == 6
             info = requests.get(f"{srv.url}/job/{client.job_ids['training']}", timeout=30).json()
-            assert info["global_step"] == 6 and info["pending_micro_batches"] == 0
+            assert info["global_step"] == 6 and info["pending_forward_backward"] == 0
             stats = client.reliability_stats()
             assert stats["recovery/restores"] == 3
             assert stats["recovery/checkpoints_loaded"] == 3
-            # replayed: nothing after checkpoint 2; step 3 + one micro-batch (4); two micro-batches of step 5 (2)
-            assert stats["recovery/journal_replayed"] == 0 + 4 + 2
+            # replayed: nothing after checkpoint 2; step 3's /forward-backward and /step (2); step 5's
+            # /forward-backward (1)
+            assert stats["recovery/journal_replayed"] == 0 + 2 + 1
             assert "restoring the training state" in caplog.text and "LOST" not in caplog.text
             status = requests.get(srv.url + "/status", timeout=30).json()["jobs"]
             assert sorted(int(k) for k in status) == sorted(client.job_ids.values())
@@ -129,7 +130,7 @@ def test_kill9_right_after_a_step_before_the_recovery_checkpoint(tmp_path_factor
             assert client.step == 2
             got = final_logprobs(client)
             info = requests.get(f"{srv.url}/job/{client.job_ids['training']}", timeout=30).json()
-            assert info["global_step"] == 2 and info["pending_micro_batches"] == 0
+            assert info["global_step"] == 2 and info["pending_forward_backward"] == 0
             stats = client.reliability_stats()
             assert stats["recovery/restores"] == 1
             assert stats["recovery/checkpoints_saved"] == 1  # the due checkpoint, taken after the restore

@@ -10,7 +10,7 @@ must equal the number of steps asked for:
 * against a server that replays ``X-Request-Id`` (ours), the HTTP layer re-sends with the same id
   and the server answers from its cache;
 * with ``retry.server_idempotency: off`` (how the vendor's server is treated), the client reads the
-  server's ``global_step`` / ``pending_micro_batches`` to decide whether to re-send;
+  server's ``global_step`` / ``pending_forward_backward`` to decide whether to re-send;
 * with recovery disabled, an unanswered ``/forward-backward`` is an error, never a silent re-send.
 
 Every run starts from the same saved state (``/load-checkpoint`` of a step-0 checkpoint), so one set
@@ -33,7 +33,7 @@ from verl.workers.remote_client.http import AmbiguousCallError
 
 pytestmark = pytest.mark.slow
 
-UPDATES = 2  # update_actor calls per run: 2 steps each, 2 /forward-backward per step
+UPDATES = 2  # update_actor calls per run: 2 steps each, one /forward-backward per step
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +94,19 @@ def test_dropped_answers_and_requests_are_applied_exactly_once(setup, caplog):
         assert stats["replayed"] == 3  # the three calls whose answers were dropped, answered from the cache
         assert stats["retries"] == 4
         posts = [p for p in proxy.mutating() if p["path"] in ("/forward-backward", "/step")]
-        assert len(posts) == UPDATES * 2 * 3 + 4  # 12 calls (2 x (2 fwd-bwd + step) per update) + 4 re-sends
+        assert len(posts) == UPDATES * 2 * 2 + 4  # 8 calls (2 x (fwd-bwd + step) per update) + 4 re-sends
         for p in posts:
             assert p["headers"]["x-request-id"] and p["headers"]["x-arctic-step"].isdigit()
         ids = [p["headers"]["x-request-id"] for p in posts]
-        assert len(set(ids)) == 12  # every re-send kept its call's id
+        assert len(set(ids)) == 8  # every re-send kept its call's id
         assert [int(p["headers"]["x-arctic-step"]) for p in posts if p["path"] == "/step"] == [0, 0, 1, 1, 2, 3]
 
     # 2) the server's replay cache is not used (vendor behaviour): its counters decide
     caplog.clear()
     with DropProxy(srv.port) as proxy:
-        proxy.drop("POST", "/forward-backward", 2)  # applied -> pending_micro_batches says so
+        proxy.drop("POST", "/forward-backward", 2)  # applied -> pending_forward_backward says so
         proxy.drop("POST", "/step", 1)  # applied -> global_step says so
-        proxy.drop("POST", "/forward-backward", 5, "drop_request")  # not applied -> re-sent
+        proxy.drop("POST", "/forward-backward", 4, "drop_request")  # not applied -> re-sent
         proxy.drop("POST", "/step", 3, "drop_request")  # not applied -> re-sent
         got, client = run(setup, proxy.url, proxy, retry={"server_idempotency": "off"})
         assert len(proxy.fired) == 4
@@ -118,7 +118,7 @@ def test_dropped_answers_and_requests_are_applied_exactly_once(setup, caplog):
         assert client.step == 2 * UPDATES
         text = caplog.text
         assert "global_step is 1 (was 0 before the call) -> it was applied; not re-sending" in text
-        assert "pending_micro_batches is 0 (was 0 before the call) -> it was not applied; re-sending" in text
+        assert "pending_forward_backward is 0 (was 0 before the call) -> it was not applied; re-sending" in text
 
     # 3) recovery off: an unanswered /forward-backward is an error, not a guess
     with DropProxy(srv.port) as proxy:
@@ -150,10 +150,11 @@ def test_request_ids_replay_and_conflict_on_the_server(setup):
     replay = post(body, "rid-1")
     assert first.status_code == replay.status_code == 200
     assert replay.headers.get("X-Idempotent-Replay") == "true" and replay.content == first.content
-    assert job_info(srv, training)["pending_micro_batches"] == 1  # applied once
+    assert job_info(srv, training)["pending_forward_backward"] == 1  # applied once
     conflict = post(other, "rid-1")
     assert conflict.status_code == 409 and conflict.json()["detail"]["field"] == "X-Request-Id"
-    assert post(body, "rid-2").status_code == 200  # a new id is a new call: this is the double count
-    assert job_info(srv, training)["pending_micro_batches"] == 2
+    again = post(body, "rid-2")  # a new id is a new call: one /forward-backward per /step refuses the double count
+    assert again.status_code == 400 and again.json()["detail"]["field"] == "ds_config.gradient_accumulation_steps"
+    assert job_info(srv, training)["pending_forward_backward"] == 1
     owner.load_checkpoint(path=start)  # discards the accumulated gradients
-    assert job_info(srv, training)["pending_micro_batches"] == 0
+    assert job_info(srv, training)["pending_forward_backward"] == 0

@@ -14,10 +14,14 @@ Qwen3 with a real DeepSpeed engine. Checked against the vendor's code, not again
 * ``rollout_is_weights`` take effect (folded into the advantages: the vendor reads the weights only
   from ``meta``, unsplit); negative weights are refused before any call;
 * a clip ratio the vendor fixes at 0.2 is a start-up warning naming the key;
-* ``destroy`` releases the jobs.
+* ``destroy`` releases the jobs;
+* a lost ``/forward-backward`` or ``/step`` answer (a dropping proxy in front of the vendor, which has
+  neither request-id replay nor counters) never applies an update twice: the adapter rebuilds the
+  training job from the journal and sends the call once more to the rebuilt job; the final weights
+  equal an undisturbed run's and the vendor's ``global_step`` equals the steps asked for.
 
-The learning rate is 0 so that every call of a test sees the same weights (metrics can be compared
-across calls); the steps still count. The same facts against our reference server are checked in
+The learning rate is 0 (except in the recovery test) so that every call of a test sees the same
+weights (metrics can be compared across calls); the steps still count. The same facts against our reference server are checked in
 ``tests/test_arctic_training_contract_on_cpu.py``.
 """
 
@@ -35,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config  # noqa: E402
+from _helpers_reliability import DropProxy  # noqa: E402
 
 from verl.remote_backend.errors import RemoteBackendConfigError  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -159,3 +164,38 @@ def test_settings_the_vendor_ignores_are_named_at_start_up(vendor_server, model_
     text = caplog.text
     assert "actor_rollout_ref.actor.clip_ratio_high=0.28" in text and "always uses 0.2" in text
     assert "clip_ratio_low" not in text and "attn_implementation" not in text  # defaults: nothing to say
+
+
+def probe_logprobs(client: ArcticRLClient) -> torch.Tensor:
+    prompts, responses = grpo_rows(99, [4, 7, 5, 3], n=N, interleave=False)
+    data = legacy_batch(prompts, responses, p0=9, r0=8)
+    tu.assign_non_tensor(data, temperature=TEMPERATURE)
+    return no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data) * data["response_mask"]
+
+
+def test_a_lost_answer_never_applies_an_update_twice(vendor_server, model_dir, tmp_path):
+    def train(url: str) -> tuple[torch.Tensor, torch.Tensor, ArcticRLClient]:
+        cfg = main_config(model_dir, url, tmp_path, micro=2, optim={"lr": 1e-3})
+        client = ArcticRLClient.from_config(cfg)
+        try:
+            before = probe_logprobs(client)
+            for seed in range(2):  # 2 updates x 2 mini-batches: 4 steps
+                client.update_actor(train_data(client, seed))
+            assert client.save_checkpoint()["global_step"] == client.step == 4  # the vendor's count
+            return before, probe_logprobs(client), client
+        finally:
+            client.destroy()
+
+    before, reference, _ = train(vendor_server.url)
+    assert (reference - before).abs().max() > 1e-2  # the weights moved: a step applied twice would show
+    port = int(vendor_server.url.rsplit(":", 1)[1])
+    with DropProxy(port) as proxy:
+        # answers lost after the vendor applied the call: a /forward-backward, then (counting the
+        # rebuilt job's replayed calls) the /step of that same mini-batch
+        proxy.drop("POST", "/forward-backward", 2)
+        proxy.drop("POST", "/step", 3)
+        _, got, client = train(proxy.url)
+    assert len(proxy.fired) == 2
+    stats = client.reliability_stats()
+    assert stats["recovery/training_rebuilds"] == 2 and stats["recovery/journal_replayed"] == 2 + 3
+    assert torch.allclose(got, reference, atol=1e-6), (got - reference).abs().max()

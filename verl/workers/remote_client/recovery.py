@@ -7,10 +7,13 @@ handles both for :class:`~verl.workers.remote_client.arctic_rl.ArcticRLClient`:
 died). If the server is still the same process, either it replays ``X-Request-Id``s (it lists
 ``idempotency``; the call is re-sent with the *same* id and answered from the server's cache, so it
 is applied once), or the server's own counters decide (``GET /job/{id}``: ``global_step`` for
-``/step``, ``pending_micro_batches`` for ``/forward-backward``): one more than before means the call
-was applied (it is not re-sent), unchanged means it was not (it is re-sent with a new id). A server
-that exposes no counter is restored from the last checkpoint and the journal, then the call is
-re-sent. Harmless calls (``/forward``, ``/generate``, weight sync, save, load) are simply re-sent.
+``/step``, ``pending_forward_backward`` for ``/forward-backward`` -- one per mini-batch, then
+``/step``): one more than before means the call was applied (it is not re-sent), unchanged means it
+was not (it is re-sent with a new id). A server that has neither (the vendor's) never gets the call
+re-sent onto the same job: its training job is rebuilt from the last checkpoint and the journal
+(which holds only acknowledged calls), then the call is sent to the rebuilt job; without a complete
+journal the run stops with an error saying the training state is unknown. Harmless calls
+(``/forward``, ``/generate``, weight sync, save, load) are simply re-sent.
 
 **A restarted server** (connection refused, then a new ``instance_id`` in ``/health``, or -- from a
 server without instance ids -- unknown jobs). The *training client* (the one that called the
@@ -139,7 +142,7 @@ class Recovery:
 
         ``safe``: re-sending is harmless. ``counter``: ``(name, value before the call)`` of the
         training job's ``GET /job`` counter that the call increments by one (``global_step`` for
-        ``/step``, ``pending_micro_batches`` for ``/forward-backward``). Returns :data:`APPLIED`
+        ``/step``, ``pending_forward_backward`` for ``/forward-backward``). Returns :data:`APPLIED`
         when the call was applied but its answer is lost.
         """
         if not self.config.enable:
