@@ -93,15 +93,16 @@ def test_shifted_round_trip_through_verl_no_padding_2_padding(interleave):
     assert (nested.values()[layout.offsets[1:] - 1] == 0).all()
 
 
-@pytest.mark.parametrize("alignment", ["response", None])
-def test_response_aligned_round_trip_and_inferred_alignment(alignment):
+def test_response_aligned_round_trip():
     prompts, responses = grpo_rows(2, [5, 4, 6], n=4, interleave=True)
     data = legacy_batch(prompts, responses)
     layout = plan_layout(data, response_width=8)
     batch = dense_batch(data, layout, pad_token_id=PAD)
-    response_aligned = fake_shifted(batch)[:, layout.prompt_width - 1 : -1]  # what ZoRRO emits: [B, R]
-    assert response_aligned.shape == (12, 8)
-    nested = nested_from_server(response_aligned, layout, alignment)
+    p = layout.prompt_width
+    # what the vendor's ZoRRO /forward answers: [B, P+R], column P+j = response token j, zeros before
+    response_aligned = torch.zeros(12, p + 8)
+    response_aligned[:, p:] = fake_shifted(batch)[:, p - 1 : -1]
+    nested = nested_from_server(response_aligned, layout, "response")
     got = no_padding_2_padding(nested, data)
     torch.testing.assert_close(got, expected_response_lp(prompts, responses, got.shape[1]))
     # nothing is invented for prompt positions under response alignment
@@ -153,9 +154,11 @@ def test_wrong_server_shapes_are_protocol_errors():
     data = legacy_batch(prompts, responses)
     layout = plan_layout(data, response_width=8)
     with pytest.raises(RemoteProtocolError, match="logprobs"):
-        nested_from_server(torch.zeros(4, 5), layout, None)
+        nested_from_server(torch.zeros(4, 5), layout, "shifted")
     with pytest.raises(RemoteProtocolError, match="shifted alignment needs"):
         nested_from_server(torch.zeros(4, 8), layout, "shifted")
+    with pytest.raises(RemoteProtocolError, match="response alignment needs"):  # [B, R] is not the vendor's layout
+        nested_from_server(torch.zeros(4, 8), layout, "response")
     with pytest.raises(RemoteProtocolError, match="logprob_alignment"):
         nested_from_server(torch.zeros(4, 8), layout, "sideways")
 

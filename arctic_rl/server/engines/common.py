@@ -219,8 +219,9 @@ def forward_logprobs(
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], LogprobAlignment]:
     """No-grad log-probs of a validated batch: ``(batch dict, metrics, alignment)``.
 
-    ZoRRO on: response-aligned ``[B, R]``; off: shifted ``[B, P+R]``
-    (:class:`~arctic_rl.protocol.LogprobAlignment`). Rows are processed in chunks of at most
+    Both are ``[B, P+R]``, the vendor's layouts (:class:`~arctic_rl.protocol.LogprobAlignment`): ZoRRO
+    on, response-aligned (column ``P+j`` = log p(response token ``j``), zeros in the prompt columns);
+    off, shifted (column ``c`` = log p(token ``c+1``)). Rows are processed in chunks of at most
     ``max_token_len`` tokens (at least one row) to bound memory.
     """
     from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs
@@ -247,7 +248,9 @@ def forward_logprobs(
                     calculate_entropy=want_entropy,
                     zorro=True,
                 )
-                lp, ent = out.logprobs, out.entropy
+                left = (part.prompt_len, 0)  # [B, R] -> [B, P+R]: zeros in the prompt columns, as the vendor answers
+                lp = torch.nn.functional.pad(out.logprobs, left)
+                ent = torch.nn.functional.pad(out.entropy, left) if out.entropy is not None else None
                 tokens_computed += out.tokens_computed
                 unique += out.unique_prompts
             else:

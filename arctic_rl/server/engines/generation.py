@@ -8,7 +8,9 @@
   seeded request is reproducible;
 * the reported log-prob of a sampled token is ``log_softmax(logits / temperature)`` at that
   token, *before* top-k/top-p truncation (temperature 1 for greedy). That is the distribution
-  verl recomputes from the trainer (``logits / temperature``), so the two agree;
+  verl recomputes from the trainer (``logits / temperature``), so the two agree; asked for
+  ``top_logprobs=k``, each token also gets its candidates in vLLM's form -- the sampled token and
+  the ``k`` most likely of that same distribution, each with its rank;
 * a row stops at a stop token (``stop_token_ids``, plus the EOS ids unless ``ignore_eos``) --
   the token is kept in ``token_ids`` -- or when its decoded text contains a stop string (the text
   is cut before it, the tokens up to the one that completed it are kept), both with
@@ -20,13 +22,13 @@ What is not here: request parsing, chunking a big request, n samples (:mod:`.sam
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from arctic_rl.protocol import SamplingParams
 
-__all__ = ["Sample", "generate_batch", "sample_next"]
+__all__ = ["Sample", "generate_batch", "sample_next", "token_candidates"]
 
 
 @dataclass
@@ -35,6 +37,27 @@ class Sample:
     logprobs: list[float]
     finish_reason: str
     text: str
+    #: per generated token ``{token_id: (logprob, rank)}``: the sampled token and the top-k (vLLM's rule);
+    #: empty unless :func:`generate_batch` was asked for ``top_logprobs``
+    candidates: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+
+
+def token_candidates(
+    logp: torch.Tensor, tokens: torch.Tensor, k: int
+) -> list[dict[int, tuple[float, int]]]:
+    """For each row of ``logp`` ``[B, V]``: the sampled token and the ``k`` most likely ones, each with its
+    log-prob and rank (1 = most likely; the sampled token's rank counts the tokens strictly more likely)."""
+    chosen = logp.gather(-1, tokens.unsqueeze(-1))
+    ranks = (logp > chosen).sum(-1) + 1
+    top_v, top_i = torch.topk(logp, min(int(k), logp.shape[-1]), dim=-1) if k > 0 else (None, None)
+    out: list[dict[int, tuple[float, int]]] = []
+    for b in range(logp.shape[0]):
+        entry = {int(tokens[b]): (float(chosen[b, 0]), int(ranks[b]))}
+        if top_i is not None:
+            for r, (tok, val) in enumerate(zip(top_i[b].tolist(), top_v[b].tolist()), start=1):
+                entry.setdefault(int(tok), (float(val), r))
+        out.append(entry)
+    return out
 
 
 def _filter_top_k_top_p(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -53,9 +76,10 @@ def _filter_top_k_top_p(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [B], logprobs [B])`` for one step (see the module docstring for the log-prob)."""
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, full: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """``(tokens [B], logprobs [B])`` for one step (see the module docstring for the log-prob);
+    ``full=True`` adds the whole log-distribution ``[B, V]`` the log-probs were read from."""
     logits = logits.float()
     if params.temperature == 0:
         tokens = torch.argmax(logits, dim=-1)
@@ -65,7 +89,8 @@ def sample_next(
         logp = torch.log_softmax(z, dim=-1)
         probs = torch.softmax(_filter_top_k_top_p(z, params.top_k, params.top_p), dim=-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return (tokens, picked, logp) if full else (tokens, picked)
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:
@@ -83,8 +108,10 @@ def generate_batch(
     stop_ids: set[int],
     pad_id: int,
     decode,
+    top_logprobs: int | None = None,
 ) -> list[Sample]:
-    """Sample one continuation per prompt (see the module docstring). ``decode(ids) -> str``."""
+    """Sample one continuation per prompt (see the module docstring). ``decode(ids) -> str``.
+    ``top_logprobs=k`` also records each token's candidates (:func:`token_candidates`)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -106,11 +133,17 @@ def generate_batch(
 
     out_ids: list[list[int]] = [[] for _ in range(rows)]
     out_lps: list[list[float]] = [[] for _ in range(rows)]
+    out_cands: list[list[dict[int, tuple[float, int]]]] = [[] for _ in range(rows)]
     finish: list[str | None] = [None] * rows
     texts: list[str | None] = [None] * rows
     stops = [s for s in (params.stop or []) if s]
     for _ in range(params.max_tokens):
-        tokens, lps = sample_next(logits, params, generator)
+        if top_logprobs is None:
+            tokens, lps = sample_next(logits, params, generator)
+            step_candidates = None
+        else:
+            tokens, lps, logp = sample_next(logits, params, generator, full=True)
+            step_candidates = token_candidates(logp, tokens, top_logprobs)
         tokens_list, lps_list = tokens.tolist(), lps.tolist()
         for i in range(rows):
             if finish[i] is not None:
@@ -118,6 +151,8 @@ def generate_batch(
             tok = tokens_list[i]
             out_ids[i].append(tok)
             out_lps[i].append(float(lps_list[i]))
+            if step_candidates is not None:
+                out_cands[i].append(step_candidates[i])
             if tok in stop_ids:
                 finish[i] = "stop"
             elif stops:
@@ -140,6 +175,7 @@ def generate_batch(
             use_cache=True,
         ).logits[:, -1]
     return [
-        Sample(out_ids[i], out_lps[i], finish[i] or "length", texts[i] if texts[i] is not None else decode(out_ids[i]))
+        Sample(out_ids[i], out_lps[i], finish[i] or "length", texts[i] if texts[i] is not None else decode(out_ids[i]),
+               out_cands[i])
         for i in range(rows)
     ]

@@ -50,14 +50,12 @@ class LogProbEngine:
         self.weight_version = 0
 
     def forward(self, batch: ParsedBatch) -> tuple[dict, dict, LogprobAlignment]:
-        temperature = batch.meta.temperature
-        if "temperature" not in batch.meta_keys and self.knobs.temperature is not None:
-            temperature = self.knobs.temperature
+        job_t = self.knobs.temperature if self.knobs.zorro_train_enable else None
         return forward_logprobs(
             self.model,
             batch,
             zorro=bool(self.knobs.zorro_train_enable or batch.meta.zorro_train_enable),
-            temperature=float(temperature),
+            temperature=batch.scoring_temperature(job_t),
             max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
         )
 

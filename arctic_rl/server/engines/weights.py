@@ -4,6 +4,7 @@ The reference server holds every job in one process, so a sync is a tensor copy:
 model's state dict is copied, name by name, into the target model (cast to its dtype and
 device). Names and shapes must match exactly -- a target built from another model is a 400.
 The real Arctic server does this over NCCL or CUDA IPC between processes; that is not here.
+:func:`weight_norm` is what ``/weight-norm`` compares after a sync.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from arctic_rl.server.errors import BadRequest
 
-__all__ = ["copy_weights"]
+__all__ = ["copy_weights", "weight_norm"]
 
 
 def copy_weights(target: torch.nn.Module, weights: dict[str, torch.Tensor]) -> int:
@@ -37,3 +38,14 @@ def copy_weights(target: torch.nn.Module, weights: dict[str, torch.Tensor]) -> i
         for name, tensor in own.items():
             tensor.copy_(weights[name].detach().to(device=tensor.device, dtype=tensor.dtype))
     return len(own)
+
+
+def weight_norm(model: torch.nn.Module) -> dict[str, float | int]:
+    """Global L2 norm of ``model``'s parameters (fp64 sum of squares) and their count, as the vendor's
+    ``/weight-norm`` reports it: equal for two models holding the same weights, whatever their layout."""
+    sq_sum, count = 0.0, 0
+    with torch.no_grad():
+        for p in model.parameters():
+            sq_sum += float(p.detach().double().pow(2).sum())
+            count += 1
+    return {"norm": sq_sum**0.5, "sq_sum": sq_sum, "num_params": count}

@@ -16,6 +16,9 @@ validated here, so a bad value is a config error naming the knob rather than a 4
 without a seed gets one derived from ``rollout.seed``, its prompts and how many times this client
 already generated for exactly those prompts -- so a re-run, or a call re-sent after a server restart,
 samples the same tokens, while repeated samples of one prompt (GRPO's ``n``) still differ.
+Log-probs come back per token as ``{str(token_id): {"logprob", "rank"}}`` (the sampled token and the
+top-k, the vendor's format); :func:`ordered_results` keeps the sampled token's value, one float per
+generated token, which is what verl's rollout expects.
 What is not here: HTTP (:mod:`.arctic_rl` sends the request).
 """
 
@@ -27,7 +30,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from arctic_rl.protocol import GenerateResult, SamplingParams
+from arctic_rl.protocol import GenerateResult, SamplingParams, sampled_logprobs
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 
 __all__ = ["SeedDeriver", "clean_sampling_params", "ordered_results"]
@@ -87,6 +90,12 @@ def ordered_results(raw: Any, num_prompts: int, n: int, *, expanded: bool) -> li
     if len(results) != num_prompts * n:
         raise RemoteProtocolError("POST /generate", f"expected {num_prompts * n} results ({num_prompts} prompts x "
                                   f"n={n}), got {len(results)}")
+    for i, r in enumerate(results):  # the wire's per-token candidates -> the sampled tokens' log-probs
+        if r.logprobs is not None:
+            try:
+                r.logprobs = sampled_logprobs(r.token_ids, r.logprobs)
+            except (TypeError, ValueError) as exc:
+                raise RemoteProtocolError("POST /generate", f"results[{i}].{exc}") from None
     if not expanded and all(r.prompt_index is not None for r in results):
         results.sort(key=lambda r: (r.prompt_index, r.sample_index or 0))
     for i, r in enumerate(results):

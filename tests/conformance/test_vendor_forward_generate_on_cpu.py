@@ -1,0 +1,191 @@
+"""Our adapter (``ArcticRLClient``) against the vendor's own v2 server: the forward, generate and
+weight-sync side of the contract.
+
+The vendor's Arctic-Platform server (pinned snapshot, served on CPU by the shared kit) runs a tiny
+Qwen3; verl-shaped batches (verl's own ``left_right_2_no_padding``) go through the adapter exactly as
+in a run. Checked against the vendor's code, not against our server:
+
+* ``/forward`` log-probs with ZoRRO off (shifted ``[B, P+R]``) and on (response-aligned ``[B, P+R]``,
+  no alignment key), at a sampling temperature of 0.5, equal a ``transformers`` fp32 computation of
+  the same model within the vendor's bf16 tolerance (and not the T=1 values) -- old log-probs use the temperature as the
+  update's ``/forward-backward`` does (``apply_temperature``), and the ZoRRO layout is read from the
+  job config;
+* ``/generate`` with log-probs (the vendor's ``{token_id: {logprob, rank}}`` per token) gives the
+  sampled tokens' log-probs;
+* an unknown job on ``/forward`` (a plain 500 at the vendor) is ``RemoteJobNotFoundError``;
+* save / load, weight sync followed by ``/reset-prefix-cache`` on the sampling job (the vendor's
+  trace), destroy.
+
+ZoRRO at the vendor needs a flash-attention backend (served on CPU by the kit), and without it rows
+of a ``/forward`` call attend across each other, so both clients ask for ``flash_attention_2``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding
+
+from verl.remote_backend.errors import RemoteJobNotFoundError
+from verl.workers.remote_client.arctic_rl import ArcticRLClient
+
+pytestmark = pytest.mark.slow
+
+N = 2  # rollout.n
+TEMPERATURE = 0.5
+#: the vendor computes in bf16 (its ModelSpec dtype); observed within 0.03 of fp32 transformers
+ATOL = 0.1
+
+
+def main_config(model_dir: Path, url: str, workdir: Path, *, zorro: bool, recovery: bool = True):
+    return verl_main_config({
+        "data": {"train_batch_size": 4, "max_prompt_length": 16, "max_response_length": 8},
+        "trainer": {"default_local_dir": str(workdir)},
+        "actor_rollout_ref": {
+            "rollout": {"n": N, "temperature": TEMPERATURE},
+            "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 2, "ppo_epochs": 1,
+                      "optim": {"lr": 1e-3}, "shuffle": False},
+        },
+        "remote_backend": {
+            "server": {"url": url, "protocol": "v2"},
+            "train": {"attn_implementation": "flash_attention_2", "checkpoint_path": str(workdir / "ckpt"),
+                      "zorro_train": {"enable": zorro}},
+            "retry": {"backoff_initial_s": 0.05},
+            "recovery": {"enable": recovery},
+        },
+    }, model_path=str(model_dir))
+
+
+def grpo_batch(seed: int = 0):
+    """8 rows = 4 prompts x n=2, groups interleaved as verl's ``_balance_batch`` may leave them."""
+    prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=N, interleave=True)
+    return prompts, responses, legacy_batch(prompts, responses, p0=9, r0=8)
+
+
+def hf_logprobs(model_dir: Path, prompts, responses, *, temperature: float, r0: int = 8) -> torch.Tensor:
+    """log softmax(logits / T) of each response token, row by row in fp32: ``[B, r0]``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = torch.zeros(len(prompts), r0)
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            logits = model(torch.tensor([p + r])).logits[0].float() / temperature
+            lp = torch.log_softmax(logits, -1)
+            for j, tok in enumerate(r):
+                out[i, j] = lp[len(p) - 1 + j, tok]
+    return out
+
+
+def check_logprobs(client: ArcticRLClient, model_dir: Path, *, ref: bool = False) -> float:
+    prompts, responses, data = grpo_batch()
+    tu.assign_non_tensor(data, temperature=TEMPERATURE)
+    out = client.compute_ref_log_prob(data) if ref else client.compute_log_prob(data)
+    assert torch.equal(out["log_probs"].offsets(), data["input_ids"].offsets())
+    got = no_padding_2_padding(out["log_probs"], data)
+    mask = data["response_mask"].bool()
+    want = hf_logprobs(model_dir, prompts, responses, temperature=TEMPERATURE)
+    err = float((got[mask] - want[mask]).abs().max())
+    # the T=1 values are much further away: the temperature really was applied (finding 8)
+    plain = hf_logprobs(model_dir, prompts, responses, temperature=1.0)
+    err_plain = float((got[mask] - plain[mask]).abs().max())
+    assert err < ATOL and err_plain > 3 * err, (err, err_plain)
+    return err
+
+
+def wait_for_trace(server, done, timeout_s: float = 10.0) -> list[dict]:
+    """The server's trace once ``done(rows)`` holds (the kit writes a line after the answer is sent)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = server.trace_lines()
+        if done(rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
+
+
+def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server, model_dir, tmp_path):
+    cfg = main_config(model_dir, vendor_server.url, tmp_path, zorro=False)
+    client = ArcticRLClient.from_config(cfg)
+    try:
+        assert set(client.job_ids) == {"sampling", "log_prob", "training"}
+        check_logprobs(client, model_dir)  # training job
+        check_logprobs(client, model_dir, ref=True)  # log_prob job
+
+        # generate with log-probs: the sampled tokens' values, as transformers gives them (T=1, fp32 sampler)
+        tok = client.tokenizer
+        prompt_ids = [tok("hello world", add_special_tokens=False)["input_ids"], tok("abc", add_special_tokens=False)
+                      ["input_ids"]]
+        results = client.generate(prompt_ids, {"temperature": 1.0, "max_tokens": 4, "logprobs": True,
+                                               "ignore_eos": True, "seed": 3})
+        assert len(results) == 2
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        for ids, res in zip(prompt_ids, results):
+            assert res.prompt_len == len(ids) and len(res.token_ids) == 4
+            assert len(res.logprobs) == 4 and all(isinstance(x, float) for x in res.logprobs)
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([ids + res.token_ids])).logits[0].float(), -1)
+            want = [float(lp[len(ids) - 1 + j, t]) for j, t in enumerate(res.token_ids)]
+            assert max(abs(a - b) for a, b in zip(res.logprobs, want)) < 1e-3
+
+        # weight sync, then the sampler's prefix cache is reset (the vendor's own client does the same)
+        before = len(vendor_server.trace_lines())
+        client.update_weights()
+        traced = wait_for_trace(vendor_server, lambda rows: any(r["path"] == "/reset-prefix-cache" for r in rows[before:]))
+        routes = [(r["path"], r.get("query", "")) for r in traced[before:]]
+        paths = [p for p, _ in routes]
+        assert paths.index("/weight-sync") < paths.index("/reset-prefix-cache"), routes
+        reset_query = routes[paths.index("/reset-prefix-cache")][1]
+        assert f"job_id={client.job_ids['sampling']}" in str(reset_query), routes
+
+        # save / load
+        saved = client.save_checkpoint()
+        assert saved["path"] and saved["global_step"] == 0
+        loaded = client.load_checkpoint(path=saved["path"])
+        assert loaded["global_step"] == 0 and client.step == 0
+
+        # an unknown job on /forward is a plain 500 at the vendor: still RemoteJobNotFoundError here
+        handle = client.reconnect_handle()
+        handle["job_ids"] = {**handle["job_ids"], "training": 987}
+        stray = ArcticRLClient.from_config(main_config(model_dir, vendor_server.url, tmp_path, zorro=False,
+                                                       recovery=False), handle=handle)
+        try:
+            with pytest.raises(RemoteJobNotFoundError) as err:
+                stray.compute_log_prob(grpo_batch()[2])
+            assert "987" in str(err.value)
+        finally:
+            stray.destroy()  # owns nothing
+        traced = wait_for_trace(vendor_server, lambda rows: any(r["path"] == "/job/987" for r in rows))
+        assert [r["status"] for r in traced if r["path"] == "/forward"][-1] == 500
+        assert [r["status"] for r in traced if r["path"] == "/job/987"][-1] == 404
+    finally:
+        ids = dict(client.job_ids)
+        client.destroy()
+    status = requests.get(f"{vendor_server.url}/status", timeout=30).json()
+    assert not set(map(str, ids.values())) & set(map(str, status["jobs"])), status
+    assert len([r for r in vendor_server.trace_lines("/destroy") if r["status"] == 200]) >= 3
+
+
+def test_forward_zorro_on_reads_the_vendor_layout(vendor_server, model_dir, tmp_path):
+    client = ArcticRLClient.from_config(main_config(model_dir, vendor_server.url, tmp_path, zorro=True))
+    try:
+        check_logprobs(client, model_dir)
+        check_logprobs(client, model_dir, ref=True)
+    finally:
+        client.destroy()
