@@ -33,6 +33,16 @@ fi
 echo "[install] verl-remote-backend[$extras] with constraints.txt (verl 0.9.1, deepspeed, ...)"
 # DS_BUILD_OPS=0: DeepSpeed builds no C++/CUDA ops at install time (the server uses torch's AdamW on CPU).
 DS_BUILD_OPS=0 "${pip[@]}" install -c constraints.txt -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+if [ "$extras" = "server,examples,test" ]; then
+  # The vendor's Arctic RL v1 code (PyPI arctic-platform 0.1.2) for the v1 conformance tests
+  # (tests/conformance/vendor_v1_server.py), without its GPU dependencies (vLLM, flash-attn, ...) and
+  # outside site-packages, so that it never shadows another copy of the vendor package.
+  v1_dir="$("$venv/bin/python" -c 'import sys; print(sys.prefix)')/arctic-platform-v1"
+  if [ ! -f "$v1_dir/arctic_platform/rl/http_server.py" ]; then
+    echo "[install] arctic-platform==0.1.2 (vendor v1 code, no dependencies) into $v1_dir"
+    "${pip[@]}" install --no-deps --target "$v1_dir" "arctic-platform==0.1.2" 2>&1 | grep -v "^WARNING: Location" || true
+  fi
+fi
 "$venv/bin/python" - <<'PY'
 import importlib, pathlib, sys
 root = pathlib.Path.cwd().resolve()

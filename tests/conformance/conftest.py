@@ -122,3 +122,65 @@ def vendor_server(vendor_kit: Path, vendor_src: Path, tmp_path_factory: pytest.T
     """One vendor server per test module; tests destroy the jobs they create (one per type at a time)."""
     with running_vendor_server(vendor_kit, vendor_src, tmp_path_factory.mktemp("vendor")) as server:
         yield server
+
+
+# ------------------------------------------------------------------------------------- vendor v1
+
+_V1_INSTALL = Path(sys.prefix) / "arctic-platform-v1"
+
+
+@pytest.fixture(scope="session")
+def vendor_v1_src(vendor_kit: Path) -> Path:
+    """The directory holding the vendor's v1 ``arctic_platform`` package (PyPI ``arctic-platform==0.1.2``).
+
+    ``scripts/install.sh --test`` installs it, without its dependencies, into ``<venv>/arctic-platform-v1``;
+    ``$ARCTIC_PLATFORM_V1_SRC`` points at another copy. Missing: a skip outside CI, a failure under CI.
+    """
+    src = Path(os.environ.get("ARCTIC_PLATFORM_V1_SRC", _V1_INSTALL))
+    if not (src / "arctic_platform" / "rl" / "http_server.py").is_file():
+        text = (f"no arctic_platform/rl/http_server.py under {src}: the vendor's v1 code is needed (run "
+                f"`bash scripts/install.sh --test`, or `pip install --no-deps --target {_V1_INSTALL} "
+                "arctic-platform==0.1.2`, or set ARCTIC_PLATFORM_V1_SRC)")
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(text, pytrace=False)
+        pytest.skip(text)
+    return src
+
+
+@contextlib.contextmanager
+def running_vendor_v1_server(vendor_kit: Path, v1_src: Path, workdir: Path) -> Iterator[VendorServer]:
+    """Start ``vendor_v1_server.py --port 0`` (the vendor's v1 app on CPU) and stop it on exit.
+
+    Its trace lines carry ``global_steps``: the training engine's optimizer step count after the exchange.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    log, trace = workdir / "vendor-v1-server.log", workdir / "vendor-v1-trace.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, str(_HERE / "vendor_v1_server.py"), "--port", "0", "--v1-src", str(v1_src),
+           "--kit", str(vendor_kit), "--trace", str(trace)]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(workdir), env=env)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("READY"):
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the vendor v1 server did not start (first line {line!r}); log tail:\n"
+                               f"{log.read_text(errors='replace')[-4000:]}")
+        yield VendorServer(url=f"http://127.0.0.1:{int(line.split()[1])}", proc=proc, log=log, trace=trace)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vendor_v1_server(vendor_kit: Path, vendor_v1_src: Path,
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[VendorServer]:
+    """One vendor v1 server per test module; tests destroy the jobs they create (one per type at a time)."""
+    with running_vendor_v1_server(vendor_kit, vendor_v1_src, tmp_path_factory.mktemp("vendor_v1")) as server:
+        yield server
