@@ -1,6 +1,6 @@
 """Wire-codec benchmark: one realistic GRPO fwd-bwd batch through each codec, in one process.
 
-    python benchmarks/wire.py [--batch 512] [--seq 4096] [--repeats 5] [--threads 1]
+    python benchmarks/wire.py [--batch 512] [--seq 4096] [--repeats 20] [--threads 1]
 
 Codecs: (a) DSSST1 (:mod:`arctic_rl.dssst1`) decoding the bytearray it produced (zero-copy) and
 decoding ``bytes`` (what ``requests``/``httpx`` ``.content`` hand over: one copy; the bytes are
@@ -8,9 +8,12 @@ made outside the timed region); (b) torch.save + torch.load(weights_only=True) t
 the v1 wire; (c) safetensors.torch save + load; (d) the vendor's DSSST1 codec, only if importable
 (never vendored here); (e) a raw memcpy of the same bytes, ``bytearray(frame)`` once per
 direction: what one plain copy into a fresh buffer costs (DSSST1 can beat it, as its buffers skip
-the zero-fill and ask for huge pages). Times are medians over ``--repeats`` runs after one
-warm-up; GB/s is batch tensor bytes / round-trip seconds; "vs torch" compares round-trip
-throughput with torch.save+load. On a shared machine, look at the printed load average.
+the zero-fill and ask for huge pages). Each codec makes ``--repeats`` consecutive round trips
+(encode, then decode, then drop both, as a caller does) after one warm-up, in one process: the
+table gives the median encode, decode and round-trip times and the slowest round trip (the worst
+case is what a training step waits for now and then); GB/s is batch tensor bytes / median round
+trip; "vs torch" compares median and max round trips with torch.save+load. On a shared machine,
+look at the printed load average.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from arctic_rl import dssst1  # noqa: E402
+from arctic_rl import dssst1
 
 Codec = tuple[Callable[[Any], Any], Callable[[Any], Any], Callable[[Any], Any]]  # encode, received as, decode
 
@@ -57,7 +60,7 @@ def codecs() -> dict[str, Codec | str]:
         torch.save(obj, buffer)
         return buffer.getvalue()
 
-    same = lambda frame: frame  # noqa: E731
+    same = lambda frame: frame
     result: dict[str, Codec | str] = {
         "dssst1 (bytearray in)": (dssst1.dumps, same, dssst1.loads),
         "dssst1 (bytes in, 1 copy)": (dssst1.dumps, bytes, dssst1.loads),
@@ -79,28 +82,52 @@ def codecs() -> dict[str, Codec | str]:
     return result
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    out = fn()  # warm-up (and the value we check)
-    times = []
+class Timing(NamedTuple):
+    encode_s: float  # medians
+    decode_s: float
+    round_s: float
+    round_max_s: float  # the slowest round trip
+    wire_bytes: int
+
+
+def time_round_trips(codec: Codec, source: Any, repeats: int, check_against: dict[str, Any] | None) -> Timing:
+    """One warm-up round trip (checked), then ``repeats`` timed ones; each result is dropped before the next."""
+    encode, received_as, decode = codec
+    frame = received_as(encode(source))
+    wire_bytes = len(frame)
+    decoded = decode(frame)
+    if check_against is not None:
+        check(check_against, decoded)
+    del frame, decoded
+    enc, dec, rounds = [], [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+        frame = encode(source)
+        encoded = time.perf_counter()
+        frame = received_as(frame)  # what the receiver is handed (not timed)
+        received = time.perf_counter()
+        decoded = decode(frame)
+        done = time.perf_counter()
+        del frame, decoded
+        enc.append(encoded - start)
+        dec.append(done - received)
+        rounds.append(enc[-1] + dec[-1])
+    return Timing(statistics.median(enc), statistics.median(dec), statistics.median(rounds), max(rounds), wire_bytes)
 
 
-def check(name: str, decoded: Any, obj: dict[str, Any]) -> None:
-    tensors = decoded["batch"] if "batch" in decoded else decoded
+def check(obj: dict[str, Any], decoded: Any) -> None:
+    tensors = decoded.get("batch", decoded)
     for key, expected in obj["batch"].items():
         if not torch.equal(tensors[key], expected):
-            raise SystemExit(f"{name}: {key} did not round-trip")
+            raise SystemExit(f"{key} did not round-trip")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=512, help="rows B (default 512)")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per row T (default 4096)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per codec, median reported (default 5)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed round trips per codec: median and max reported (default 20)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -110,36 +137,34 @@ def main() -> None:
     memcpy_frame = dssst1.dumps(obj)
     print(
         f"GRPO batch B={args.batch} T={args.seq}: 3 x int64 + 3 x fp32 [B, T] = {nbytes / 1e6:.1f} MB; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.repeats} round trips per codec, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
-    header = f"{'codec':34} {'encode s':>9} {'decode s':>9} {'round s':>9} {'GB/s':>7} {'wire MB':>8} {'vs torch':>9}"
+    header = (f"{'codec':34} {'encode s':>9} {'decode s':>9} {'round s':>9} {'max s':>8} {'GB/s':>7} {'wire MB':>8} "
+              f"{'vs torch':>9} {'max vs':>7}")
     print(header)
     print("-" * len(header))
-    rows: list[tuple[str, float, float, int]] = []
+    rows: dict[str, Timing] = {}
     for name, codec in codecs().items():
         if isinstance(codec, str):
             print(f"{name:34} {codec}")
             continue
-        encode, received_as, decode = codec
-        source = memcpy_frame if name.startswith("raw memcpy") else obj
-        enc_s, frame = median_seconds(lambda: encode(source), args.repeats)
-        frame = received_as(frame)
-        dec_s, decoded = median_seconds(lambda: decode(frame), args.repeats)
-        if not name.startswith("raw memcpy"):
-            check(name, decoded, obj)
-        rows.append((name, enc_s, dec_s, len(frame)))
-        del frame, decoded
-    torch_round = next(enc + dec for name, enc, dec, _ in rows if name == "torch.save+load")
-    for name, enc_s, dec_s, wire in rows:
-        round_s = enc_s + dec_s
+        memcpy = name.startswith("raw memcpy")
+        try:
+            rows[name] = time_round_trips(codec, memcpy_frame if memcpy else obj, args.repeats, None if memcpy else obj)
+        except SystemExit as exc:
+            raise SystemExit(f"{name}: {exc}") from None
+    torch_row = rows["torch.save+load"]
+    for name, t in rows.items():
         print(
-            f"{name:34} {enc_s:9.4f} {dec_s:9.4f} {round_s:9.4f} {nbytes / round_s / 1e9:7.2f} "
-            f"{wire / 1e6:8.1f} {torch_round / round_s:8.2f}x"
+            f"{name:34} {t.encode_s:9.4f} {t.decode_s:9.4f} {t.round_s:9.4f} {t.round_max_s:8.4f} "
+            f"{nbytes / t.round_s / 1e9:7.2f} {t.wire_bytes / 1e6:8.1f} {torch_row.round_s / t.round_s:8.2f}x "
+            f"{torch_row.round_max_s / t.round_max_s:6.2f}x"
         )
     print(
-        "encode = object -> wire bytes; decode = wire bytes -> tensors; round = encode + decode; "
-        "GB/s = tensor bytes / round; vs torch = round-trip speed-up over torch.save+load."
+        "encode = object -> wire bytes; decode = wire bytes -> tensors; round = encode + decode (medians); "
+        "max = slowest round trip; GB/s = tensor bytes / median round; vs torch / max vs = torch.save+load's "
+        "median / max round trip over this codec's."
     )
 
 
