@@ -48,9 +48,9 @@ def _get(cfg: dict, dotted: str):
 def gsm8k_configs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gsm8k")
     common = {"DATA_DIR": "/data/gsm8k", "MODEL_DIR": "/models/qwen3-0.6b", "OUT_DIR": str(tmp / "out")}
-    yes, yes_out = _compose("run_gsm8k_grpo_arl_zorro_yes.sh",
+    yes, yes_out = _compose("run_gsm8k_grpo_arl.sh",
                             {**common, "ARCTIC_RL_URL": "http://10.1.2.3:7000", "ARCTIC_RL_TOKEN": SECRET}, tmp)
-    no, no_out = _compose("run_gsm8k_grpo_arl_zorro_no.sh", common, tmp)
+    no, no_out = _compose("run_gsm8k_grpo_arl.sh", {**common, "ZORRO": "false"}, tmp)
     return yes, no, yes_out + no_out
 
 
@@ -72,6 +72,14 @@ def test_gsm8k_scripts_select_the_arctic_backend(gsm8k_configs):
         assert "file" in _get(cfg, "trainer.logger")
     if not torch.cuda.is_available():
         assert _get(cfg, "trainer.device") == "cpu"  # derived by the entry point
+
+
+def test_gsm8k_zorro_must_be_true_or_false(tmp_path):
+    env = {**os.environ, "ZORRO": "yes"}
+    proc = subprocess.run(["bash", str(GRPO_DIR / "run_gsm8k_grpo_arl.sh"), "--cfg", "job"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert "ZORRO: expected true or false, got 'yes'" in proc.stderr
 
 
 def test_gsm8k_zorro_flag_is_the_only_difference(gsm8k_configs):
@@ -141,3 +149,27 @@ def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
     assert "file" in _get(cfg, "trainer.logger")
     if not torch.cuda.is_available():
         assert _get(cfg, "trainer.device") == "cpu"  # derived by the entry point
+
+
+def test_reverse_text_failure_reaches_the_terminal_with_the_log_path(tmp_path):
+    """Quiet by default: a failing run prints its header, the failing command's last lines and the log path."""
+    model, data = tmp_path / "model", tmp_path / "data"
+    model.mkdir()
+    data.mkdir()
+    (model / "warm_start.json").write_text("{}")  # cached: the script builds no model, warm start or data
+    for name in ("train.parquet", "val.parquet"):
+        (data / name).write_bytes(b"")
+    env = {k: v for k, v in os.environ.items() if k not in {"VERBOSE", "RUN_DIR", "ARCTIC_RL_URL"}}
+    env.update(PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHON=sys.executable,
+               OUT_DIR=str(tmp_path / "out"), MODEL_DIR=str(model), DATA_DIR=str(data), RUN_NAME="bad")
+    proc = subprocess.run(["bash", str(GRPO_DIR / "run_reverse_text_grpo_arl_local.sh"), "trainer.no_such_key=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    terminal = proc.stdout + proc.stderr
+    log = tmp_path / "out" / "runs" / "bad" / "run.log"
+    assert proc.returncode != 0, terminal
+    assert f"log:     {log}" in proc.stdout  # named in the header
+    assert f"full log: {log}" in proc.stderr and "FAILED (exit status" in proc.stderr
+    assert "no_such_key" in proc.stderr  # the error itself, from the log's tail
+    assert len(terminal.splitlines()) <= 60, terminal
+    assert not [line for line in terminal.splitlines() if line.startswith("+")]  # no shell trace on the terminal
+    assert "no_such_key" in log.read_text() and "+ console_run" in log.read_text()  # the trace went to the log

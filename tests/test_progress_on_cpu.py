@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from verl.remote_backend.progress import PHASES, format_progress
+from verl.remote_backend.progress import PHASES, StepClock, format_duration, format_progress
 
 
 def test_full_step_line():
@@ -52,3 +52,26 @@ def test_phases_follow_a_step_in_order():
 def test_bad_arguments_name_the_parameter(metrics, step, total, match):
     with pytest.raises((TypeError, ValueError), match=match):
         format_progress(metrics, step, total)
+
+
+def test_eta_is_the_mean_step_time_times_the_steps_left():
+    clock = StepClock()
+    assert clock.eta_s(0, 40) is None  # no step measured yet
+    clock.add({"timing_s/step": 10.0})
+    clock.add({"critic/score/mean": 0.5})  # a step without its timing is not counted
+    clock.add({"timing_s/step": 20.0})
+    assert clock.eta_s(2, 40) == pytest.approx(15.0 * 38)
+    assert clock.eta_s(40, 40) is None and clock.eta_s(2, None) is None
+    line = format_progress({"timing_s/step": 20.0}, 2, 40, eta_s=clock.eta_s(2, 40))
+    assert line == "step 2/40 | 20.0 s/step | ETA 9m30s"
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (42.4, "42s"), (185, "3m05s"), (7620, "2h07m")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize("eta", [-1.0, float("nan"), "5", True])
+def test_bad_eta_names_the_parameter(eta):
+    with pytest.raises(ValueError, match="eta_s"):
+        format_progress({}, 1, 2, eta_s=eta)

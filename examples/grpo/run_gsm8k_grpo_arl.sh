@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# GSM8K GRPO on Qwen3-0.6B through verl + an Arctic RL server, ZoRRO on (each unique prompt trained once per group).
+# GSM8K GRPO on Qwen3-0.6B through verl + an Arctic RL server, with or without ZoRRO.
 #
 # verl (PyPI 0.9.1) runs the GRPO loop on this machine; training, log-probs and generation run on the Arctic
 # RL server at ARCTIC_RL_URL (a real Arctic deployment, or `python -m arctic_rl.server --device cuda ...`).
 # Without ARCTIC_RL_URL the adapter starts the bundled reference server locally on DEVICE (cuda by default).
-# Same hyper-parameters as run_gsm8k_grpo_arl_zorro_no.sh; only remote_backend.train.zorro_train.enable differs.
+# ZORRO=true (default): each unique prompt of a GRPO group is trained once (same maths, less compute);
+# ZORRO=false: every rollout is trained as is (the baseline). Nothing else differs between the two runs.
 #
 # Data: python examples/data_preprocess/gsm8k.py --local_dataset_path /path/to/gsm8k --local_save_dir "$DATA_DIR"
 # Token: export ARCTIC_RL_TOKEN=... when the server requires one (read from the environment, never logged).
-set -xeuo pipefail
+# Terminal: a header, one progress line per step, the summary; the full output goes to OUT_DIR/<run>/run.log
+# (VERBOSE=1 prints it all).
+#
+#   ZORRO=false ARCTIC_RL_URL=http://arctic-head:7000 bash examples/grpo/run_gsm8k_grpo_arl.sh trainer.total_training_steps=10
+set -euo pipefail
 
 ############################ User-adjustable ############################
 
@@ -16,18 +21,31 @@ MODEL_DIR="${MODEL_DIR:-Qwen/Qwen3-0.6B}"
 DATA_DIR="${DATA_DIR:-${HOME}/data/gsm8k}"
 OUT_DIR="${OUT_DIR:-${PWD}/outputs/gsm8k}"
 STEPS="${STEPS:-80}"
+# ZoRRO: train each unique prompt of a GRPO group once -- true or false.
 ZORRO="${ZORRO:-true}"
 SEED="${SEED:-42}"
 # A running Arctic RL server; empty/unset: start the bundled reference server on DEVICE.
 ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
 DEVICE="${DEVICE:-cuda}"
 RUN_NAME="${RUN_NAME:-qwen3_0p6b_gsm8k_grpo_arl_zorro_${ZORRO}}"
+RUN_DIR="${OUT_DIR}/${RUN_NAME}"
 PYTHON="${PYTHON:-python3}"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+case "${ZORRO}" in
+    true|false) ;;
+    *) echo "ZORRO: expected true or false, got '${ZORRO}'" >&2; exit 2 ;;
+esac
+
+# `--cfg job` / `--help` (Hydra) only print the composed config: no log file, nothing written.
+PRINT_ONLY=false
+for arg in "$@"; do
+    case "${arg}" in --cfg|--cfg=*|-c|--help|--hydra-help|--info|--info=*) PRINT_ONLY=true ;; esac
+done
 
 export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 # verl's file logger (trainer.logger has "file") writes one JSON line of metrics per step here.
-export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-${OUT_DIR}/${RUN_NAME}/metrics.jsonl}"
-mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
+export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-${RUN_DIR}/metrics.jsonl}"
 
 SERVER_URL="null"
 if [ -n "${ARCTIC_RL_URL}" ]; then SERVER_URL="'${ARCTIC_RL_URL}'"; fi
@@ -93,7 +111,7 @@ TRAINER=(
     trainer.val_before_train=False
     trainer.test_freq=-1
     trainer.save_freq=-1
-    trainer.default_local_dir="${OUT_DIR}/${RUN_NAME}/checkpoints"
+    trainer.default_local_dir="${RUN_DIR}/checkpoints"
 )
 
 REMOTE_BACKEND=(
@@ -108,16 +126,31 @@ REMOTE_BACKEND=(
 
 ############################ Launch ############################
 
-"${PYTHON}" -m verl.remote_backend.main_ppo \
-    "${DATA[@]}" \
-    "${MODEL[@]}" \
-    "${ACTOR[@]}" \
-    "${ROLLOUT[@]}" \
-    "${REF[@]}" \
-    "${ALGO[@]}" \
-    "${REWARD[@]}" \
-    "${TRAINER[@]}" \
-    "${REMOTE_BACKEND[@]}" \
-    remote_backend=arctic \
-    hydra.run.dir="${OUT_DIR}/${RUN_NAME}/hydra" \
+LAUNCH=(
+    "${PYTHON}" -m verl.remote_backend.main_ppo
+    "${DATA[@]}"
+    "${MODEL[@]}"
+    "${ACTOR[@]}"
+    "${ROLLOUT[@]}"
+    "${REF[@]}"
+    "${ALGO[@]}"
+    "${REWARD[@]}"
+    "${TRAINER[@]}"
+    "${REMOTE_BACKEND[@]}"
+    remote_backend=arctic
+    hydra.run.dir="${RUN_DIR}/hydra"
     "$@"
+)
+if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
+
+source "${SCRIPT_DIR}/../common/console.sh"
+mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
+console_init "${RUN_DIR}/run.log"
+console_say "================================================================================"
+console_say "GSM8K GRPO, ${MODEL_DIR}, ZoRRO ${ZORRO}, ${STEPS} steps, verl 0.9.1 + remote backend 'arctic'"
+console_say "  server:  ${ARCTIC_RL_URL:-none given: the reference server starts here on ${DEVICE}}"
+console_say "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)"
+console_say "  log:     ${RUN_DIR}/run.log (everything else; VERBOSE=1 prints it here)"
+console_say "================================================================================"
+console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
+console_say "GSM8K GRPO finished: metrics in ${VERL_FILE_LOGGER_PATH}, full log in ${RUN_DIR}/run.log"

@@ -3,14 +3,17 @@
 #
 # verl (PyPI 0.9.1, unmodified) runs the GRPO loop; actor training, log-probs and generation go over HTTP
 # to the bundled reference Arctic RL server, which the adapter starts on 127.0.0.1 and stops at the end
-# (remote_backend.server.url=null). First run: builds the model, a short SFT warm start and the data
+# (remote_backend.server.url=null; ARCTIC_RL_URL=http://host:port uses a running server instead). First run: builds the model, a short SFT warm start and the data
 # under OUT_DIR (~1 min, cached afterwards). Then ~40 GRPO steps; the reward (critic/score/mean) climbs
 # from ~0.45 to ~0.8. Results: OUT_DIR/runs/<run>/{metrics.jsonl,metrics.csv,reward_curve.png}.
 #
 #   bash examples/grpo/run_reverse_text_grpo_arl_local.sh                      # defaults below
 #   ZORRO=true STEPS=20 bash examples/grpo/run_reverse_text_grpo_arl_local.sh  # env knobs
 #   bash examples/grpo/run_reverse_text_grpo_arl_local.sh actor_rollout_ref.actor.optim.lr=5e-4  # Hydra overrides
-set -xeuo pipefail
+#
+# Terminal: a header, one line per GRPO step (reward, seconds per phase, ETA) and the summary; everything
+# else (Ray, verl, the server's start-up) goes to RUN_DIR/run.log, named in the header. VERBOSE=1 prints it all.
+set -euo pipefail
 
 ############################ User-adjustable ############################
 
@@ -33,6 +36,13 @@ WARM_VIA_SERVER="${WARM_VIA_SERVER:-false}"
 RUN_NAME="${RUN_NAME:-grpo_zorro_${ZORRO}_seed${SEED}}"
 RUN_DIR="${RUN_DIR:-${OUT_DIR}/runs/${RUN_NAME}}"
 PYTHON="${PYTHON:-python3}"
+# A running Arctic RL server (e.g. `python -m arctic_rl.server`); empty: the adapter starts one on 127.0.0.1.
+ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
+
+case "${ZORRO}" in
+    true|false) ;;
+    *) echo "ZORRO: expected true or false, got '${ZORRO}'" >&2; exit 2 ;;
+esac
 
 # One torch thread per process: the server, Ray's workers and the driver share the cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
@@ -47,18 +57,31 @@ for arg in "$@"; do
     case "${arg}" in --cfg|--cfg=*|-c|--help|--hydra-help|--info|--info=*) PRINT_ONLY=true ;; esac
 done
 
+if [ "${PRINT_ONLY}" = false ]; then
+    source "${SCRIPT_DIR}/../common/console.sh"
+    console_init "${RUN_DIR}/run.log"
+    console_say "================================================================================"
+    console_say "reverse-text GRPO: a tiny Qwen3 (built here) learns to reverse strings; ${STEPS} steps, ZoRRO ${ZORRO}, seed ${SEED}"
+    console_say "  stock verl 0.9.1 + remote backend 'arctic': ${ARCTIC_RL_URL:-the reference server, started on 127.0.0.1}"
+    console_say "  results: ${RUN_DIR}"
+    console_say "  log:     ${RUN_DIR}/run.log (Ray, verl, server start-up; VERBOSE=1 prints it here)"
+    console_say "================================================================================"
+fi
+
 ############################ Model, warm start, data (cached) ############################
 
 if [ "${PRINT_ONLY}" = false ] && [ ! -f "${MODEL_DIR}/warm_start.json" ]; then
     if [ ! -f "${INIT_MODEL_DIR}/config.json" ]; then
-        "${PYTHON}" "${TASK_DIR}/make_model.py" --out "${INIT_MODEL_DIR}" --seed "${SEED}"
+        console_run '^\[make_model\]' "${PYTHON}" "${TASK_DIR}/make_model.py" --out "${INIT_MODEL_DIR}" --seed "${SEED}"
     fi
     WARM_ARGS=(--model "${INIT_MODEL_DIR}" --out "${MODEL_DIR}" --target "${WARM_TARGET}" --seed "${SEED}")
     if [ "${WARM_VIA_SERVER}" = true ]; then WARM_ARGS+=(--via-server); fi
-    "${PYTHON}" "${TASK_DIR}/warm_start.py" "${WARM_ARGS[@]}"
+    console_say "[warm_start] supervised warm start until sampled reward ${WARM_TARGET} (about a minute) ..."
+    console_run '^\[warm_start\] (reached|did NOT reach)' "${PYTHON}" "${TASK_DIR}/warm_start.py" "${WARM_ARGS[@]}"
 fi
 if [ "${PRINT_ONLY}" = false ] && { [ ! -f "${DATA_DIR}/train.parquet" ] || [ ! -f "${DATA_DIR}/val.parquet" ]; }; then
-    "${PYTHON}" "${TASK_DIR}/make_data.py" --out "${DATA_DIR}" --n-train 4096 --n-val 128 --seed "${SEED}"
+    console_run '^\[make_data\]' "${PYTHON}" "${TASK_DIR}/make_data.py" --out "${DATA_DIR}" --n-train 4096 --n-val 128 \
+        --seed "${SEED}"
 fi
 
 # verl's file logger writes one JSON line per step here (trainer.logger includes "file").
@@ -140,8 +163,11 @@ TRAINER=(
     trainer.default_local_dir="${RUN_DIR}/checkpoints"
 )
 
+SERVER_URL=null
+if [ -n "${ARCTIC_RL_URL}" ]; then SERVER_URL="'${ARCTIC_RL_URL}'"; fi
+
 REMOTE_BACKEND=(
-    remote_backend.server.url=null
+    remote_backend.server.url="${SERVER_URL}"
     remote_backend.server.local.checkpoint_root="${RUN_DIR}/server"
     remote_backend.train.zorro_train.enable="${ZORRO}"
     remote_backend.train.deepspeed.bf16=false
@@ -152,28 +178,32 @@ REMOTE_BACKEND=(
 
 ############################ Launch ############################
 
-"${PYTHON}" -m verl.remote_backend.main_ppo \
-    "${DATA[@]}" \
-    "${MODEL[@]}" \
-    "${ACTOR[@]}" \
-    "${ROLLOUT[@]}" \
-    "${REF[@]}" \
-    "${ALGO[@]}" \
-    "${REWARD[@]}" \
-    "${TRAINER[@]}" \
-    "${REMOTE_BACKEND[@]}" \
-    remote_backend=arctic \
-    hydra.run.dir="${RUN_DIR}/hydra" \
+LAUNCH=(
+    "${PYTHON}" -m verl.remote_backend.main_ppo
+    "${DATA[@]}"
+    "${MODEL[@]}"
+    "${ACTOR[@]}"
+    "${ROLLOUT[@]}"
+    "${REF[@]}"
+    "${ALGO[@]}"
+    "${REWARD[@]}"
+    "${TRAINER[@]}"
+    "${REMOTE_BACKEND[@]}"
+    remote_backend=arctic
+    hydra.run.dir="${RUN_DIR}/hydra"
     "$@"
+)
+if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
-if [ "${PRINT_ONLY}" = true ]; then exit 0; fi
-"${PYTHON}" "${TASK_DIR}/plot.py" "${VERL_FILE_LOGGER_PATH}" --out-dir "${RUN_DIR}"
+console_say "[grpo] starting verl, Ray and the server (about a minute before step 1) ..."
+console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
+console_run '^\[plot\]' "${PYTHON}" "${TASK_DIR}/plot.py" "${VERL_FILE_LOGGER_PATH}" --out-dir "${RUN_DIR}"
 
-set +x
-echo "================================================================================"
-echo "reverse-text GRPO finished. Results in ${RUN_DIR}:"
-echo "  metrics.jsonl    verl's per-step metrics (file logger)"
-echo "  metrics.csv      the same, one row per step"
-echo "  reward_curve.png critic/score/mean per step"
-echo "  summary.json     first-5 / last-5 mean reward, gain, peak"
-echo "================================================================================"
+console_say "================================================================================"
+console_say "reverse-text GRPO finished. Results in ${RUN_DIR}:"
+console_say "  metrics.jsonl    verl's per-step metrics (file logger)"
+console_say "  metrics.csv      the same, one row per step"
+console_say "  reward_curve.png critic/score/mean per step"
+console_say "  summary.json     first-5 / last-5 mean reward, gain, peak"
+console_say "  run.log          the full output of this run"
+console_say "================================================================================"

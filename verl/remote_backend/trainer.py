@@ -7,7 +7,7 @@
   to the worker and the rollout replica through the config (:mod:`verl.remote_backend.context`),
   creates the backend itself when nobody did (plugin route) and then destroys it at the end, and
   polls the replay buffer every ``poll_interval_s`` instead of verl's fixed 2 s, and prints one
-  progress line per step (``verl.remote_backend.progress``) next to verl's long metric line.
+  progress line per step with an ETA (``verl.remote_backend.progress``) next to verl's long metric line.
   Semantics are verl's ``sync`` mode: ``trainer.v1.trainer_mode`` is only the registry name.
 * :data:`RemoteBackendTaskRunnerV1` -- verl's V1 task runner, but imported from here so that the
   trainer mode is registered in the runner process without ``VERL_USE_EXTERNAL_MODULES``.
@@ -30,7 +30,7 @@ from verl.remote_backend.base import RemoteBackendRegistry
 from verl.remote_backend.context import ensure_backends_registered, install_context, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.lifecycle import BackendOwner, backend_name
-from verl.remote_backend.progress import format_progress
+from verl.remote_backend.progress import StepClock, format_progress
 from verl.remote_backend.settings import FORWARDER_BUNDLE_CPUS, SCHEDULING_HEADROOM_CPUS, TRAINER_MODE, apply_forced_settings
 from verl.single_controller.ray.base import RayResourcePool, RayWorkerGroup, ResourcePoolManager
 from verl.trainer.main_ppo import TaskRunnerV1
@@ -143,11 +143,15 @@ class RemoteBackendTrainer(PPOTrainerSync):
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"  # verl's sync semantics everywhere it branches on the name
         self._owner: BackendOwner | None = None
+        self._step_clock = StepClock()
         super().__init__(config)
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
-        print(f"[remote_backend] {format_progress(metrics, global_steps, self.total_training_steps)}", flush=True)
+        self._step_clock.add(metrics)
+        eta_s = self._step_clock.eta_s(global_steps, self.total_training_steps)
+        line = format_progress(metrics, global_steps, self.total_training_steps, eta_s=eta_s)
+        print(f"[remote_backend] {line}", flush=True)
 
     def _build_replay_buffer(self):
         buffer = super()._build_replay_buffer()

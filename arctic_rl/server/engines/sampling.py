@@ -9,8 +9,10 @@ chunks of at most ``generate_batch_size`` (``vllm_config.max_num_seqs`` when the
 One :class:`torch.Generator` per request, seeded from ``seed`` (random when absent), makes a
 seeded request reproducible. The loop itself is :mod:`.generation`.
 
-This is the only sampler implemented; a vLLM-backed engine would expose the same three methods
-(``generate``, ``load_weights``, ``info``) and be chosen in :func:`arctic_rl.server.engines.create_engine`.
+With ``logprobs=k`` each result carries, per generated token, the vendor's (vLLM's) entry
+``{str(token_id): {"logprob", "rank"}}`` for the sampled token and the ``k`` most likely tokens.
+A sampler exposes ``generate``, ``load_weights``, ``info``, ``sleep``, ``wake_up``,
+``reset_prefix_cache`` and ``weight_norm`` (the routes of :mod:`arctic_rl.server.app` call them).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from pydantic import ValidationError
 from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
 from arctic_rl.server.engines.common import compute_dtype, load_model, load_tokenizer, model_vocab_size, resolve_device
 from arctic_rl.server.engines.generation import generate_batch
-from arctic_rl.server.engines.weights import copy_weights
+from arctic_rl.server.engines.weights import copy_weights, weight_norm
 from arctic_rl.server.errors import BadRequest, from_validation_error
 from arctic_rl.server.settings import ServerSettings
 
-__all__ = ["SamplingEngine", "parse_generate_request"]
+__all__ = ["SamplingEngine", "parse_generate_request", "vendor_logprobs"]
 
 logger = logging.getLogger("arctic_rl.server")
 
@@ -63,7 +65,24 @@ def parse_generate_request(obj: Any) -> tuple[GenerateRequest, SamplingParams]:
     return request, params
 
 
+def vendor_logprobs(candidates: list[dict[int, tuple[float, int]]]) -> list[dict[str, dict[str, float | int]]]:
+    """Per-token candidates in the vendor's (vLLM's) answer format: ``[{str(token_id): {"logprob", "rank"}}]``."""
+    return [{str(tok): {"logprob": lp, "rank": rank} for tok, (lp, rank) in step.items()} for step in candidates]
+
+
 class SamplingEngine:
+    """The transformers sampler (see the module docstring).
+
+    Sleep, wake and the prefix cache, with the semantics the vendor's routes give them (a vLLM engine
+    implements the same three methods for real): ``sleep(level)`` marks the engine asleep -- this
+    sampler keeps its weights where they are (nothing to free on CPU; on a GPU they stay resident), a
+    ``/generate`` while asleep still works, as vLLM answers after a wake; ``wake_up(tags)`` marks the
+    given parts (``weights``, ``kv_cache``; all when ``None``) awake; ``reset_prefix_cache()``
+    drops cached prompt prefixes -- this sampler keeps none between requests (every request runs
+    its prompts from scratch, ``prefix_cache_len`` is 0), so nothing can come from old weights.
+    Each returns a small status dict; counters record the calls (``info()``).
+    """
+
     job_type = JobType.SAMPLING
 
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
@@ -86,6 +105,8 @@ class SamplingEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else next(iter(self.eos_ids), 0))
         self.weight_version = 0
+        self.asleep: set[str] = set()  # the parts put to sleep (``weights``, ``kv_cache``)
+        self.prefix_cache_resets = 0
         if vllm_config:
             logger.info("sampling job: vllm_config is read for max_num_seqs only (transformers sampler)")
 
@@ -143,6 +164,7 @@ class SamplingEngine:
             return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
         want_lps = params.logprobs is not None and params.logprobs is not False
+        top_k = int(params.logprobs) if want_lps else None  # vLLM: the sampled token + the top `logprobs`
         results: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         for start in range(0, len(rows), self.batch_size):
@@ -155,6 +177,7 @@ class SamplingEngine:
                 stop_ids=stop_ids,
                 pad_id=self.pad_id,
                 decode=decode,
+                top_logprobs=top_k,
             )
             for (pi, si), sample in zip(chunk, samples, strict=True):
                 results.append(
@@ -165,7 +188,7 @@ class SamplingEngine:
                         "prompt_len": len(prompts[pi]),
                         "generation_len": len(sample.token_ids),
                         "prefix_cache_len": 0,
-                        "logprobs": sample.logprobs if want_lps else None,
+                        "logprobs": vendor_logprobs(sample.candidates) if want_lps else None,
                         "prompt_index": pi,
                         "sample_index": si,
                         "weight_version": self.weight_version,
@@ -181,8 +204,36 @@ class SamplingEngine:
         self.weight_version += 1
         return self.weight_version
 
+    # ------------------------------------------------------------------ sleep, wake, prefix cache
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Mark the sampler asleep (level 1: weights kept; 2: weights may be discarded -- kept here)."""
+        if level not in (1, 2):
+            raise BadRequest("level: expected 1 or 2", field="level", allowed=[1, 2], received=level)
+        self.asleep = {"weights", "kv_cache"}
+        return {"status": "sleeping", "level": level, "weight_version": self.weight_version}
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Wake the given parts (``weights``, ``kv_cache``; ``None`` = all)."""
+        allowed = ["weights", "kv_cache"]
+        bad = [t for t in tags or [] if t not in allowed]
+        if bad:
+            raise BadRequest("tags: unknown part", field="tags", allowed=allowed, received=bad[0])
+        self.asleep -= set(allowed if tags is None else tags)
+        return {"status": "awake" if not self.asleep else "partly_awake", "asleep": sorted(self.asleep)}
+
+    def reset_prefix_cache(self) -> dict[str, Any]:
+        """Drop cached prompt prefixes (none are kept between requests by this sampler)."""
+        self.prefix_cache_resets += 1
+        return {"status": "ok", "prefix_cache_resets": self.prefix_cache_resets}
+
+    def weight_norm(self) -> dict[str, Any]:
+        return weight_norm(self.model)
+
     def info(self) -> dict[str, Any]:
         return {
+            "asleep": sorted(self.asleep),
+            "prefix_cache_resets": self.prefix_cache_resets,
             "weight_version": self.weight_version,
             "device": str(self.device),
             "dtype": str(self.dtype),

@@ -1,0 +1,73 @@
+# The example scripts' console policy, sourced by examples/grpo/*.sh (bash only; not run on its own).
+#
+# By default the terminal gets a short header (what runs, where the results and the log go), the lines
+# a command marks as progress (one per training step), failures and the closing summary. Everything
+# else -- the shell trace, Ray's worker warnings, verl's per-step metric dumps, library banners -- goes
+# to one log file. VERBOSE=1 prints everything on the terminal as well (and traces the script).
+#
+#   source "${SCRIPT_DIR}/../common/console.sh"
+#   console_init "${RUN_DIR}/run.log"          # the log file; VERBOSE=1 also turns on `set -x`
+#   console_say "text"                         # always on the terminal (and in the log)
+#   console_run 'REGEX' cmd args...            # cmd's output -> log; lines matching REGEX -> terminal
+#
+# A failing command prints its last lines and the log path, then the script exits with its status.
+# Ray prefixes a worker's lines with "(Actor pid=N)" and colours it; the terminal copy drops both.
+
+VERBOSE="${VERBOSE:-0}"
+CONSOLE_LOG=""
+# Lines shown from a failing command's output.
+CONSOLE_TAIL_LINES="${CONSOLE_TAIL_LINES:-40}"
+
+console_init() {
+    CONSOLE_LOG="$1"
+    mkdir -p "$(dirname "${CONSOLE_LOG}")"
+    : > "${CONSOLE_LOG}"
+    if [ "${VERBOSE}" = 1 ]; then
+        set -x
+    else
+        # the shell trace goes to the log, not the terminal
+        exec {CONSOLE_TRACE_FD}>>"${CONSOLE_LOG}"
+        BASH_XTRACEFD="${CONSOLE_TRACE_FD}"
+        set -x
+    fi
+}
+
+console_say() {
+    printf '%s\n' "$*" | tee -a "${CONSOLE_LOG:-/dev/null}"
+}
+
+# The terminal copy of a line: no colour codes, no "(Actor pid=N) " prefix.
+_console_clean() {
+    sed -u -E -e 's/\x1b\[[0-9;]*m//g' -e 's/^\([^)]*pid=[0-9]+[^)]*\) //'
+}
+
+# A line equal to the one shown just before it is not shown again.
+_console_once() {
+    awk '$0 != last { print; fflush(); last = $0 }'
+}
+
+console_run() {
+    local show="$1"
+    shift
+    local errexit=false
+    case "$-" in *e*) errexit=true ;; esac
+    set +e
+    # The readers ignore SIGINT/SIGTERM: on Ctrl-C the command cleans up (destroys its remote jobs)
+    # while still writing to them; a reader killed first would break its pipe mid-clean-up.
+    if [ "${VERBOSE}" = 1 ]; then
+        { "$@" 2>&1; } | (trap '' INT TERM; exec tee -a "${CONSOLE_LOG}")
+    else
+        { "$@" 2>&1; } | (trap '' INT TERM; exec tee -a "${CONSOLE_LOG}") \
+            | (trap '' INT TERM; _console_clean | grep --line-buffered -E -- "${show}" | _console_once)
+    fi
+    local rc="${PIPESTATUS[0]}"
+    if [ "${errexit}" = true ]; then set -e; fi
+    if [ "${rc}" != 0 ]; then
+        if [ "${VERBOSE}" != 1 ]; then
+            echo "---- last ${CONSOLE_TAIL_LINES} lines of ${CONSOLE_LOG} ----" >&2
+            grep -v -E '^\++ ' "${CONSOLE_LOG}" | tail -n "${CONSOLE_TAIL_LINES}" | _console_clean >&2  # no trace lines
+        fi
+        echo "FAILED (exit status ${rc}): ${*:1:3} ... -- full log: ${CONSOLE_LOG}" >&2
+        exit "${rc}"
+    fi
+}
