@@ -17,6 +17,7 @@ import pytest
 import requests
 import torch
 
+from arctic_rl.protocol import sampled_logprobs
 from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,11 @@ def srv(tmp_path_factory, model_dir):
         )
         server.sampling_id = sampling["job_id"]
         yield server
+
+
+def sampled(result) -> list[float]:
+    """The sampled tokens' log-probs of a result (the wire holds ``{token_id: {logprob, rank}}`` per token)."""
+    return sampled_logprobs(result["token_ids"], result["logprobs"])
 
 
 def generate(srv, prompts, **params):
@@ -102,11 +108,19 @@ def test_token_prompts_equal_text_prompts_and_logprobs_are_exact(srv, model_dir)
     by_ids = generate(srv, [ids], temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)[0]
     assert by_text["token_ids"] == by_ids["token_ids"] and by_text["prompt_len"] == by_ids["prompt_len"] == len(ids)
     expected = direct_token_logprobs(model_dir, ids, by_ids["token_ids"])
-    assert torch.allclose(torch.tensor(by_ids["logprobs"]), expected, atol=1e-4)
+    assert torch.allclose(torch.tensor(sampled(by_ids)), expected, atol=1e-4)
+    # logprobs=0: only the sampled token (vLLM's rule); greedy: it is the most likely, rank 1
+    assert all(list(e) == [str(t)] and e[str(t)]["rank"] == 1 for e, t in zip(by_ids["logprobs"], by_ids["token_ids"]))
     # sampled tokens: log-probs of softmax(logits / T) at the sampled token
-    sampled = generate(srv, [ids], temperature=0.8, max_tokens=6, logprobs=1, seed=3, ignore_eos=True)[0]
-    expected = direct_token_logprobs(model_dir, ids, sampled["token_ids"], temperature=0.8)
-    assert torch.allclose(torch.tensor(sampled["logprobs"]), expected, atol=1e-4)
+    sample = generate(srv, [ids], temperature=0.8, max_tokens=6, logprobs=1, seed=3, ignore_eos=True)[0]
+    expected = direct_token_logprobs(model_dir, ids, sample["token_ids"], temperature=0.8)
+    assert torch.allclose(torch.tensor(sampled(sample)), expected, atol=1e-4)
+    # logprobs=1: the sampled token and the most likely one, ranks counted in that same distribution
+    for entry, tok in zip(sample["logprobs"], sample["token_ids"]):
+        top = [e for e in entry.values() if e["rank"] == 1]
+        assert str(tok) in entry and 1 <= len(entry) <= 2 and len(top) == 1
+        assert top[0]["logprob"] >= entry[str(tok)]["logprob"]
+        assert (entry[str(tok)]["rank"] == 1) == (len(entry) == 1)
 
 
 def test_v1_json_generate(srv):
@@ -182,7 +196,7 @@ def test_weight_sync_makes_the_sampler_equal_the_trainer(srv, model_dir):
             fwd = decode(post_frame(srv, f"/forward?job_id={tid}", {"batch": batch, "meta": {}, "processing": {}}))
             p = len(PROMPT_IDS[0])
             trainer = fwd["batch"]["logprobs"][0, p - 1 : p - 1 + len(sample["token_ids"])]
-            return sample, (torch.tensor(sample["logprobs"]) - trainer).abs().max().item()
+            return sample, (torch.tensor(sampled(sample)) - trainer).abs().max().item()
 
         before, gap_before = sampler_vs_trainer()
         sync = requests.post(

@@ -1,4 +1,5 @@
-"""FastAPI routes of the reference Arctic RL server: v2 paths, plus the v1 ones.
+"""FastAPI routes of the reference Arctic RL server: v2 paths, plus the v1 ones (the vendor's
+control routes -- sleep/wake, prefix cache, ``/operation``, ... -- are added by :mod:`.control`).
 
 Each route reads its body (size-capped, :mod:`.bodies`), decodes it in the encoding of its wire
 generation -- DSSST1 for v2 tensor bodies, ``torch.save`` through the safe loader for v1, JSON
@@ -33,6 +34,7 @@ from arctic_rl.protocol import (
 )
 from arctic_rl.server import bodies
 from arctic_rl.server.auth import BearerTokenMiddleware
+from arctic_rl.server.control import install_control_routes
 from arctic_rl.server.errors import install_error_handlers
 from arctic_rl.server.idempotency import CachedResponse, payload_hash
 from arctic_rl.server.service import SERVER_NAME, ServerState
@@ -215,4 +217,5 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             return bodies.json_response(await state.generate(job_id, bodies.decode_json(body)))
         return bodies.dssst1_response(await state.generate(job_id, bodies.decode_dssst1(body)))
 
+    install_control_routes(app, state, limit=limit, body_timeout=body_timeout)
     return app

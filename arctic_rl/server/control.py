@@ -1,0 +1,263 @@
+"""The vendor's v2 control routes on the reference server: sleep/wake, prefix cache, ``/operation``,
+``/weight-norm``, ``/empty-training-cache`` and ``/log-probs``.
+
+They exist so that a client written for the vendor's server (Arctic-Platform ``common/http_server.py``)
+-- its own verl integration included -- runs against this one unchanged. Request and answer shapes
+are the vendor's; what each does here:
+
+==========================  =================================================================================
+route                       here
+==========================  =================================================================================
+``/sleep-inference``        ``?job_id=<sampling>``, level from the query or ``{level}``: the sampler's ``sleep``
+``/wake-inference``         body a tag list, ``{tags}`` or nothing (= all): the sampler's ``wake_up``
+``/reset-prefix-cache``     :class:`~arctic_rl.protocol.ResetPrefixCacheRequest`: the sampler's ``reset_prefix_cache``
+``/operation``              :class:`~arctic_rl.protocol.OperationRequest`: one of the four above / weight sync
+``/sleep-training``         ``mode`` all / non_lp / lp_params; ``/wake-training``, ``/sleep-log-prob``,
+                            ``/wake-log-prob``: the state stays resident (one process, no GPU time-sharing
+                            with a colocated sampler), answered ``{job_id, workers: [status]}``
+``/empty-training-cache``   ``gc.collect`` and, on CUDA, ``torch.cuda.empty_cache``
+``/weight-norm``            L2 norms of the training and sampling models (equal after a weight sync)
+``/log-probs``              JSON ``{prompts, completions?, top_k}`` -> DSSST1 ``{job_id, results [B, S-1]}``
+==========================  =================================================================================
+
+Unknown jobs are 404, jobs of the wrong type 400 (as at the vendor). What is not here: training,
+generation or the weight copy itself (:mod:`.service`, :mod:`.engines`).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from arctic_rl.protocol import (
+    JobType,
+    LogProbsRequest,
+    OperationRequest,
+    OperationType,
+    Paths,
+    ResetPrefixCacheRequest,
+    WeightNormRequest,
+    WeightSyncRequest,
+)
+from arctic_rl.server import bodies
+from arctic_rl.server.engines.weights import weight_norm
+from arctic_rl.server.errors import BadRequest
+from arctic_rl.server.service import ServerState
+
+__all__ = ["SLEEP_TRAINING_MODES", "install_control_routes"]
+
+SLEEP_TRAINING_MODES = ("all", "non_lp", "lp_params")
+
+
+def _state_of(engine: Any, *, sleeping: bool, mode: str | None = None) -> dict[str, Any]:
+    device = str(getattr(engine, "device", "cpu"))
+    status = {"status": "resident" if sleeping else "on_device", "device": device}
+    if mode is not None:
+        status["mode"] = mode
+    return status
+
+
+def _empty_cache(engine: Any) -> dict[str, Any]:
+    gc.collect()
+    gpu_mb = 0.0
+    if str(getattr(engine, "device", "cpu")).startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        gpu_mb = torch.cuda.memory_allocated() / 1e6
+    return {"gpu_mb": gpu_mb}
+
+
+def _text_logprobs(engine: Any, texts: list[str]) -> torch.Tensor:
+    """Per-token ``log p(token c+1 | <= c)`` of each text, ``[B, S-1]`` (rows right-padded, padding 0)."""
+    from arctic_rl.server.engines.common import load_tokenizer
+
+    tokenizer = getattr(engine, "_text_tokenizer", None)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(engine.config.model_name)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+        engine._text_tokenizer = tokenizer
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"].to(engine.device), enc["attention_mask"].to(engine.device)
+    if ids.shape[1] < 2:
+        raise BadRequest("prompts: every text must have at least two tokens", field="prompts",
+                         received=int(ids.shape[1]))
+    context = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
+    if context and ids.shape[1] > context:
+        raise BadRequest(f"prompts: {ids.shape[1]} tokens exceed the model's context of {context}", field="prompts",
+                         allowed=context, received=int(ids.shape[1]))
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids, attention_mask=mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (lp * mask[:, 1:]).cpu()
+
+
+class ControlService:
+    """What the control routes do, on top of :class:`~arctic_rl.server.service.ServerState`."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def sleep_inference(self, job_id: int, level: int) -> dict[str, Any]:
+        job = self.state.jobs.get(job_id, JobType.SAMPLING)
+        return {"job_id": job_id, "sampling": await self.state._on_job(job, job.engine.sleep, level)}
+
+    async def wake_inference(self, job_id: int, tags: list[str] | None) -> dict[str, Any]:
+        job = self.state.jobs.get(job_id, JobType.SAMPLING)
+        return {"job_id": job_id, "sampling": await self.state._on_job(job, job.engine.wake_up, tags)}
+
+    async def reset_prefix_cache(self, job_id: int, request: ResetPrefixCacheRequest) -> dict[str, Any]:
+        job = self.state.jobs.get(job_id, JobType.SAMPLING)
+        return {"job_id": job_id, "sampling": await self.state._on_job(job, job.engine.reset_prefix_cache)}
+
+    async def operation(self, job_id: int, request: OperationRequest) -> dict[str, Any]:
+        kind, payload = request.operation_type, request.payload or {}
+        allowed = [t.value for t in OperationType]
+        if kind == OperationType.WEIGHT_SYNC:
+            return await self.state.weight_sync(job_id, _model(WeightSyncRequest, payload, "payload"))
+        if kind == OperationType.RESET_PREFIX_CACHE:
+            return await self.reset_prefix_cache(job_id, _model(ResetPrefixCacheRequest, payload, "payload"))
+        if kind == OperationType.SLEEP_INFERENCE:
+            return await self.sleep_inference(job_id, _level(payload.get("level", 1)))
+        if kind == OperationType.WAKE_INFERENCE:
+            return await self.wake_inference(job_id, _tags(payload.get("tags")))
+        raise BadRequest(f"operation_type: unknown operation {kind!r}", field="operation_type", allowed=allowed,
+                         received=kind)
+
+    async def sleep_job(self, job_id: int, job_type: JobType, mode: str | None = None) -> dict[str, Any]:
+        job = self.state.jobs.get(job_id, job_type)
+        return {"job_id": job_id, "workers": [_state_of(job.engine, sleeping=True, mode=mode)]}
+
+    async def wake_job(self, job_id: int, job_type: JobType) -> dict[str, Any]:
+        job = self.state.jobs.get(job_id, job_type)
+        return {"job_id": job_id, "workers": [_state_of(job.engine, sleeping=False)]}
+
+    async def empty_training_cache(self, job_id: int) -> dict[str, Any]:
+        job = self.state.jobs.get(job_id, JobType.TRAINING)
+        return {"job_id": job_id, "workers": [await self.state._on_job(job, _empty_cache, job.engine)]}
+
+    async def weight_norm(self, request: WeightNormRequest) -> dict[str, Any]:
+        training = self.state.jobs.get(request.training_job_id, JobType.TRAINING)
+        sampling = self.state.jobs.get(request.sampling_job_id, JobType.SAMPLING)
+        t = await self.state._on_job(training, weight_norm, training.engine.model)
+        s = await self.state._on_job(sampling, weight_norm, sampling.engine.model)
+        return {"training_norm": t["norm"], "sampling_norm": s["norm"], "training_num_params": t["num_params"],
+                "sampling_num_params": s["num_params"]}
+
+    async def log_probs(self, job_id: int, request: LogProbsRequest) -> dict[str, Any]:
+        job = self.state.jobs.get(job_id, JobType.LOG_PROB)
+        texts = list(request.prompts)
+        if request.completions is not None:
+            if len(request.completions) != len(texts):
+                raise BadRequest("completions: expected one per prompt", field="completions", allowed=len(texts),
+                                 received=len(request.completions))
+            texts = [p + c for p, c in zip(texts, request.completions)]
+        return {"job_id": job_id, "results": await self.state._on_job(job, _text_logprobs, job.engine, texts)}
+
+
+def _model(model, payload: dict, prefix: str):
+    from pydantic import ValidationError
+
+    from arctic_rl.server.errors import from_validation_error
+
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix=prefix) from None
+
+
+def _level(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
+        raise BadRequest("level: expected an integer", field="level", allowed=[1, 2], received=value)
+    return int(value)
+
+
+def _tags(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise BadRequest("tags: expected a list of strings", field="tags", allowed=["weights", "kv_cache"],
+                         received=value)
+    return value
+
+
+def install_control_routes(app: FastAPI, state: ServerState, *, limit: int, body_timeout: float | None) -> None:
+    """Add the vendor's control routes (the module docstring) to ``app``."""
+    control = ControlService(state)
+
+    async def json_body(request: Request) -> Any:
+        return bodies.decode_json(await bodies.read_body(request, limit, body_timeout), required=False)
+
+    def field(body: Any, key: str) -> Any:
+        return body.get(key) if isinstance(body, dict) else None
+
+    @app.post(Paths.SLEEP_INFERENCE)
+    async def sleep_inference(request: Request, job_id: int, level: int = 1) -> Response:
+        body = await json_body(request)
+        if field(body, "level") is not None:
+            level = _level(body["level"])
+        return bodies.json_response(await control.sleep_inference(job_id, level))
+
+    @app.post(Paths.WAKE_INFERENCE)
+    async def wake_inference(request: Request, job_id: int) -> Response:
+        body = await json_body(request)
+        tags = body.get("tags") if isinstance(body, dict) else body
+        return bodies.json_response(await control.wake_inference(job_id, _tags(tags)))
+
+    @app.post(Paths.RESET_PREFIX_CACHE)
+    async def reset_prefix_cache(request: Request, job_id: int) -> Response:
+        body = await bodies.read_body(request, limit, body_timeout)
+        req = bodies.decode_model(body, ResetPrefixCacheRequest)
+        return bodies.json_response(await control.reset_prefix_cache(job_id, req))
+
+    @app.post(Paths.OPERATION)
+    async def operation(request: Request, job_id: int) -> Response:
+        body = await bodies.read_body(request, limit, body_timeout)
+        req = bodies.decode_model(body, OperationRequest, required=True)
+        return bodies.json_response(await control.operation(job_id, req))
+
+    @app.post(Paths.SLEEP_TRAINING)
+    async def sleep_training(request: Request, job_id: int, mode: str = "all") -> Response:
+        body = await json_body(request)
+        if field(body, "mode") is not None:
+            mode = str(body["mode"])
+        if mode not in SLEEP_TRAINING_MODES:
+            raise BadRequest("mode: unknown sleep mode", field="mode", allowed=list(SLEEP_TRAINING_MODES),
+                             received=mode)
+        return bodies.json_response(await control.sleep_job(job_id, JobType.TRAINING, mode))
+
+    @app.post(Paths.WAKE_TRAINING)
+    async def wake_training(request: Request, job_id: int) -> Response:
+        await json_body(request)
+        return bodies.json_response(await control.wake_job(job_id, JobType.TRAINING))
+
+    @app.post(Paths.SLEEP_LOG_PROB)
+    async def sleep_log_prob(request: Request, job_id: int) -> Response:
+        await json_body(request)
+        return bodies.json_response(await control.sleep_job(job_id, JobType.LOG_PROB))
+
+    @app.post(Paths.WAKE_LOG_PROB)
+    async def wake_log_prob(request: Request, job_id: int) -> Response:
+        await json_body(request)
+        return bodies.json_response(await control.wake_job(job_id, JobType.LOG_PROB))
+
+    @app.post(Paths.EMPTY_TRAINING_CACHE)
+    async def empty_training_cache(request: Request, job_id: int) -> Response:
+        await json_body(request)
+        return bodies.json_response(await control.empty_training_cache(job_id))
+
+    @app.post(Paths.WEIGHT_NORM)
+    async def weight_norm_route(request: Request) -> Response:
+        body = await bodies.read_body(request, limit, body_timeout)
+        return bodies.json_response(await control.weight_norm(bodies.decode_model(body, WeightNormRequest,
+                                                                                  required=True)))
+
+    @app.post(Paths.LOG_PROBS)
+    async def log_probs(request: Request, job_id: int) -> Response:
+        body = await bodies.read_body(request, limit, body_timeout)
+        req = bodies.decode_model(body, LogProbsRequest, required=True)
+        return bodies.dssst1_response(await control.log_probs(job_id, req))
