@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# GSM8K GRPO with a LoRA adapter on a Qwen3 model, trained and sampled by the hosted Tinker service.
+#
+# verl (PyPI 0.9.1) runs the GRPO loop on this machine (no GPU needed); LoRA training, log-probs and
+# generation run on Tinker through its official SDK (pip install '.[tinker]', Python >= 3.11). The API key
+# comes from TINKER_API_KEY (never from a config file). TINKER_URL selects another Tinker-compatible service
+# (empty: the SDK's default, the hosted service). verl reads the tokenizer from MODEL (a hub name or a local
+# copy of the same model); the service trains the base model of the same name (BASE_MODEL to override).
+#
+# Data: python examples/data_preprocess/gsm8k.py --local_dataset_path /path/to/gsm8k --local_save_dir "$DATA_DIR"
+#
+#   export TINKER_API_KEY=...
+#   bash examples/grpo/run_gsm8k_grpo_tinker.sh trainer.total_training_steps=10
+set -euo pipefail
+
+############################ User-adjustable ############################
+
+MODEL="${MODEL:-Qwen/Qwen3-8B}"
+BASE_MODEL="${BASE_MODEL:-}"
+LORA_RANK="${LORA_RANK:-32}"
+DATA_DIR="${DATA_DIR:-${HOME}/data/gsm8k}"
+OUT_DIR="${OUT_DIR:-${PWD}/outputs/gsm8k}"
+STEPS="${STEPS:-80}"
+SEED="${SEED:-42}"
+TINKER_URL="${TINKER_URL:-}"
+RUN_NAME="${RUN_NAME:-gsm8k_grpo_tinker_rank${LORA_RANK}}"
+RUN_DIR="${OUT_DIR}/${RUN_NAME}"
+PYTHON="${PYTHON:-python3}"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+PRINT_ONLY=false
+for arg in "$@"; do
+    case "${arg}" in --cfg|--cfg=*|-c|--help|--hydra-help|--info|--info=*) PRINT_ONLY=true ;; esac
+done
+if [ "${PRINT_ONLY}" = false ] && [ -z "${TINKER_API_KEY:-}" ]; then
+    echo "TINKER_API_KEY is not set: export your Tinker API key first" >&2
+    exit 2
+fi
+
+export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-${RUN_DIR}/metrics.jsonl}"
+
+SERVER_URL="null"
+if [ -n "${TINKER_URL}" ]; then SERVER_URL="'${TINKER_URL}'"; fi
+BASE="null"
+if [ -n "${BASE_MODEL}" ]; then BASE="'${BASE_MODEL}'"; fi
+
+############################ Parameter groups ############################
+
+DATA=(
+    data.train_files="${DATA_DIR}/train.parquet"
+    data.val_files="${DATA_DIR}/test.parquet"
+    data.train_batch_size=32
+    data.max_prompt_length=512
+    data.max_response_length=1024
+    data.filter_overlong_prompts=True
+    data.truncation=error
+    data.seed="${SEED}"
+)
+
+MODEL_ARGS=(
+    actor_rollout_ref.model.path="${MODEL}"
+    actor_rollout_ref.model.lora_rank="${LORA_RANK}"
+)
+
+ACTOR=(
+    # LoRA learning rates are ~10x full fine-tuning's
+    actor_rollout_ref.actor.optim.lr=4e-5
+    actor_rollout_ref.actor.optim.weight_decay=0.0
+    actor_rollout_ref.actor.ppo_mini_batch_size=32
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.loss_agg_mode=token-mean
+    actor_rollout_ref.actor.data_loader_seed="${SEED}"
+)
+
+ROLLOUT=(
+    actor_rollout_ref.rollout.n=8
+    actor_rollout_ref.rollout.temperature=1.0
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32
+    actor_rollout_ref.rollout.agent.num_workers=1
+)
+
+ALGO=(
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False
+)
+
+TRAINER=(
+    trainer.logger=[console,file]
+    trainer.project_name=gsm8k_grpo_tinker
+    trainer.experiment_name="${RUN_NAME}"
+    trainer.total_training_steps="${STEPS}"
+    trainer.total_epochs=15
+    trainer.val_before_train=False
+    trainer.test_freq=-1
+    trainer.save_freq=20
+    trainer.default_local_dir="${RUN_DIR}/checkpoints"
+)
+
+REMOTE_BACKEND=(
+    remote_backend.server.url="${SERVER_URL}"
+    remote_backend.server.base_model="${BASE}"
+    # all 32 prompts x 8 samples of a step at once: 32 sample calls with num_samples=8
+    remote_backend.rollout.max_batch_size=256
+    remote_backend.rollout.max_wait_ms=200
+)
+
+############################ Launch ############################
+
+LAUNCH=(
+    "${PYTHON}" -m verl.remote_backend.main_ppo
+    "${DATA[@]}" "${MODEL_ARGS[@]}" "${ACTOR[@]}" "${ROLLOUT[@]}" "${ALGO[@]}" "${TRAINER[@]}"
+    "${REMOTE_BACKEND[@]}"
+    remote_backend=tinker
+    hydra.run.dir="${RUN_DIR}/hydra"
+    "$@"
+)
+if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
+
+source "${SCRIPT_DIR}/../common/console.sh"
+mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
+console_init "${RUN_DIR}/run.log"
+console_say "================================================================================"
+console_say "GSM8K GRPO, ${MODEL} + LoRA rank ${LORA_RANK}, ${STEPS} steps, verl 0.9.1 + remote backend 'tinker'"
+console_say "  service: ${TINKER_URL:-the default of the SDK (hosted Tinker)}"
+console_say "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)"
+console_say "  log:     ${RUN_DIR}/run.log"
+console_say "================================================================================"
+console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
+console_say "GSM8K GRPO finished: metrics in ${VERL_FILE_LOGGER_PATH}, full log in ${RUN_DIR}/run.log"
