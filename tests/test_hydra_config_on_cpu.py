@@ -123,6 +123,24 @@ def test_ray_cpus_cover_the_transfer_queue_units_and_leave_clusters_alone():
     assert ensure_ray_cpus(cluster) is None and cluster.ray_kwargs.ray_init.num_cpus == 1
 
 
+def test_ray_cpus_are_left_alone_inside_a_submitted_job(monkeypatch):
+    """A Ray job's driver gets RAY_ADDRESS; ray.init then refuses num_cpus (it joins the cluster)."""
+    from omegaconf import OmegaConf
+
+    def config():
+        return OmegaConf.create({"trainer": {"use_v1": True}, "ray_kwargs": {"ray_init": {"num_cpus": 1}}})
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = config()
+    assert ensure_ray_cpus(cfg) is not None and cfg.ray_kwargs.ray_init.num_cpus == required_ray_cpus(cfg)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    cfg = config()
+    assert ensure_ray_cpus(cfg) is None and cfg.ray_kwargs.ray_init.num_cpus == 1
+    monkeypatch.setenv("RAY_ADDRESS", "local")  # Ray's own word for "start a new local instance"
+    cfg = config()
+    assert ensure_ray_cpus(cfg) is not None and cfg.ray_kwargs.ray_init.num_cpus > 1
+
+
 def test_stock_command_line_check_names_each_problem():
     from hydra_plugins.verl_remote_backend_searchpath import check_stock_command_line
 

@@ -129,11 +129,15 @@ def required_ray_cpus(config: DictConfig) -> int:
 def ensure_ray_cpus(config: DictConfig) -> str | None:
     """Raise ``ray_kwargs.ray_init.num_cpus`` to :func:`required_ray_cpus` for a local cluster.
 
-    Left alone when ``ray_init.address`` names an existing cluster (its resources are what they
-    are). Returns a note when the value changed.
+    Left alone when ``ray_init.address`` or ``RAY_ADDRESS`` (set by Ray in a submitted job's
+    driver) names an existing cluster: its resources are what they are, and ``ray.init`` refuses
+    ``num_cpus`` when it connects to one. Returns a note when the value changed.
     """
     ray_init = OmegaConf.select(config, "ray_kwargs.ray_init", default=None)
-    if ray_init is not None and ray_init.get("address") not in (None, "", "local"):
+    address = ray_init.get("address") if ray_init is not None else None
+    if address in (None, ""):
+        address = os.environ.get("RAY_ADDRESS")
+    if address not in (None, "", "local"):
         return None
     needed = required_ray_cpus(config)
     current = None if ray_init is None else ray_init.get("num_cpus")
