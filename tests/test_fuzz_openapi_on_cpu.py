@@ -24,9 +24,13 @@ from arctic_rl.protocol import (
     GenerateRequest,
     JobConfig,
     LoadCheckpointRequest,
+    LogProbsRequest,
+    OperationRequest,
+    ResetPrefixCacheRequest,
     SaveRequest,
     StepRequest,
     V1SyncWeightsRequest,
+    WeightNormRequest,
     WeightSyncRequest,
 )
 from server_process import decode, running_server, tiny_model_dir
@@ -48,6 +52,10 @@ BODIES = {
     "/weight-sync": WeightSyncRequest,
     "/sync-weights": V1SyncWeightsRequest,
     "/generate": GenerateRequest,  # the v1 (JSON) form
+    "/reset-prefix-cache": ResetPrefixCacheRequest,
+    "/operation": OperationRequest,
+    "/weight-norm": WeightNormRequest,
+    "/log-probs": LogProbsRequest,
 }
 ORDER_LAST = ("/destroy",)  # destroys jobs: fuzz it after everything else
 
