@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -173,3 +174,29 @@ def test_reverse_text_failure_reaches_the_terminal_with_the_log_path(tmp_path):
     assert len(terminal.splitlines()) <= 60, terminal
     assert not [line for line in terminal.splitlines() if line.startswith("+")]  # no shell trace on the terminal
     assert "no_such_key" in log.read_text() and "+ console_run" in log.read_text()  # the trace went to the log
+
+
+def test_console_shows_progress_lines_as_they_come(tmp_path):
+    """examples/common/console.sh: matching lines reach the terminal at once (not at the end), once each,
+    without Ray's "(Actor pid=N)" prefix; the rest only reaches the log."""
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "set -euo pipefail\n"
+        f"source {REPO_ROOT / 'examples' / 'common' / 'console.sh'}\n"
+        f"console_init {tmp_path / 'run.log'}\n"
+        "console_run '^\\[p\\] step' bash -c 'printf \"\\033[36m(Runner pid=7)\\033[0m [p] step 1\\n\"; "
+        "echo \"[p] step 1\"; echo noise; sleep 20; echo \"[p] step 2\"'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VERBOSE"}
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        start = time.monotonic()
+        first = proc.stdout.readline()
+        assert time.monotonic() - start < 15, "the first progress line waited for the command to end"
+        assert first == "[p] step 1\n"
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert rest == "[p] step 2\n"  # the repeated line once, no noise
+    assert "noise" in (tmp_path / "run.log").read_text()

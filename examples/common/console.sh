@@ -41,9 +41,15 @@ _console_clean() {
     sed -u -E -e 's/\x1b\[[0-9;]*m//g' -e 's/^\([^)]*pid=[0-9]+[^)]*\) //'
 }
 
-# A line equal to the one shown just before it is not shown again.
+# A line equal to the one shown just before it is not shown again. A shell loop, not awk: mawk reads its
+# input in blocks, so the progress lines would only appear at the end of the run.
 _console_once() {
-    awk '$0 != last { print; fflush(); last = $0 }'
+    { set +x; } 2>/dev/null
+    local line last=""
+    while IFS= read -r line; do
+        if [ "${line}" != "${last}" ]; then printf '%s\n' "${line}"; fi
+        last="${line}"
+    done
 }
 
 console_run() {
