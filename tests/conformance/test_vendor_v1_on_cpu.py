@@ -26,7 +26,7 @@ from server_process import tiny_model_dir
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl.remote_backend.errors import RemoteJobNotFoundError, RemoteServerError
+from verl.remote_backend.errors import RemoteJobNotFoundError
 from verl.workers.remote_client.arctic_rl import ArcticRLClient
 
 pytestmark = [pytest.mark.slow]
@@ -260,9 +260,6 @@ def test_control_calls_checkpoint_weight_sync_generate_and_destroy(vendor_v1_ser
     assert server_jobs(vendor_v1_server.url) == {}
 
 
-@pytest.mark.xfail(strict=True, raises=RemoteServerError,
-                   reason="issue 11 finding 7, v1 route: the adapter maps the vendor's 500 for an unknown job "
-                          "on /forward only, not on v1's /fwd-no-grad")
 def test_unknown_job_on_fwd_no_grad_is_reported_as_gone(vendor_v1_server, model_dir, client_factory):
     cfg = v1_config(model_dir, vendor_v1_server.url, train={"micro_batch_size": 4})
     client = client_factory(cfg)

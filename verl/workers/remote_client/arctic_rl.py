@@ -357,7 +357,8 @@ class ArcticRLClient(RemoteBackend):
                 return self._http.request("POST", path, op=op, params={"job_id": job_id}, data=payload,
                                           content_type=OCTET_STREAM, idempotent=idempotent, request_id=request_id)
             except RemoteServerError as exc:
-                if path == Paths.FORWARD and exc.status == 500 and not isinstance(exc, RemoteJobNotFoundError):
+                forward = path in (Paths.FORWARD, Paths.V1_FWD_NO_GRAD)
+                if forward and exc.status == 500 and not isinstance(exc, RemoteJobNotFoundError):
                     self._raise_if_job_gone(f"POST {path}", job_id, exc)
                 raise
 
@@ -373,8 +374,8 @@ class ArcticRLClient(RemoteBackend):
         return out
 
     def _raise_if_job_gone(self, endpoint: str, job_id: int, exc: RemoteServerError) -> None:
-        """The vendor's ``/forward`` indexes its job table before checking the id: an unknown job is a
-        plain 500 there. ``GET /job/{id}`` tells: a 404 makes it :class:`RemoteJobNotFoundError`."""
+        """The vendor's ``/forward`` (v1: ``/fwd-no-grad``) indexes its job table before checking the id: an
+        unknown job is a plain 500 there. ``GET /job/{id}`` tells: a 404 makes it :class:`RemoteJobNotFoundError`."""
         try:
             self._http.request("GET", Paths.job(job_id), op="default")
         except RemoteJobNotFoundError as gone:
