@@ -23,7 +23,7 @@ TOKEN_ENV = "ARCTIC_RL_SERVER_TOKEN"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from arctic_rl.server.settings import TORCH_COMPILE_MODES  # light: no torch, no FastAPI
+    from arctic_rl.server.settings import SAMPLERS, TORCH_COMPILE_MODES  # light: no torch, no FastAPI
 
     p = argparse.ArgumentParser(prog="python -m arctic_rl.server", description="The reference Arctic RL server.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -43,6 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="torch.compile the training model: whole decoder layers, only their norms and MLPs, or off. "
         "Default auto: layers on CUDA when a probe compile works there, off on CPU. See docs/PERFORMANCE.md",
+    )
+    p.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default="auto",
+        help="sampling engine: vllm (in-process vLLM; needs --device cuda and the vllm package), transformers, or "
+        "auto (default): vllm where it can run, else transformers; the choice is logged",
     )
     p.add_argument("--body-timeout-s", type=float, default=300.0,
                    help="longest time to receive one request body; slower clients get a 408 (default 300)")
@@ -112,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("INSECURE: serving on %s WITHOUT a token; anyone who can reach it controls the jobs", args.host)
         log.warning("!" * 72)
 
+    from arctic_rl.server.engines.sampler_choice import SamplerUnavailable, resolve_sampler
+
+    try:
+        resolve_sampler(args.sampler, args.device)  # fail at start-up, not at the first sampling job
+    except SamplerUnavailable as exc:
+        log.error("%s", exc)
+        return 2
+
     import torch
     import uvicorn
 
@@ -129,16 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         body_timeout_s=args.body_timeout_s,
         head_timeout_s=args.head_timeout_s,
         limit_concurrency=args.limit_concurrency,
+        sampler=args.sampler,
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     from arctic_rl.server.app import create_app
 
     app = create_app(settings)
     log.info(
-        "arctic_rl reference server on http://%s:%d (device=%s, checkpoint root=%s, auth=%s, instance=%s)",
+        "arctic_rl reference server on http://%s:%d (device=%s, sampler=%s, checkpoint root=%s, auth=%s, instance=%s)",
         args.host,
         args.port,
         args.device,
+        resolve_sampler(args.sampler, args.device),
         settings.checkpoint_root,
         "token" if settings.token else "none",
         app.state.server.instance_id,

@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["TORCH_COMPILE_MODES", "ServerSettings", "is_loopback_host"]
+__all__ = ["SAMPLERS", "TORCH_COMPILE_MODES", "ServerSettings", "is_loopback_host"]
 
 Device = Literal["cpu", "cuda"]
 #: ``torch.compile`` of the training model: ``auto`` (whole decoder layers on CUDA when a compile probe
 #: works there, else off), off, whole decoder layers, or only the layers' norms and MLPs
 TORCH_COMPILE_MODES = ("auto", "off", "layers", "modules")
+#: the sampling engine: ``auto`` (vLLM where CUDA and ``vllm`` are there, else ``transformers``), or one of
+#: the two (see :mod:`arctic_rl.server.engines.sampler_choice`)
+SAMPLERS = ("auto", "vllm", "transformers")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -57,6 +60,8 @@ class ServerSettings:
     head_timeout_s: float = 30.0
     #: connections + running requests above which new requests get a 503 (retryable); 0 = unbounded
     limit_concurrency: int = 1024
+    #: the sampling engine (:data:`SAMPLERS`)
+    sampler: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -74,4 +79,6 @@ class ServerSettings:
             raise ValueError(f"limit_concurrency: expected >= 0 (0 = unbounded), got {self.limit_concurrency}")
         if self.torch_compile not in TORCH_COMPILE_MODES:
             raise ValueError(f"torch_compile: expected one of {list(TORCH_COMPILE_MODES)}, got {self.torch_compile!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler: expected one of {list(SAMPLERS)}, got {self.sampler!r}")
         object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

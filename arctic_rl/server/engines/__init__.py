@@ -6,6 +6,7 @@ job type        class                                         does
 ``training``    :class:`~.training.TrainingEngine`            DeepSpeed fwd/bwd, step, checkpoints
 ``log_prob``    :class:`~.logprob.LogProbEngine`              no-grad log-probs (reference policy)
 ``sampling``    :class:`~.sampling.SamplingEngine`            generation with ``transformers``
+``sampling``    :class:`~.vllm_sampler.VllmSamplingEngine`    generation with vLLM (``--sampler``)
 ==============  ============================================  =====================================
 
 Engines are synchronous and not thread-safe; the server calls each from a worker thread under
@@ -36,6 +37,12 @@ def create_engine(config: JobConfig, settings: ServerSettings, job_dir: Path | N
 
         return LogProbEngine(config, settings)
     if config.job_type == JobType.SAMPLING:
+        from arctic_rl.server.engines.sampler_choice import resolve_sampler
+
+        if resolve_sampler(settings.sampler, settings.device) == "vllm":
+            from arctic_rl.server.engines.vllm_sampler import VllmSamplingEngine
+
+            return VllmSamplingEngine(config, settings)
         from arctic_rl.server.engines.sampling import SamplingEngine
 
         return SamplingEngine(config, settings)

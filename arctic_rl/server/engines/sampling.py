@@ -7,7 +7,8 @@ the model's tokenizer) or token-id lists (used as given -- :data:`Features.TOKEN
 and the engine's ``weight_version`` (bumped by every ``/weight-sync``). Rows are generated in
 chunks of at most ``generate_batch_size`` (``vllm_config.max_num_seqs`` when the job sets it).
 One :class:`torch.Generator` per request, seeded from ``seed`` (random when absent), makes a
-seeded request reproducible. The loop itself is :mod:`.generation`.
+seeded request reproducible. The loop itself is :mod:`.generation`; on CUDA, requests without stop
+strings take :mod:`.fast_generation` (static cache, compiled decode step, batch buckets).
 
 With ``logprobs=k`` each result carries, per generated token, the vendor's (vLLM's) entry
 ``{str(token_id): {"logprob", "rank"}}`` for the sampled token and the ``k`` most likely tokens.
@@ -28,6 +29,7 @@ from pydantic import ValidationError
 
 from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
 from arctic_rl.server.engines.common import compute_dtype, load_model, load_tokenizer, model_vocab_size, resolve_device
+from arctic_rl.server.engines.fast_generation import can_run_static, generate_batch_static
 from arctic_rl.server.engines.generation import generate_batch
 from arctic_rl.server.engines.weights import copy_weights, weight_norm
 from arctic_rl.server.errors import BadRequest, from_validation_error
@@ -169,7 +171,8 @@ class SamplingEngine:
         t0 = time.perf_counter()
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start : start + self.batch_size]
-            samples = generate_batch(
+            loop = generate_batch_static if self.device.type == "cuda" and can_run_static(params) else generate_batch
+            samples = loop(
                 self.model,
                 [prompts[pi] for pi, _ in chunk],
                 params,

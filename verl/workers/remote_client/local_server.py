@@ -120,7 +120,8 @@ def start_local_server(cfg: LocalServerConfig, *, token: str | None = None, pyth
 def _spawn(cfg: LocalServerConfig, port: int, root: Path, log_dir: Path, token: str | None, python: str,
            tmpdir: tempfile.TemporaryDirectory | None) -> LocalServer:
     cmd = [python, "-m", "arctic_rl.server", "--host", cfg.host, "--port", str(port), "--checkpoint-root", str(root),
-           "--device", cfg.device, "--threads", str(cfg.threads), "--exit-with-parent", str(os.getpid())]
+           "--device", cfg.device, "--sampler", cfg.sampler, "--threads", str(cfg.threads),
+           "--exit-with-parent", str(os.getpid())]
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads), TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")

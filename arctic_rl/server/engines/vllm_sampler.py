@@ -1,0 +1,429 @@
+"""The vLLM sampling engine: ``/generate`` on vLLM's engine, inside the server process.
+
+Chosen by ``--sampler vllm`` (or ``auto`` on a CUDA machine with ``vllm``; see
+:mod:`.sampler_choice`). It answers the same ``/generate`` requests as the ``transformers``
+:class:`~.sampling.SamplingEngine` with the same result fields:
+
+* prompts are token ids (text prompts are tokenised with the model's tokenizer first) and go to
+  vLLM as ``TokensPrompt``; vLLM's tokenizer is never loaded (``skip_tokenizer_init``);
+* ``n``, ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (-1/0 = off), ``max_tokens``,
+  ``stop_token_ids``, ``ignore_eos``, ``seed`` and ``logprobs`` map onto vLLM's
+  ``SamplingParams``; the EOS ids are stop tokens unless ``ignore_eos``; the stop token is kept in
+  ``token_ids`` as in the ``transformers`` sampler;
+* a sampled token's log-prob is vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)``
+  (temperature 1 when greedy), the distribution verl recomputes and the ``transformers``
+  sampler reports. With ``top_k``/``top_p`` truncation on, vLLM renormalises over the kept
+  tokens first, so there its log-probs are those of the truncated distribution;
+* ``stop`` strings are applied to the decoded text after generation, exactly as the
+  ``transformers`` sampler does (text cut before the stop string, tokens kept up to the one that
+  completed it, ``finish_reason="stop"``);
+* ``prefix_cache_len`` is the number of prompt tokens vLLM's prefix cache served.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``/weight-sync``
+from a training job on the same GPU hands its live tensors to ``model.load_weights`` with no
+host round trip; the prefix cache is reset after every sync, and the next ``/generate`` uses the
+new weights. GPU memory: vLLM takes ``vllm_config.gpu_memory_utilization`` of the device
+(default :data:`DEFAULT_GPU_MEMORY_UTILIZATION`), leaving the rest to the training and log-prob
+jobs; :meth:`sleep` / :meth:`wake_up` (``/sleep-inference``, ``/wake-inference``) free and
+restore vLLM's share around training. Engine options come from the job's ``vllm_config``
+(:data:`VLLM_OPTIONS`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
+from arctic_rl.server.engines.common import (
+    _model_source,
+    compute_dtype,
+    ensure_process_group,
+    load_tokenizer,
+    resolve_device,
+)
+from arctic_rl.server.engines.generation import _stop_cut
+from arctic_rl.server.engines.sampling import vendor_logprobs
+from arctic_rl.server.engines.weights import weight_norm
+from arctic_rl.server.errors import BadRequest, Conflict
+from arctic_rl.server.settings import ServerSettings
+
+__all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "MAX_LOGPROBS", "VLLM_OPTIONS", "VllmSamplingEngine", "engine_options"]
+
+logger = logging.getLogger("arctic_rl.server")
+
+#: vLLM's share of the GPU when the job does not say (the rest is left to training and log-probs)
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.4
+#: the most top tokens per generated token a request may ask for (``sampling_params.logprobs``)
+MAX_LOGPROBS = 20
+#: ``vllm_config`` keys passed to ``vllm.LLM`` and their types
+VLLM_OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "gpu_memory_utilization": (float, int),
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "enforce_eager": bool,
+    "enable_chunked_prefill": bool,
+    "enable_prefix_caching": bool,
+    "quantization": str,
+    "kv_cache_dtype": str,
+}
+#: ``vllm_config`` keys that are accepted and not used (one GPU, one engine)
+_IGNORED_OPTIONS = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")
+_WAKE_TAGS = ("weights", "kv_cache")
+
+
+def engine_options(vllm_config: dict[str, Any] | None) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments from a job's ``vllm_config`` (400 naming a bad key or value)."""
+    options: dict[str, Any] = {"gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION}
+    for key, value in (vllm_config or {}).items():
+        field = f"vllm_config.{key}"
+        if key in _IGNORED_OPTIONS:
+            if value not in (None, 1):
+                raise BadRequest(f"{field}: this server runs one vLLM engine on one GPU", field=field,
+                                 allowed=[1], received=value)
+            continue
+        if key not in VLLM_OPTIONS:
+            logger.info("vllm_config.%s is not used by this server's vLLM engine", key)
+            continue
+        if value is None:
+            continue
+        kind = VLLM_OPTIONS[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise BadRequest(f"{field}: wrong type", field=field, allowed=str(kind), received=value)
+        options[key] = value
+    share = options["gpu_memory_utilization"]
+    if not 0 < share <= 1:
+        raise BadRequest("vllm_config.gpu_memory_utilization: the share of GPU memory vLLM may take",
+                         field="vllm_config.gpu_memory_utilization", allowed="(0, 1]", received=share)
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if key in options and options[key] < 1:
+            raise BadRequest(f"vllm_config.{key}: must be positive", field=f"vllm_config.{key}", allowed=">= 1",
+                             received=options[key])
+    return options
+
+
+def _model_weight_norm(worker: Any) -> dict[str, float | int]:
+    """Runs inside vLLM's worker: :func:`~.weights.weight_norm` of the live model."""
+    return weight_norm(worker.model_runner.model)
+
+
+def _candidates(token_ids: list[int], logprobs: Any) -> list[dict[int, tuple[float, int]]]:
+    """vLLM's per-token ``{token_id: Logprob}`` as ``{token_id: (logprob, rank)}`` (what :mod:`.generation`
+    records), the sampled token always among them."""
+    out: list[dict[int, tuple[float, int]]] = []
+    for tok, step in zip(token_ids, logprobs or [], strict=True):
+        entry = {int(t): (float(lp.logprob), int(lp.rank) if lp.rank is not None else 0) for t, lp in step.items()}
+        if int(tok) not in entry:
+            raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
+        out.append(entry)
+    return out
+
+
+def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
+    """Runs inside vLLM's worker (this process): copy ``weights`` into the live model."""
+    loaded = worker.model_runner.model.load_weights(weights=weights)
+    return len(loaded) if loaded is not None else len(weights)
+
+
+class VllmSamplingEngine:
+    """Generation on an in-process ``vllm.LLM`` (see the module docstring)."""
+
+    job_type = JobType.SAMPLING
+
+    def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
+        multiprocessing = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if multiprocessing != "0":
+            raise RuntimeError(
+                "VLLM_ENABLE_V1_MULTIPROCESSING: the server's vLLM engine must run in the server process "
+                f"(allowed: unset or 0, received {multiprocessing!r})"
+            )
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # no FlashInfer JIT build on first use
+        from vllm import LLM
+
+        self.config = config
+        self.device = resolve_device(settings.device)
+        if self.device.type != "cuda":
+            raise RuntimeError("the vLLM sampler needs --device cuda")
+        self.dtype = compute_dtype(self.device)
+        self.options = engine_options(config.vllm_config)
+        self.tokenizer = load_tokenizer(config.model_name)
+        # Training, log-prob and vLLM share one world-size-1 process group whichever job comes first.
+        ensure_process_group(self.device)
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=_model_source(config.model_name),
+            skip_tokenizer_init=True,
+            dtype=self.dtype,
+            seed=0,
+            enable_sleep_mode=True,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=MAX_LOGPROBS,
+            **self.options,
+        )
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        self.vocab_size = int(model_config.get_vocab_size())
+        eos = getattr(model_config.hf_config, "eos_token_id", None)
+        gen_eos = None
+        try:
+            gen_eos = model_config.try_get_generation_config().get("eos_token_id")
+        except Exception:  # noqa: BLE001 - a model without a generation config
+            gen_eos = None
+        eos = gen_eos if gen_eos is not None else eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.weight_version = 0
+        self.sleeping: dict[str, bool] = dict.fromkeys(_WAKE_TAGS, False)
+        self.sleep_level = 0
+        self.weights_discarded = False
+        logger.info(
+            "vLLM sampler ready in %.1fs (gpu_memory_utilization=%s, max_model_len=%d, options=%s)",
+            time.perf_counter() - t0,
+            self.options["gpu_memory_utilization"],
+            self.max_model_len,
+            self.options,
+        )
+
+    # ------------------------------------------------------------------ prompts
+
+    def _prompt_ids(self, prompts: list) -> list[list[int]]:
+        ids: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                tokens = list(self.tokenizer(prompt)["input_ids"])
+            else:
+                tokens = [int(t) for t in prompt]
+                bad = [t for t in tokens if t < 0 or t >= self.vocab_size]
+                if bad:
+                    raise BadRequest(f"prompts[{i}]: token ids must lie in [0, {self.vocab_size})",
+                                     field=f"prompts.{i}", allowed=f"[0, {self.vocab_size})", received=bad[0])
+            if not tokens:
+                raise BadRequest(f"prompts[{i}]: empty prompt", field=f"prompts.{i}", received=prompt)
+            ids.append(tokens)
+        return ids
+
+    def _vllm_params(self, params: SamplingParams, prompts: list[list[int]]):
+        from vllm import SamplingParams as VllmParams
+
+        longest = max(len(p) for p in prompts)
+        if longest + params.max_tokens > self.max_model_len:
+            raise BadRequest(
+                f"sampling_params.max_tokens: prompt length {longest} + max_tokens {params.max_tokens} exceeds "
+                f"the engine's max_model_len of {self.max_model_len}",
+                field="sampling_params.max_tokens",
+                allowed=max(1, self.max_model_len - longest),
+                received=params.max_tokens,
+            )
+        bad_stop = [t for t in params.stop_token_ids or [] if t < 0 or t >= self.vocab_size]
+        if bad_stop:
+            raise BadRequest(f"sampling_params.stop_token_ids: ids must lie in [0, {self.vocab_size})",
+                             field="sampling_params.stop_token_ids", received=bad_stop[0])
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids |= self.eos_ids
+        want_lps = params.logprobs is not None and params.logprobs is not False
+        n_top = int(params.logprobs) if want_lps else None  # the sampled token + the `logprobs` most likely
+        if n_top is not None and not 0 <= n_top <= MAX_LOGPROBS:
+            raise BadRequest("sampling_params.logprobs: how many top tokens to report per generated token",
+                             field="sampling_params.logprobs", allowed=f"0..{MAX_LOGPROBS}", received=params.logprobs)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return VllmParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=max(0, params.top_k),
+            max_tokens=params.max_tokens,
+            stop_token_ids=sorted(stop_ids),
+            ignore_eos=params.ignore_eos,
+            seed=int(seed) % (2**62),  # vLLM gives sample i of a prompt seed + i
+            logprobs=n_top,
+            detokenize=False,
+        ), want_lps
+
+    # ------------------------------------------------------------------ generate
+
+    def _check_awake(self) -> None:
+        asleep = [tag for tag, off in self.sleeping.items() if off]
+        if asleep:
+            raise Conflict(
+                f"the vLLM sampler is asleep ({', '.join(asleep)} released by /sleep-inference level "
+                f"{self.sleep_level}); call /wake-inference first",
+                field="job_id",
+                allowed="an awake sampling job",
+                received="asleep",
+            )
+        if self.weights_discarded:
+            raise Conflict(
+                "the vLLM sampler's weights were discarded by /sleep-inference level 2; run /weight-sync first",
+                field="job_id",
+                allowed="a sampling job with weights",
+                received="weights discarded",
+            )
+
+    def generate(self, request: GenerateRequest, params: SamplingParams) -> list[dict[str, Any]]:
+        from vllm.inputs import TokensPrompt
+
+        prompts = self._prompt_ids(list(request.prompts))
+        vllm_params, want_lps = self._vllm_params(params, prompts)
+        self._check_awake()
+        stops = [s for s in (params.stop or []) if s]
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], vllm_params, use_tqdm=False
+        )
+        results: list[dict[str, Any]] = []
+        for pi, out in enumerate(outputs):
+            cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+            for si, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                ids = list(completion.token_ids)
+                cands = _candidates(ids, completion.logprobs) if want_lps else []
+                lps = [step[tok][0] for tok, step in zip(ids, cands)] if want_lps else []
+                finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else "length"
+                text = None
+                if stops:
+                    ids, lps, finish, text = _apply_stop_strings(ids, lps, finish, stops, decode)
+                    cands = cands[: len(ids)]
+                results.append(
+                    {
+                        "text": text if text is not None else decode(ids),
+                        "token_ids": ids,
+                        "finish_reason": finish,
+                        "prompt_len": len(prompts[pi]),
+                        "generation_len": len(ids),
+                        "prefix_cache_len": cached,
+                        "logprobs": vendor_logprobs(cands) if want_lps else None,
+                        "prompt_index": pi,
+                        "sample_index": si,
+                        "weight_version": self.weight_version,
+                    }
+                )
+        logger.debug("vLLM generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
+        return results
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        """Copy the training job's live tensors into vLLM's model (GPU to GPU) and bump the version."""
+        if self.sleeping["weights"]:
+            self.llm.wake_up(tags=["weights"])
+            self.sleeping["weights"] = False
+        items = [(name, tensor.detach()) for name, tensor in weights.items()]
+        try:
+            self.llm.collective_rpc(_load_into_model, args=(items,))
+        except (KeyError, ValueError, AssertionError, RuntimeError) as exc:
+            raise BadRequest(
+                f"target_sub_job_ids: the sampling job's model does not take the training model's weights: {exc}",
+                field="target_sub_job_ids",
+            ) from None
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self.weights_discarded = False
+        self.weight_version += 1
+        return self.weight_version
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Release vLLM's GPU memory: level 1 keeps the weights in host memory, level 2 discards them
+        (the next ``/weight-sync`` brings them back)."""
+        if level not in (1, 2):
+            raise BadRequest("level: the vLLM sleep level", field="level", allowed=[1, 2], received=level)
+        if all(self.sleeping.values()):
+            return {"status": "sleeping", "level": self.sleep_level, "seconds": 0.0, "freed_bytes": 0,
+                    "weight_version": self.weight_version}
+        if any(self.sleeping.values()):  # half awake (weights woken for a sync): wake fully, then sleep
+            self.llm.wake_up()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        self.llm.sleep(level=level)
+        seconds = time.perf_counter() - t0
+        freed = torch.cuda.mem_get_info(self.device)[0] - free_before
+        self.sleeping = dict.fromkeys(_WAKE_TAGS, True)
+        self.sleep_level = level
+        self.weights_discarded = self.weights_discarded or level == 2
+        logger.info("vLLM sampler asleep (level %d): %.2f GB freed in %.2fs", level, freed / 1e9, seconds)
+        return {"status": "sleeping", "level": level, "seconds": seconds, "freed_bytes": int(freed),
+                "weight_version": self.weight_version}
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Take vLLM's GPU memory back (``tags``: ``weights`` and/or ``kv_cache``; default both)."""
+        wanted = list(_WAKE_TAGS) if tags is None else list(tags)
+        bad = [t for t in wanted if t not in _WAKE_TAGS]
+        if bad:
+            raise BadRequest("tags: what to wake", field="tags", allowed=list(_WAKE_TAGS), received=bad[0])
+        todo = [t for t in wanted if self.sleeping[t]]
+        t0 = time.perf_counter()
+        if todo:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # let vLLM map its pages again where training's cache held them
+            self.llm.wake_up(tags=todo)
+            for tag in todo:
+                self.sleeping[tag] = False
+        if not any(self.sleeping.values()):
+            self.sleep_level = 0
+        seconds = time.perf_counter() - t0
+        logger.info("vLLM sampler woke %s in %.2fs", todo or "nothing (already awake)", seconds)
+        asleep = sorted(tag for tag, off in self.sleeping.items() if off)
+        return {"status": "partly_awake" if asleep else "awake", "asleep": asleep, "woken": todo,
+                "seconds": seconds, "weights_discarded": self.weights_discarded}
+
+    def reset_prefix_cache(self) -> dict[str, Any]:
+        """Drop vLLM's cached prompt blocks (asleep, the KV cache is already gone: nothing to drop)."""
+        ok = bool(self.llm.reset_prefix_cache()) if not any(self.sleeping.values()) else True
+        return {"status": "ok" if ok else "busy", "reset": ok}
+
+    def weight_norm(self) -> dict[str, Any]:
+        if self.sleeping["weights"]:
+            raise Conflict("the vLLM sampler's weights are asleep; call /wake-inference first", field="job_id",
+                           allowed="an awake sampling job", received="asleep")
+        return self.llm.collective_rpc(_model_weight_norm)[0]
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "sampler": "vllm",
+            "weight_version": self.weight_version,
+            "device": str(self.device),
+            "dtype": str(self.dtype),
+            "max_model_len": self.max_model_len,
+            "gpu_memory_utilization": self.options["gpu_memory_utilization"],
+            "sleeping": any(self.sleeping.values()),
+            "sleep_level": self.sleep_level,
+        }
+
+    def close(self) -> None:
+        engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _apply_stop_strings(
+    ids: list[int], lps: list[float], finish: str, stops: list[str], decode
+) -> tuple[list[int], list[float], str, str | None]:
+    """Cut a finished sample at its first stop string as the ``transformers`` sampler does step by
+    step: the shortest token prefix whose text holds a stop string ends the sample, its text cut
+    before the string. A stop token reached at that same position wins (text left whole)."""
+    if _stop_cut(decode(ids), stops) is None:
+        return ids, lps, finish, None
+    for k in range(1, len(ids) + 1):
+        text = decode(ids[:k])
+        cut = _stop_cut(text, stops)
+        if cut is None:
+            continue
+        if k == len(ids) and finish == "stop":
+            return ids, lps, finish, None
+        return ids[:k], lps[:k], "stop", text[:cut]
+    return ids, lps, finish, None

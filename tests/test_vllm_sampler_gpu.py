@@ -1,0 +1,194 @@
+"""The vLLM sampling engine on a GPU, next to the DeepSpeed training engine in the same process.
+
+One small Qwen3 (head_dim 64, bf16) serves every test: the sampler is created first, as the
+adapter creates its jobs (sampling, then training), and both share the one GPU. Checked here:
+the ``/generate`` parameters (n, seed, greedy, max_tokens, stop tokens, stop strings, text
+prompts, log-prob candidates, 400s), log-probs against the training model, a weight sync after an
+optimizer step (the next generation uses the new weights), sleep / wake at levels 1 and 2, and a
+loop of sleep -> train -> wake -> sync -> generate with no OOM. Skipped without a CUDA device or
+without ``vllm`` (run on a GPU box: ``python -m pytest tests/test_vllm_sampler_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+vllm = pytest.importorskip("vllm") if torch.cuda.is_available() else None
+
+from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
+from arctic_rl.server.errors import BadRequest, Conflict
+from arctic_rl.server.settings import ServerSettings
+
+TOL_MEAN, TOL_MAX = 0.02, 0.15  # bf16 log-probs, two engines' kernels
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from arctic_rl.server.engines import create_engine
+    from arctic_rl.server.engines.training import TrainingEngine
+    from arctic_rl.server.engines.vllm_sampler import VllmSamplingEngine
+    from arctic_rl.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_gpu")
+    model_dir = build_tiny_model(root / "model", "qwen3", seed=0, hidden_size=256, num_layers=2, num_heads=4,
+                                 num_kv_heads=2, max_position_embeddings=1024)
+    settings = ServerSettings(device="cuda", sampler="vllm", torch_compile="off", checkpoint_root=root / "ck")
+    sampler = create_engine(JobConfig(model_name=str(model_dir), job_type=JobType.SAMPLING,
+                                      vllm_config={"gpu_memory_utilization": 0.3, "max_model_len": 1024}),
+                            settings, None)
+    assert isinstance(sampler, VllmSamplingEngine)
+    train = TrainingEngine(JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING,
+                                     ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}},
+                                     ds_worker_config={"attn_implementation": "sdpa"}),
+                           settings, root / "job")
+    sampler.load_weights(train.weights())
+    yield train, sampler
+    sampler.close()
+    train.close()
+
+
+def gen(sampler, prompts, **params):
+    return sampler.generate(GenerateRequest(prompts=prompts), SamplingParams(**params))
+
+
+def sampled_lps(result) -> list[float]:
+    return [entry[str(t)]["logprob"] for t, entry in zip(result["token_ids"], result["logprobs"], strict=True)]
+
+
+def train_lps(train, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response], device="cuda")
+    with torch.no_grad():
+        logp = train.model(input_ids=ids).logits.float().log_softmax(-1)[0, len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(response, device="cuda")[:, None])[:, 0].cpu()
+
+
+def vllm_seq_lps(sampler, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """vLLM's log-probs of a fixed sequence (prompt log-probs of prompt + response)."""
+    from vllm import SamplingParams as VP
+    from vllm.inputs import TokensPrompt
+
+    out = sampler.llm.generate([TokensPrompt(prompt_token_ids=prompt + response)],
+                               VP(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+    seq = prompt + response
+    return torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(len(prompt), len(seq))])
+
+
+def assert_close_lps(a: torch.Tensor, b: torch.Tensor) -> None:
+    diff = (a - b).abs()
+    assert diff.mean() < TOL_MEAN and diff.max() < TOL_MAX, (diff.mean().item(), diff.max().item())
+
+
+def test_sampling_params(engines):
+    _, sampler = engines
+    prompt = list(range(10, 40))
+    a = gen(sampler, [prompt], temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)[0]
+    b = gen(sampler, [prompt], temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)[0]
+    assert a["token_ids"] == b["token_ids"] and a["finish_reason"] == "length" and a["generation_len"] == 24
+    assert set(a) == {"text", "token_ids", "finish_reason", "prompt_len", "generation_len", "prefix_cache_len",
+                      "logprobs", "prompt_index", "sample_index", "weight_version"}
+    assert a["prompt_len"] == 30 and b["prefix_cache_len"] > 0  # the second run's prompt came from the cache
+    for tok, entry in zip(a["token_ids"], a["logprobs"], strict=True):
+        assert str(tok) in entry and entry[str(tok)]["rank"] == 1 and 2 <= len(entry) <= 3
+
+    seeded = [gen(sampler, [prompt, prompt[:5]], n=3, temperature=1.0, max_tokens=16, seed=11) for _ in range(2)]
+    assert [r["token_ids"] for r in seeded[0]] == [r["token_ids"] for r in seeded[1]]
+    assert [(r["prompt_index"], r["sample_index"]) for r in seeded[0]] == [(p, s) for p in range(2) for s in range(3)]
+    assert len({tuple(r["token_ids"]) for r in seeded[0][:3]}) > 1  # n samples differ
+
+    stop_tok = a["token_ids"][5]
+    first = a["token_ids"].index(stop_tok)
+    stopped = gen(sampler, [prompt], temperature=0, max_tokens=24, stop_token_ids=[stop_tok], ignore_eos=True)[0]
+    assert stopped["token_ids"] == a["token_ids"][: first + 1] and stopped["finish_reason"] == "stop"
+
+    text = a["text"]
+    stop_str = text[6:8]
+    cut = text.find(stop_str)
+    by_string = gen(sampler, [prompt], temperature=0, max_tokens=24, stop=[stop_str], ignore_eos=True)[0]
+    assert by_string["finish_reason"] == "stop" and by_string["text"] == text[:cut]
+
+    texts = gen(sampler, ["hello there"], temperature=0, max_tokens=4, ignore_eos=True)[0]
+    assert texts["prompt_len"] == len(sampler.tokenizer("hello there")["input_ids"])
+
+    for kwargs, field in (({"prompts": [[10**6]]}, "prompts.0"),
+                          ({"prompts": [prompt], "max_tokens": 5000}, "sampling_params.max_tokens"),
+                          ({"prompts": [prompt], "logprobs": 50}, "sampling_params.logprobs")):
+        prompts = kwargs.pop("prompts")
+        with pytest.raises(BadRequest) as info:
+            gen(sampler, prompts, **kwargs)
+        assert info.value.field == field
+
+
+def _train_step(train):
+    from arctic_rl.server.validation import parse_batch_body
+
+    g = torch.Generator().manual_seed(3)
+    rows, p, r = 8, 32, 32
+    ids = torch.randint(3, train.vocab_size, (rows, p + r), generator=g)
+    mask = torch.ones_like(ids)
+    body = {"batch": {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1),
+                      "prompts": ids[:, :p], "responses": ids[:, p:], "response_mask": mask[:, p:],
+                      "advantages": torch.randn(rows, r, generator=g), "old_log_probs": torch.full((rows, r), -4.6)},
+            "meta": {}, "processing": {"loss_fn": "grpo", "config": {}}}
+    batch = parse_batch_body(body, vocab_size=train.vocab_size, train=True)
+    train.forward_backward(batch)
+    train.step()
+
+
+def test_logprobs_and_weight_sync(engines):
+    train, sampler = engines
+    prompt = list(range(20, 52))
+    out = gen(sampler, [prompt], temperature=0, max_tokens=32, ignore_eos=True, logprobs=True)[0]
+    response = out["token_ids"]
+    assert_close_lps(torch.tensor(sampled_lps(out)), train_lps(train, prompt, response))
+    before = vllm_seq_lps(sampler, prompt, response)
+    version = sampler.weight_version
+    _train_step(train)
+    trained = train_lps(train, prompt, response)
+    assert (trained - before).abs().mean() > 5 * TOL_MEAN  # the step moved this sequence
+    assert_close_lps(vllm_seq_lps(sampler, prompt, response), before)  # no sync yet: old weights
+    torch.cuda.synchronize()
+    assert sampler.load_weights(train.weights()) == version + 1
+    assert_close_lps(vllm_seq_lps(sampler, prompt, response), trained)
+    again = gen(sampler, [prompt], temperature=0, max_tokens=32, ignore_eos=True, logprobs=True)[0]
+    assert again["weight_version"] == version + 1
+    assert_close_lps(torch.tensor(sampled_lps(again)), train_lps(train, prompt, again["token_ids"]))
+
+
+def test_sleep_and_wake(engines):
+    train, sampler = engines
+    prompt = list(range(30, 60))
+    want = gen(sampler, [prompt], temperature=0, max_tokens=16, ignore_eos=True)[0]["token_ids"]
+    out = sampler.sleep(level=1)
+    assert out["freed_bytes"] > 2**30, out  # the KV cache at least
+    with pytest.raises(Conflict, match="wake-inference"):
+        gen(sampler, [prompt], temperature=0, max_tokens=4)
+    sampler.wake_up()
+    assert gen(sampler, [prompt], temperature=0, max_tokens=16, ignore_eos=True)[0]["token_ids"] == want
+
+    sampler.sleep(level=2)
+    sampler.wake_up()
+    with pytest.raises(Conflict, match="weight-sync"):
+        gen(sampler, [prompt], temperature=0, max_tokens=4)
+    sampler.sleep(level=2)
+    sampler.wake_up(tags=["weights"])
+    sampler.load_weights(train.weights())
+    sampler.wake_up(tags=["kv_cache"])
+    assert gen(sampler, [prompt], temperature=0, max_tokens=16, ignore_eos=True)[0]["token_ids"] == want
+    with pytest.raises(BadRequest):
+        sampler.wake_up(tags=["everything"])
+
+
+def test_training_and_generation_alternate_without_oom(engines):
+    train, sampler = engines
+    prompts = [[(i + j) % 90 + 5 for j in range(64)] for i in range(64)]
+    for _ in range(3):
+        sampler.sleep(level=1)
+        _train_step(train)
+        sampler.wake_up(tags=["weights"])
+        version = sampler.load_weights(train.weights())
+        sampler.wake_up(tags=["kv_cache"])
+        results = gen(sampler, prompts, n=2, temperature=1.0, max_tokens=64, logprobs=True)
+        assert len(results) == 128 and {r["weight_version"] for r in results} == {version}
+    assert not sampler.info()["sleeping"]
