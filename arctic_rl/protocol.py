@@ -376,7 +376,7 @@ class BatchMeta(BaseModel):
     calculate_entropy: bool = False
     pad_token_id: int = 0
     global_batch_size: int | None = None
-    batch_num_tokens: int | float | None = None
+    batch_num_tokens: float | None = Field(None, ge=0)
     actor_config: dict[str, Any] | None = None
     policy_loss_config: dict[str, Any] | None = None
     load_balancer: Any = None

@@ -449,3 +449,51 @@ def test_reconnect_handle_validation():
         with pytest.raises(RemoteBackendConfigError) as err:
             check_handle(bad)
         assert err.value.field == field
+
+
+# ------------------------------------------------------------------------------ vendor contract helpers
+
+
+def test_settings_the_vendor_ignores_are_listed():
+    from verl.workers.remote_client.builders import vendor_ignored_settings
+
+    v, _ = settings(GRPO)
+    assert vendor_ignored_settings(v) == []  # verl's defaults are the vendor's constants
+    v, _ = settings(deep(GRPO, {"actor_rollout_ref": {"actor": {"clip_ratio_high": 0.28, "clip_ratio_c": 10.0}}}))
+    lines = vendor_ignored_settings(v)
+    assert [line.split("=")[0] for line in lines] == ["actor_rollout_ref.actor.clip_ratio_high",
+                                                      "actor_rollout_ref.actor.clip_ratio_c"]
+
+
+def test_folding_is_weights_into_advantages_is_exact_under_the_clipped_loss():
+    """loss(w * A) == w * loss(A) token by token for w >= 0 (clip and dual clip included); negative
+    weights are refused naming the field."""
+    import torch
+
+    from arctic_rl.protocol import LossConfig
+    from arctic_rl.server.logprobs import TokenLogprobs
+    from arctic_rl.server.losses import ppo_clip_loss
+    from verl.workers.remote_client.layout import fold_is_weights
+
+    g = torch.Generator().manual_seed(0)
+    shape = (6, 9)
+    logprobs = -torch.rand(shape, generator=g) * 3
+    old = logprobs + torch.randn(shape, generator=g) * 1.5  # ratios far outside [0.8, 1.2] (and > 3): clipping happens
+    adv = torch.randn(shape, generator=g) * 2
+    mask = torch.rand(shape, generator=g) > 0.2
+    weights = torch.rand(shape, generator=g) * 3
+    weights[0, :4] = 0.0
+    out = TokenLogprobs(logprobs, None, 0, 0)
+    cfg = LossConfig(loss_scale_tokens=float(mask.sum()))
+    weighted, _ = ppo_clip_loss(out, {"response_mask": mask, "old_log_probs": old, "advantages": adv,
+                                      "rollout_is_weights": weights}, cfg)
+    batch = {"response_mask": mask, "advantages": adv.clone(), "rollout_is_weights": weights}
+    fold_is_weights(batch)
+    assert "rollout_is_weights" not in batch
+    folded, metrics = ppo_clip_loss(out, {"response_mask": mask, "old_log_probs": old,
+                                          "advantages": batch["advantages"]}, cfg)
+    assert metrics["pg_clipfrac"] > 0 and metrics["pg_clipfrac_lower"] > 0
+    torch.testing.assert_close(folded, weighted, rtol=1e-6, atol=1e-7)
+    with pytest.raises(RemoteBackendConfigError) as err:
+        fold_is_weights({"response_mask": mask, "advantages": adv, "rollout_is_weights": weights - 1.0})
+    assert err.value.field == "data.rollout_is_weights"

@@ -234,6 +234,13 @@ NON_FINITE = [
      "processing.config.loss_scale_tokens"),
     ("max_prompt_len negative", {"meta": {"max_prompt_len": -1}}, "meta.max_prompt_len"),
     ("rollout_n zero", {"meta": {"rollout_n": 0}}, "meta.rollout_n"),
+    ("meta rollout_is_weights inf", {"meta": {"rollout_is_weights": torch.full((2, 6), float("inf"))}},
+     "meta.rollout_is_weights"),
+    ("meta rollout_is_weights shape", {"meta": {"rollout_is_weights": torch.ones(1, 11)}}, "meta.rollout_is_weights"),
+    ("meta rollout_is_weights text", {"meta": {"rollout_is_weights": "all"}}, "meta.rollout_is_weights"),
+    ("meta batch_num_tokens zero-d nan", {"meta": {"batch_num_tokens": torch.tensor(float("nan"))}},
+     "meta.batch_num_tokens"),
+    ("meta batch_num_tokens negative", {"meta": {"batch_num_tokens": -5}}, "meta.batch_num_tokens"),
 ]
 
 

@@ -52,9 +52,11 @@ def bodies():
 
 
 def train_step(srv, job_id):
-    losses = [
-        decode(post_frame(srv, f"/forward-backward?job_id={job_id}", body))["metrics"]["loss"] for body in bodies()
-    ]
+    """One mini-batch: one /forward-backward of both batches' rows (the server splits it into its 2
+    micro-batches), then /step."""
+    batch = make_batch([[5, 6, 7], [8, 9], [10, 11], [12, 13, 14]], [[20, 21, 22], [23], [24, 25], [26, 27, 28]])
+    body = {"batch": batch, "meta": {}, "processing": {"loss_fn": "sft"}}
+    losses = [decode(post_frame(srv, f"/forward-backward?job_id={job_id}", body))["metrics"]["loss"]]
     return losses, decode(requests.post(f"{srv.url}/step?job_id={job_id}", json={}, timeout=60))["metrics"]
 
 
