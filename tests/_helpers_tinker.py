@@ -64,14 +64,15 @@ def build_peer_model(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def running_peer(workdir: Path, *, env: dict | None = None) -> Iterator[tuple[str, Path]]:
-    """Set up (cached), start and finally stop a peer; yields ``(base_url, model_dir)``."""
+def running_peer(workdir: Path, *, model: Path | None = None, env: dict | None = None) -> Iterator[tuple[str, Path]]:
+    """Set up (cached), start and finally stop a peer serving ``model`` (default: a tiny Qwen3);
+    yields ``(base_url, model_dir)``."""
     kit = require_peer_kit()
     t0 = time.monotonic()
     setup = subprocess.run(["bash", str(kit / "setup.sh")], capture_output=True, text=True, timeout=1200)
     if setup.returncode != 0:
         pytest.fail(f"tinker peer setup.sh failed:\n{setup.stdout[-2000:]}\n{setup.stderr[-3000:]}", pytrace=False)
-    model = build_peer_model(workdir)
+    model = build_peer_model(workdir) if model is None else Path(model)
     state = workdir / "peer-state"
     port = _free_port()
     run_env = {**os.environ, "TINKER_PEER_MAX_LORA_ADAPTERS": "8", **(env or {})}

@@ -14,11 +14,11 @@ import os
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from _helpers_tinker import PEER_API_KEY, running_peer
-from verl.remote_backend.errors import RemoteBackendConfigError
+from omegaconf import OmegaConf
 from verl.utils import tensordict_utils as tu
+
+from verl.remote_backend.errors import RemoteBackendConfigError
 
 pytestmark = pytest.mark.slow
 

@@ -76,6 +76,8 @@ def test_plan_maps_clip_ratios_rank_and_mini_batches():
     assert run.loss_fn == "ppo"
     assert run.loss_fn_config == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
     assert (run.lora_rank, run.mini_batch_rows, run.base_model) == (8, 8, "/models/tiny-qwen3")
+    newer = _main(actor_rollout_ref={"model": {"lora_rank": 0, "lora": {"rank": 16}}})  # verl's model.lora.rank
+    assert plan_run(newer, TinkerConfig.from_main_config(newer)).lora_rank == 16
 
 
 @pytest.mark.parametrize("overrides, field", [

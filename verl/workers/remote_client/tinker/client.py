@@ -132,7 +132,14 @@ class TinkerClient(RemoteBackend):
 
     # ------------------------------------------------------------------ RemoteActor
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
-        """Log-probs under the current training weights (``forward``); entropy as ``-log p``."""
+        """Log-probs under the current training weights (``forward``); entropy as ``-log p``.
+
+        With verl's ``no_lora_adapter`` flag (how verl asks a LoRA actor for reference log-probs)
+        this is :meth:`compute_ref_log_prob`."""
+        from verl.utils import tensordict_utils as tu
+
+        if bool(tu.get(data, "no_lora_adapter", False)):
+            return self.compute_ref_log_prob(data)
         rows = tb.split_rows(data)
         datums = [self.session.datum(*tb.target_inputs(rows, b, {"weights": [1.0] * rows.response_lens[b]}))
                   for b in range(len(rows))]
@@ -140,8 +147,6 @@ class TinkerClient(RemoteBackend):
             per_target = self.session.forward(self.training_client, datums)
         log_probs = tb.nested_like(per_target, rows)
         result = {"log_probs": log_probs}
-        from verl.utils import tensordict_utils as tu
-
         if bool(tu.get(data, "calculate_entropy", False)):
             result["entropy"] = tb.nested_like([[-x for x in row] for row in per_target], rows)
         return tu.get_tensordict(result, non_tensor_dict={"metrics": {"mfu": 0.0}})

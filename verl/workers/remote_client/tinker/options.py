@@ -69,7 +69,9 @@ def _refuse(ok: bool, key: str, message: str, allowed: object, received: object)
 def plan_run(main_config: object, tinker: TinkerConfig) -> TinkerRun:
     """Check verl's options against what Tinker can do; see the module docstring."""
     verl = VerlSettings.from_main_config(main_config)
-    model_rank = int(select(main_config, "actor_rollout_ref.model.lora_rank", 0) or 0)
+    model_rank = int(select(main_config, "actor_rollout_ref.model.lora.rank", 0) or 0)  # verl's newer spelling
+    if model_rank <= 0:
+        model_rank = int(select(main_config, "actor_rollout_ref.model.lora_rank", 0) or 0)
     rank = tinker.train.lora_rank if tinker.train.lora_rank is not None else model_rank
     _refuse(rank > 0, "actor_rollout_ref.model.lora_rank", "Tinker trains LoRA adapters only: set a LoRA rank "
             "(or remote_backend.train.lora_rank)", "> 0", model_rank)
