@@ -95,6 +95,8 @@ def test_gsm8k_zorro_flag_is_the_only_difference(gsm8k_configs):
         name = cfg["trainer"]["experiment_name"]
         cfg["trainer"]["experiment_name"] = None
         cfg["trainer"]["default_local_dir"] = cfg["trainer"]["default_local_dir"].replace(name, "RUN")
+        env_vars = cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+        env_vars["VERL_FILE_LOGGER_PATH"] = env_vars["VERL_FILE_LOGGER_PATH"].replace(name, "RUN")
         return cfg
 
     assert normalised(yes) == normalised(no)
@@ -147,6 +149,9 @@ def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
     reward_path = pathlib.Path(_get(cfg, "reward.custom_reward_function.path"))
     assert reward_path == REPO_ROOT / "examples" / "reverse_text" / "reward.py"
     assert _get(cfg, "actor_rollout_ref.model.path") == str(tmp_path / "rt" / "model_warm_seed0")
+    # verl's file logger runs in a Ray worker: on a running cluster the path must travel in the runtime_env
+    metrics = tmp_path / "rt" / "runs" / "grpo_zorro_true_seed0" / "metrics.jsonl"
+    assert _get(cfg, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH") == str(metrics)
     assert "file" in _get(cfg, "trainer.logger")
     if not torch.cuda.is_available():
         assert _get(cfg, "trainer.device") == "cpu"  # derived by the entry point

@@ -153,6 +153,9 @@ REWARD=(
 
 TRAINER=(
     trainer.logger=[console,file]
+    # verl's file logger runs in Ray's TaskRunner: on a running cluster (ray job submit) its workers do not
+    # inherit this shell's environment, so the path travels in the runtime_env verl passes to ray.init
+    +ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH="'${VERL_FILE_LOGGER_PATH}'"
     trainer.project_name=reverse_text_grpo_arl
     trainer.experiment_name="${RUN_NAME}"
     trainer.total_training_steps="${STEPS}"
