@@ -6,7 +6,8 @@ reference server on 127.0.0.1), with fewer steps than the example's 40, and chec
 
 * verl's JSONL metrics file has one ``critic/score/mean`` per step, and ``metrics.csv`` and
   ``reward_curve.png`` were written;
-* the reward rose: mean of the last 5 steps >= mean of the first 5 + ``MIN_GAIN``.
+* the reward rose: mean of the last 5 steps >= mean of the first 5 + ``MIN_GAIN``;
+* the terminal shows one progress line per step and little else (the rest is in ``run.log``).
 
 The bar is set from measured runs (docs/RESULTS_reverse_text.md): with a fixed seed the warm start
 scores ~0.45 and the run climbs well past the bar; a run that does not learn (a broken loss sign,
@@ -86,6 +87,13 @@ def test_reverse_text_grpo_learns(out_dir: pathlib.Path, zorro: str):
         assert (run_dir / name).is_file(), f"{name} missing in {run_dir}"
     assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"Results in {run_dir}" in output
+    # the terminal: header, set-up stages, one progress line per step, the summary; the rest is in run.log
+    terminal = output.splitlines()
+    progress = [line for line in terminal if line.startswith("[remote_backend] step ")]
+    assert [line.split()[2] for line in progress] == [f"{k}/{STEPS}" for k in range(1, STEPS + 1)], progress
+    assert len(terminal) <= STEPS + 30, output  # 60 lines measured for 40 steps (README)
+    assert not [line for line in terminal if line.startswith(("step:", "+", "("))], output
+    assert f"{run_dir}/run.log" in output and "step:1 -" in (run_dir / "run.log").read_text()
 
     plot = _plot_module()
     steps, rewards = plot.metric_series(plot.load_metrics(run_dir / "metrics.jsonl"))
