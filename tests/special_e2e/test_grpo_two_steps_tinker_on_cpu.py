@@ -1,0 +1,92 @@
+"""Two GRPO steps of stock verl 0.9.1 through ``remote_backend=tinker``, against a real Tinker server.
+
+The server is SkyRL's Tinker API server on CPU (the peer kit, see ``tests/_helpers_tinker.py``),
+serving the tiny Qwen3 of the ``a+b=`` task; verl talks to it only through the official SDK. The
+command is what a user types (``python -m verl.remote_backend.main_ppo <stock GRPO overrides>
+remote_backend=tinker remote_backend.server.url=...``) with the API key in ``TINKER_API_KEY``.
+A KL penalty in the reward (``algorithm.use_kl_in_reward``) makes verl ask the LoRA actor for
+reference log-probs (``no_lora_adapter``), which the adapter serves from a base-model sampler.
+
+Run by hand::
+
+    pytest -m e2e tests/special_e2e/test_grpo_two_steps_tinker_on_cpu.py -s
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _helpers_e2e import build_task, parse_console_metrics
+from _helpers_tinker import PEER_API_KEY, running_peer
+
+# the peer compiles one XLA program per new shape (sample, forward, forward_backward, compute_logprobs):
+# on two shared cores that alone takes minutes, so this test gets more than the suite's 900 s default
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+
+def grpo_command(task: dict[str, Path], out: Path, url: str) -> list[str]:
+    overrides = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=True",
+        f"data.train_files={task['train']}",
+        f"data.val_files={task['val']}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=24",
+        "data.max_response_length=8",
+        f"actor_rollout_ref.model.path={task['model']}",
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        f"reward.custom_reward_function.path={task['reward']}",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"hydra.run.dir={out / 'hydra'}",
+        "remote_backend=tinker",
+        f"remote_backend.server.url={url}",
+    ]
+    return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
+
+
+def test_two_grpo_steps_through_tinker(tmp_path):
+    task = build_task(tmp_path / "task")
+    with running_peer(tmp_path / "peer", model=task["model"], env={"TINKER_PEER_MAX_LORA_ADAPTERS": "4"}) as (url, _):
+        cmd = grpo_command(task, tmp_path / "run", url)
+        print("running:", " ".join(cmd), flush=True)
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   RAY_DEDUP_LOGS="0", TINKER_API_KEY=PEER_API_KEY)
+        env.pop("VERL_USE_EXTERNAL_MODULES", None)
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2100)
+        output = proc.stdout + proc.stderr
+        (tmp_path / "run.log").write_text(output)
+        print(f"wall time {time.monotonic() - t0:.0f} s, log {tmp_path / 'run.log'}", flush=True)
+    assert proc.returncode == 0, output[-6000:]
+    steps = parse_console_metrics(output)
+    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    for step, metrics in steps.items():
+        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr", "actor/entropy",
+                    "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update_actor"):
+            assert key in metrics, f"step {step}: {key} not logged"
+            assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
+        assert metrics["actor/lr"] == pytest.approx(1e-3)
+        assert 0 < metrics["response_length/mean"] <= 8
+        assert metrics["training/global_step"] == step
+    assert "actor_rollout_ref.rollout.name=vllm replaced by actor_rollout_ref.rollout.name=tinker" in output
+    index = tmp_path / "run" / "checkpoints" / "tinker_state_index.json"
+    assert index.exists() and '"2": "tinker://' in index.read_text(), "no Tinker checkpoint recorded for step 2"
