@@ -1,0 +1,157 @@
+"""Two GRPO steps of stock verl 0.9.1 through our adapter against the vendor's own Arctic RL v2 server.
+
+The command is what a user with a real Arctic RL deployment types::
+
+    python -m verl.remote_backend.main_ppo <stock GRPO overrides> remote_backend=arctic \\
+        remote_backend.server.url=<vendor url>
+
+The server is the vendor's code (Arctic-Platform snapshot, served on CPU by the shared kit's
+``run_vendor_server.py``; the ``vendor_server`` fixture). The task is the reverse-text example's
+(its data builder, model size and reward file), untrained: two steps, one mini-batch of 4 rows per
+step split into 2 micro-batches (GAS 2), ZoRRO off and on. The run must finish, log both steps,
+and the vendor's own account must agree: one ``/forward-backward`` and one ``/step`` per mini-batch,
+the ``global_step`` its ``/save`` answers (verl checkpoints at the last step) equal to the run's step
+count, the sampler's log-probs equal to the old log-probs before the first update, and no job left on
+the server.
+
+Run by hand (prints the command it runs)::
+
+    pytest -m e2e tests/conformance/test_vendor_grpo_e2e_on_cpu.py -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from _helpers_e2e import parse_console_metrics
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO_ROOT / "examples" / "reverse_text"
+RUN_TIMEOUT_S = 1500
+
+
+def _example_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"reverse_text_{name}", EXAMPLE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> dict[str, Path]:
+    """The reverse-text task, small: the example's untrained model, 8 training and 4 validation prompts."""
+    root = tmp_path_factory.mktemp("reverse_text_vendor")
+    model = _example_module("make_model").make_model(root / "model", seed=0)
+    _example_module("make_data").write_dataset(root / "data", n_train=8, n_val=4, seed=0)
+    return {"model": Path(model), "train": root / "data" / "train.parquet", "val": root / "data" / "val.parquet",
+            "reward": EXAMPLE / "reward.py"}
+
+
+def grpo_command(task: dict[str, Path], out: Path, url: str, *, zorro: bool) -> list[str]:
+    overrides = [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={task['train']}",
+        f"data.val_files={task['val']}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=32",
+        "data.max_response_length=8",
+        f"actor_rollout_ref.model.path={task['model']}",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # 2 prompts x n=2: one mini-batch of 4 rows per step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # 2 micro-batches of 2 rows: GAS 2
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        f"reward.custom_reward_function.path={task['reward']}",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",  # a checkpoint at the last step: the vendor's /save answers its global_step
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"hydra.run.dir={out / 'hydra'}",
+        "remote_backend=arctic",
+        f"remote_backend.server.url={url}",
+        f"remote_backend.train.zorro_train.enable={str(zorro).lower()}",
+        f"remote_backend.train.checkpoint_path={out / 'vendor_checkpoints'}",
+        # every other remote_backend key at its default, as a user with a real deployment would have it
+    ]
+    if zorro:  # checkpointed layers re-run without ZoRRO's shared prompt keys: ZoRRO needs it off
+        overrides.append("actor_rollout_ref.model.enable_gradient_checkpointing=False")
+    return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the entry point destroys its backend on SIGTERM
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        pytest.fail(f"the run did not finish in {RUN_TIMEOUT_S} s:\n{output[-6000:]}")
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 180)
+@pytest.mark.parametrize("zorro", [False, True], ids=["zorro_off", "zorro_on"])
+def test_two_grpo_steps_against_the_vendor_server(vendor_server, task, tmp_path, zorro):
+    traced_before = len(vendor_server.trace_lines())
+    cmd = grpo_command(task, tmp_path / "run", vendor_server.url, zorro=zorro)
+    print("running:", " ".join(cmd), flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0")
+    env.pop("VERL_USE_EXTERNAL_MODULES", None)
+    env.pop("ARCTIC_RL_TOKEN", None)  # the vendor server has no authentication
+    start = time.monotonic()
+    returncode, output = _run(cmd, tmp_path, env)
+    wall = time.monotonic() - start
+    (tmp_path / "run.log").write_text(output)
+    print(f"wall time {wall:.0f} s, log {tmp_path / 'run.log'}", flush=True)
+    trace = vendor_server.trace_lines()[traced_before:]
+    assert returncode == 0, (f"{output[-6000:]}\n--- vendor exchanges: "
+                             f"{[(r['path'], r['status']) for r in trace][-20:]}\n--- vendor log:\n"
+                             f"{vendor_server.log_tail()}")
+
+    steps = parse_console_metrics(output)
+    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    for step, metrics in steps.items():
+        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
+                    "critic/score/mean", "response_length/mean", "timing_s/update_actor"):
+            assert key in metrics and math.isfinite(metrics[key]), f"step {step}: {key} not logged or not finite"
+        assert metrics["actor/lr"] == pytest.approx(1e-3)
+        assert metrics["training/global_step"] == step
+    # before the first update the sampler's log-probs (the vendor's vLLM-style /generate answer) and the old
+    # log-probs (/forward, ZoRRO layout when on) are the same policy's: they agree up to bf16 rounding
+    assert steps[1]["training/rollout_probs_diff_max"] < 0.05, steps[1]["training/rollout_probs_diff_max"]
+
+    def calls(path: str) -> list[dict]:
+        return [r for r in trace if r["path"] == path]
+
+    assert all(r["status"] == 200 for r in trace if r["path"] != "/destroy"), \
+        [(r["path"], r["status"]) for r in trace if r["status"] != 200]
+    assert len(calls("/forward-backward")) == 2, "one /forward-backward per mini-batch (the vendor splits it by GAS)"
+    assert [r["rows"] for r in calls("/forward-backward")] == [4, 4]
+    assert len(calls("/step")) == 2
+    saves = [r for r in calls("/save") if "answer" in r]
+    assert saves, "verl's checkpoint at the last step never reached the vendor's /save"
+    assert saves[-1]["answer"]["global_step"] == 2, "the vendor's optimizer step count differs from the run's"
+    assert requests.get(f"{vendor_server.url}/status", timeout=30).json()["jobs"] == {}, "jobs left on the server"
