@@ -395,14 +395,15 @@ def test_meta_golden():
 
 def test_mini_batch_metrics_are_the_calls_token_means_under_verls_names():
     """One /forward-backward per mini-batch: its token means are the mini-batch's, never added up."""
-    ours = {"pg_loss": 0.25, "pg_clipfrac": 0.1, "ppo_kl": [0.03, 0.05], "entropy": 2.0, "kl": 0.5, "loss": 0.3,
-            "tokens_computed": 40.0, "seconds": 1.0, "pg_clipfrac_lower": 0.0, "micro_batches": 2.0}
+    ours = {"actor/pg_loss": 0.25, "actor/pg_clipfrac": 0.1, "actor/ppo_kl": [0.03, 0.05], "actor/entropy_loss": 2.0,
+            "kl_loss": 0.5, "kl_coef": 0.001, "loss": 0.3, "tokens_computed": 40.0, "seconds": 1.0,
+            "actor/pg_clipfrac_lower": 0.0, "micro_batches": 2.0}
     step = {"last_lr": 1e-6, "grad_norm": 0.9, "global_step": 3}
     assert mini_batch_metrics(ours, step, kl_coef=0.001) == pytest.approx({
         "actor/pg_loss": 0.25, "actor/pg_clipfrac": 0.1, "actor/pg_clipfrac_lower": 0.0, "actor/ppo_kl": 0.04,
         "actor/entropy_loss": 2.0, "kl_loss": 0.5, "kl_coef": 0.001, "loss": 0.3, "arctic/tokens_computed": 40.0,
         "grad_norm": 0.9, "lr": 1e-6})
-    # the vendor's names (already collapsed), and a .sum/.tokens pair left uncollapsed
+    # already collapsed, and a .sum/.tokens pair left uncollapsed
     vendor = {"actor/pg_loss": 0.41, "actor/pg_clipfrac": 0.0, "loss": 0.41, "kl_loss.sum": 3.0, "kl_loss.tokens": 12.0}
     got = mini_batch_metrics(vendor, {"last_lr": 1e-6}, kl_coef=None)
     assert got == pytest.approx({"actor/pg_loss": 0.41, "actor/pg_clipfrac": 0.0, "loss": 0.41, "kl_loss": 0.25,
@@ -492,7 +493,7 @@ def test_folding_is_weights_into_advantages_is_exact_under_the_clipped_loss():
     assert "rollout_is_weights" not in batch
     folded, metrics = ppo_clip_loss(out, {"response_mask": mask, "old_log_probs": old,
                                           "advantages": batch["advantages"]}, cfg)
-    assert metrics["pg_clipfrac"] > 0 and metrics["pg_clipfrac_lower"] > 0
+    assert metrics["actor/pg_clipfrac"] > 0 and metrics["actor/pg_clipfrac_lower"] > 0
     torch.testing.assert_close(folded, weighted, rtol=1e-6, atol=1e-7)
     with pytest.raises(RemoteBackendConfigError) as err:
         fold_is_weights({"response_mask": mask, "advantages": adv, "rollout_is_weights": weights - 1.0})

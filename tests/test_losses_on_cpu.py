@@ -48,12 +48,12 @@ def test_ppo_clip_token_mean_by_hand():
     out, batch = fixture()
     loss, m = compute_loss("verl_grpo", out, batch, LossConfig())
     assert loss.item() == pytest.approx(0.7 / 7)
-    assert m["loss"] == pytest.approx(0.1) and m["pg_loss"] == pytest.approx(0.1)
-    assert m["pg_clipfrac"] == pytest.approx(3 / 7)  # 1.5 (row 0), 0.5 and 2.0 (row 1)
-    assert m["pg_clipfrac_lower"] == pytest.approx(1 / 7)  # the dual-clipped 4.0
-    assert m["ppo_kl"] == pytest.approx(-math.log(1.5 * 0.5 * 1.0 * 4.0 * 0.5 * 2.0 * 1.0) / 7)
+    assert m["loss"] == pytest.approx(0.1) and m["actor/pg_loss"] == pytest.approx(0.1)
+    assert m["actor/pg_clipfrac"] == pytest.approx(3 / 7)  # 1.5 (row 0), 0.5 and 2.0 (row 1)
+    assert m["actor/pg_clipfrac_lower"] == pytest.approx(1 / 7)  # the dual-clipped 4.0
+    assert m["actor/ppo_kl"] == pytest.approx(-math.log(1.5 * 0.5 * 1.0 * 4.0 * 0.5 * 2.0 * 1.0) / 7)
     assert m["num_tokens"] == 7.0
-    assert "kl" not in m and "entropy" not in m
+    assert "kl_loss" not in m and "actor/entropy_loss" not in m
 
 
 def test_ppo_clip_gradient_by_hand():
@@ -90,7 +90,7 @@ def test_dual_clip_disabled():
     out, batch = fixture()
     loss, m = compute_loss("verl_grpo", out, batch, LossConfig(clip_ratio_c=None))
     assert loss.item() == pytest.approx((0.7 + 1.0) / 7)  # the 4.0 ratio keeps its loss of 4
-    assert m["pg_clipfrac_lower"] == 0.0
+    assert m["actor/pg_clipfrac_lower"] == 0.0
 
 
 def test_asymmetric_clip():
@@ -98,7 +98,7 @@ def test_asymmetric_clip():
     loss, m = compute_loss("verl_grpo", out, batch, LossConfig(clip_ratio_low=0.1, clip_ratio_high=0.4))
     # row 0: -1.4, -0.5, 1.0; row 1: 3.0, 0.9, -2.8, 0.0
     assert loss.item() == pytest.approx(0.2 / 7)
-    assert m["pg_clipfrac"] == pytest.approx(3 / 7)
+    assert m["actor/pg_clipfrac"] == pytest.approx(3 / 7)
 
 
 def test_rollout_is_weights_multiply_token_losses():
@@ -119,7 +119,7 @@ def test_entropy_bonus():
     entropy = torch.tensor([[1.0, 2.0, 3.0, 100.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
     out, batch = fixture(entropy=entropy)
     loss, m = compute_loss("verl_grpo", out, batch, LossConfig(entropy_coeff=0.1))
-    assert m["entropy"] == pytest.approx(10.0 / 7)  # the masked 100 does not count
+    assert m["actor/entropy_loss"] == pytest.approx(10.0 / 7)  # the masked 100 does not count
     assert loss.item() == pytest.approx(0.1 - 0.1 * 10.0 / 7)
     out, batch = fixture()
     with pytest.raises(ValueError, match="entropy_coeff"):
@@ -147,9 +147,9 @@ def test_kl_types(kind, per_token):
     }
     cfg = LossConfig(use_kl_loss=True, kl_loss_type=kind, kl_loss_coef=0.5)
     loss, m = compute_loss("verl_grpo", out, batch, cfg)
-    assert m["kl"] == pytest.approx(sum(per_token) / 2)
+    assert m["kl_loss"] == pytest.approx(sum(per_token) / 2)
     assert loss.item() == pytest.approx(0.5 * sum(per_token) / 2)
-    assert m["pg_loss"] == 0.0
+    assert m["actor/pg_loss"] == 0.0
 
 
 def test_low_var_kl_is_clamped_like_verl():
@@ -295,8 +295,8 @@ def test_matches_verl_policy_loss(mode, kl_type):
              "rollout_is_weights": weights}  # fmt: skip
     loss, m = compute_loss("verl_grpo", TokenLogprobs(lp, entropy, 0, b), batch, cfg)
     assert loss.item() == pytest.approx(verl_loss.item(), rel=1e-9)
-    assert m["pg_loss"] == pytest.approx(pg.item(), rel=1e-9)
-    assert m["kl"] == pytest.approx(kl.item(), rel=1e-9)
-    assert m["pg_clipfrac"] == pytest.approx(pg_metrics["actor/pg_clipfrac"], rel=1e-6)
-    assert m["pg_clipfrac_lower"] == pytest.approx(pg_metrics["actor/pg_clipfrac_lower"], rel=1e-6)
-    assert m["ppo_kl"] == pytest.approx(pg_metrics["actor/ppo_kl"], rel=1e-6)
+    assert m["actor/pg_loss"] == pytest.approx(pg.item(), rel=1e-9)
+    assert m["kl_loss"] == pytest.approx(kl.item(), rel=1e-9)
+    assert m["actor/pg_clipfrac"] == pytest.approx(pg_metrics["actor/pg_clipfrac"], rel=1e-6)
+    assert m["actor/pg_clipfrac_lower"] == pytest.approx(pg_metrics["actor/pg_clipfrac_lower"], rel=1e-6)
+    assert m["actor/ppo_kl"] == pytest.approx(pg_metrics["actor/ppo_kl"], rel=1e-6)

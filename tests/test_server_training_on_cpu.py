@@ -217,18 +217,18 @@ def test_zorro_on_off_agree_and_the_mini_batch_token_mean(srv, model_dir):
     assert info["global_step"] == 6 and info["pending_forward_backward"] == 0
     assert m_off["micro_batches"] == 2 and m_off["num_rows"] == 4 and m_off["num_tokens"] == n_tokens
     advantages = batch["advantages"][:, p:][resp_mask]
-    assert m_off["pg_loss"] == pytest.approx(-float(advantages.sum()) / n_tokens, abs=1e-5)  # the call's token mean
-    assert m_off["pg_loss"] == pytest.approx(m_gas1["pg_loss"], abs=1e-5)
-    assert m_off["ppo_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert m_off["actor/pg_loss"] == pytest.approx(-float(advantages.sum()) / n_tokens, abs=1e-5)  # the call's token mean
+    assert m_off["actor/pg_loss"] == pytest.approx(m_gas1["actor/pg_loss"], abs=1e-5)
+    assert m_off["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-5)
     assert m_on["loss"] == pytest.approx(m_off["loss"], abs=1e-5)
-    assert m_on["pg_loss"] == pytest.approx(m_off["pg_loss"], abs=1e-5)
+    assert m_on["actor/pg_loss"] == pytest.approx(m_off["actor/pg_loss"], abs=1e-5)
     assert m_on["tokens_computed"] < m_off["tokens_computed"]
     assert g_off > 0 and g_on == pytest.approx(g_off, rel=1e-4)
     assert g_gas1 == pytest.approx(g_off, rel=1e-4)  # splitting into micro-batches changes nothing
     assert g_scaled == pytest.approx(g_off / 2, rel=1e-4)  # sum / (2N): half the gradient
     assert g_meta == pytest.approx(g_off / 2, rel=1e-4)  # meta.batch_num_tokens wins
     assert g_weighted == pytest.approx(2 * g_off, rel=1e-4)  # meta.rollout_is_weights multiply the token losses
-    assert m_zero["pg_loss"] == 0.0 and not g_zero
+    assert m_zero["actor/pg_loss"] == 0.0 and not g_zero
 
 
 def test_job_level_zorro_answers_response_aligned(srv, model_dir):

@@ -15,9 +15,14 @@ other name with :class:`LossNameError` -- it never imports anything a request na
 Inputs are *response-sliced* ``[B, R]`` tensors (the last ``R`` columns of the body's left-padded
 RL tensors) next to a :class:`~arctic_rl.server.logprobs.TokenLogprobs`. ``loss_scale_tokens``
 replaces the token count of ``token-mean`` (a global token mean over the micro-batches of a step);
-the loss-valued metrics (``loss``, ``pg_loss``, ``kl``, ``entropy``, ``sft_loss``) use the same
-aggregation as the loss, so they add up over micro-batches like the loss does. An empty mask gives
-a zero loss (and zero gradients), never NaN.
+the loss-valued metrics (``loss``, ``actor/pg_loss``, ``kl_loss``, ``actor/entropy_loss``,
+``sft_loss``) use the same aggregation as the loss, so they add up over micro-batches like the loss
+does. An empty mask gives a zero loss (and zero gradients), never NaN.
+
+Metric names are the vendor's ``verl_grpo`` loss's (``integrations/verl/grpo_loss.py``), which its
+own verl client hands to verl unchanged: ``actor/pg_loss``, ``actor/pg_clipfrac``,
+``actor/pg_clipfrac_lower``, ``actor/ppo_kl``, ``actor/entropy_loss``, ``loss``, ``kl_loss`` and
+``kl_coef`` (with ``use_kl_loss``).
 
 What is not here: log-prob computation (:mod:`arctic_rl.server.logprobs`), optimizer steps, HTTP.
 """
@@ -172,17 +177,17 @@ def ppo_clip_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: Lo
     pg_loss = _aggregate(pg_losses, mask, cfg)
     loss = pg_loss
     metrics = {
-        "pg_loss": pg_loss.item(),
-        "pg_clipfrac": clipfrac.item(),
-        "pg_clipfrac_lower": clipfrac_lower.item(),
-        "ppo_kl": _masked_mean(-log_ratio, mask).item(),
+        "actor/pg_loss": pg_loss.item(),
+        "actor/pg_clipfrac": clipfrac.item(),
+        "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+        "actor/ppo_kl": _masked_mean(-log_ratio, mask).item(),
     }
     if out.entropy is not None:
         if tuple(out.entropy.shape) != shape:
             raise ValueError(f"entropy: expected shape {list(shape)}, got {list(out.entropy.shape)}")
         entropy = _aggregate(out.entropy, mask, cfg)
         loss = loss - cfg.entropy_coeff * entropy
-        metrics["entropy"] = entropy.item()
+        metrics["actor/entropy_loss"] = entropy.item()
     elif cfg.entropy_coeff != 0.0:
         raise ValueError(
             f"entropy_coeff: a non-zero value ({cfg.entropy_coeff}) needs entropy; "
@@ -194,7 +199,8 @@ def ppo_clip_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: Lo
             raise ValueError(f"ref_log_prob: expected a {list(shape)} tensor when use_kl_loss is true, got none")
         kl = _aggregate(kl_penalty(logprobs, ref.to(logprobs.dtype), cfg.kl_loss_type), mask, cfg)
         loss = loss + cfg.kl_loss_coef * kl
-        metrics["kl"] = kl.item()
+        metrics["kl_loss"] = kl.item()
+        metrics["kl_coef"] = cfg.kl_loss_coef
     metrics["loss"] = loss.item()
     metrics["num_tokens"] = float(mask.sum().item())
     return loss, metrics

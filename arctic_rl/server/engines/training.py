@@ -375,14 +375,14 @@ class TrainingEngine:
 
 
 #: loss-valued metrics: with ``token-mean`` each micro-batch's value is its masked sum / the mini-batch's tokens
-_LOSS_METRICS = ("loss", "pg_loss", "kl", "entropy", "sft_loss")
+_LOSS_METRICS = ("loss", "actor/pg_loss", "kl_loss", "actor/entropy_loss", "sft_loss")
 
 
 def _combine_micro_metrics(parts: list[tuple[dict[str, float], float, Any]], *, token_mean: bool,
                            denom: float | None) -> dict[str, float]:
     """One call's metrics from its micro-batches', as the vendor reports them: token means over the call.
 
-    Ratio metrics (``pg_clipfrac``, ``ppo_kl``, ...) are per-micro-batch token means: weighted by tokens.
+    Ratio metrics (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...) are per-micro-batch token means: weighted by tokens.
     Loss-valued metrics under ``token-mean`` are masked sums / ``denom``: ``sum * denom / tokens`` is
     the call's token mean. Under the seq-mean modes each micro-batch holds the same number of rows:
     their plain mean."""

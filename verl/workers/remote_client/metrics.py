@@ -28,19 +28,19 @@ __all__ = ["FlopsEstimator", "mini_batch_metrics"]
 
 logger = logging.getLogger(__name__)
 
-#: server metric name -> verl worker metric name. One ``/forward-backward`` per mini-batch: the
-#: server reports the call's token means (the vendor: ``.sum``/``.tokens`` pairs collapsed over its
+#: server metric name -> verl worker metric name. The names are the vendor's ``verl_grpo`` loss's (v1 and
+#: v2; our reference server emits the same), which are already verl's. One ``/forward-backward`` per
+#: mini-batch: the server reports the call's token means (``.sum``/``.tokens`` pairs collapsed over its
 #: micro-batches and ranks), so each value is the mini-batch's as it is -- never added up over calls.
 _TOKEN_MEANS = {
     "loss": "loss",
-    "pg_loss": "actor/pg_loss",
-    "entropy": "actor/entropy_loss",
-    "entropy_loss": "actor/entropy_loss",
-    "kl": "kl_loss",
+    "actor/pg_loss": "actor/pg_loss",
+    "actor/pg_clipfrac": "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower": "actor/pg_clipfrac_lower",
+    "actor/ppo_kl": "actor/ppo_kl",
+    "actor/entropy_loss": "actor/entropy_loss",
     "kl_loss": "kl_loss",
-    "pg_clipfrac": "actor/pg_clipfrac",
-    "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
-    "ppo_kl": "actor/ppo_kl",
+    "kl_coef": "kl_coef",
 }
 #: server bookkeeping passed on under the adapter's prefix (ZoRRO's savings are visible there)
 _COUNTED = {"tokens_computed": "arctic/tokens_computed"}
@@ -62,14 +62,14 @@ def _scalar(value: Any) -> float | None:
 def mini_batch_metrics(call: Mapping[str, Any], step: Mapping[str, Any], *, kl_coef: float | None) -> dict[str, float]:
     """One optimizer step's metrics from its ``/forward-backward``'s metrics and ``/step``'s.
 
-    Names are accepted bare (reference server) or ``actor/``-prefixed (the vendor's loss); a
-    ``.sum``/``.tokens`` pair that a server left uncollapsed is collapsed here.
+    Names are the vendor loss's (:data:`_TOKEN_MEANS`); a ``.sum``/``.tokens`` pair that a server
+    left uncollapsed is collapsed here. ``kl_coef`` (when the call reports ``kl_loss``) is the
+    configured one.
     """
     out: dict[str, float] = {}
-    for raw, value in call.items():
-        name = raw.removeprefix("actor/")
+    for name, value in call.items():
         if name.endswith(".sum"):
-            tokens = _scalar(call.get(raw[: -len(".sum")] + ".tokens"))
+            tokens = _scalar(call.get(name[: -len(".sum")] + ".tokens"))
             number = _scalar(value)
             if tokens is None or number is None:
                 continue
