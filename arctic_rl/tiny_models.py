@@ -79,19 +79,19 @@ def tiny_config(
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch: expected one of {list(ARCHITECTURES)}, got {arch!r}")
     head_dim = head_dim or hidden_size // num_heads
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        bos_token_id=None,
-    )
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or 4 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "bos_token_id": None,
+    }
     if arch == "qwen3":
         return Qwen3Config(head_dim=head_dim, **common)
     if arch == "qwen2":

@@ -30,7 +30,7 @@ def torch_load_safe(data: bytes | bytearray | memoryview) -> Any:
         raise WireError(f"a v1 torch.save body is bytes-like, got {type(data).__name__}")
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as exc:  # the unpickler raises many types; callers get one
+    except Exception as exc:  # noqa: BLE001 - the unpickler raises many types; callers get one
         raise WireError(f"refusing v1 torch.save body: {_reason(exc)}") from None
 
 

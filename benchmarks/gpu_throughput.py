@@ -62,10 +62,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+QWEN3_06B = {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                 "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}
+TINY = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
 # ----------------------------------------------------------------------------------- set-up
@@ -85,7 +85,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count
         try:
-            env["nvidia_smi"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+            env["nvidia_smi"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30,
+                                                check=False).stdout
         except (OSError, subprocess.SubprocessError) as exc:
             env["nvidia_smi"] = repr(exc)
     return env
@@ -256,24 +257,24 @@ def time_case(engine, device: torch.device, case: dict, vocab: int, warmup: int,
 
 def train_cases(tiny: bool) -> list[dict[str, Any]]:
     if tiny:
-        return [dict(name="hf_labels", rows=4, p=1, r=47, n=1, zorro=False, hf_labels=True),
-                dict(name="plain_main", rows=4, p=24, r=24, n=1, zorro=False),
-                dict(name="plain_main_noent", rows=4, p=24, r=24, n=1, zorro=False, entropy=False),
-                dict(name="zorro_shape_plain", rows=8, p=32, r=8, n=8, zorro=False),
-                dict(name="zorro_shape_zorro", rows=8, p=32, r=8, n=8, zorro=True)]
+        return [{"name": "hf_labels", "rows": 4, "p": 1, "r": 47, "n": 1, "zorro": False, "hf_labels": True},
+                {"name": "plain_main", "rows": 4, "p": 24, "r": 24, "n": 1, "zorro": False},
+                {"name": "plain_main_noent", "rows": 4, "p": 24, "r": 24, "n": 1, "zorro": False, "entropy": False},
+                {"name": "zorro_shape_plain", "rows": 8, "p": 32, "r": 8, "n": 8, "zorro": False},
+                {"name": "zorro_shape_zorro", "rows": 8, "p": 32, "r": 8, "n": 8, "zorro": True}]
     return [
-        dict(name="hf_labels_B8_T2048", rows=8, p=1, r=2047, n=1, zorro=False, hf_labels=True),
-        dict(name="plain_B8_P1_R2047", rows=8, p=1, r=2047, n=1, zorro=False),
-        dict(name="plain_B8_P1024_R1024", rows=8, p=1024, r=1024, n=1, zorro=False),
-        dict(name="plain_B8_P1024_R1024_noent", rows=8, p=1024, r=1024, n=1, zorro=False, entropy=False),
-        dict(name="plain_B16_P1024_R1024", rows=16, p=1024, r=1024, n=1, zorro=False),
-        dict(name="zorro_shape_B8_plain", rows=8, p=2048, r=512, n=8, zorro=False),
-        dict(name="zorro_shape_B8_zorro", rows=8, p=2048, r=512, n=8, zorro=True),
-        dict(name="zorro_shape_B16_plain", rows=16, p=2048, r=512, n=8, zorro=False),
-        dict(name="zorro_shape_B16_zorro", rows=16, p=2048, r=512, n=8, zorro=True),
-        dict(name="zorro_shape_B32_zorro", rows=32, p=2048, r=512, n=8, zorro=True),
-        dict(name="zorro_shape_B32_plain", rows=32, p=2048, r=512, n=8, zorro=False),
-        dict(name="zorro_shape_B64_zorro", rows=64, p=2048, r=512, n=8, zorro=True),
+        {"name": "hf_labels_B8_T2048", "rows": 8, "p": 1, "r": 2047, "n": 1, "zorro": False, "hf_labels": True},
+        {"name": "plain_B8_P1_R2047", "rows": 8, "p": 1, "r": 2047, "n": 1, "zorro": False},
+        {"name": "plain_B8_P1024_R1024", "rows": 8, "p": 1024, "r": 1024, "n": 1, "zorro": False},
+        {"name": "plain_B8_P1024_R1024_noent", "rows": 8, "p": 1024, "r": 1024, "n": 1, "zorro": False, "entropy": False},
+        {"name": "plain_B16_P1024_R1024", "rows": 16, "p": 1024, "r": 1024, "n": 1, "zorro": False},
+        {"name": "zorro_shape_B8_plain", "rows": 8, "p": 2048, "r": 512, "n": 8, "zorro": False},
+        {"name": "zorro_shape_B8_zorro", "rows": 8, "p": 2048, "r": 512, "n": 8, "zorro": True},
+        {"name": "zorro_shape_B16_plain", "rows": 16, "p": 2048, "r": 512, "n": 8, "zorro": False},
+        {"name": "zorro_shape_B16_zorro", "rows": 16, "p": 2048, "r": 512, "n": 8, "zorro": True},
+        {"name": "zorro_shape_B32_zorro", "rows": 32, "p": 2048, "r": 512, "n": 8, "zorro": True},
+        {"name": "zorro_shape_B32_plain", "rows": 32, "p": 2048, "r": 512, "n": 8, "zorro": False},
+        {"name": "zorro_shape_B64_zorro", "rows": 64, "p": 2048, "r": 512, "n": 8, "zorro": True},
     ]
 
 
@@ -392,7 +393,7 @@ def profile_step(engine, device: torch.device) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    case = dict(name="s", rows=2, p=8, r=8, n=1, zorro=False)
+    case = {"name": "s", "rows": 2, "p": 8, "r": 8, "n": 1, "zorro": False}
     time_case(engine, device, case, engine.vocab_size, warmup=1, repeats=1)
     from arctic_rl.server.validation import parse_batch_body
 
@@ -424,8 +425,8 @@ def run_plan(label: str, engine_kwargs: dict, names: list[str], *, model_dir: Pa
     results["dims"], results["attn_implementation"] = dims, getattr(engine.model.config, "_attn_implementation", None)
     hdr = (f"{'case':30} {'B':>3} {'P':>5} {'R':>5} {'n':>2} {'fb_ms':>8} {'step_ms':>8} {'tok/s':>9} "
            f"{'MFU_fb':>7} {'MFU_all':>7} {'mem_GiB':>7} {'1st_s':>6}")
-    lines += ["", f"== {label}: ds zero stage {engine.ds_config['zero_optimization']['stage']}, optimizer "
-              f"{type(engine.engine.optimizer).__name__}, torch_compile={engine.torch_compile}", hdr]
+    lines += ["", (f"== {label}: ds zero stage {engine.ds_config['zero_optimization']['stage']}, optimizer "
+              f"{type(engine.engine.optimizer).__name__}, torch_compile={engine.torch_compile}"), hdr]
     print("\n".join(lines[-3:]), flush=True)
     for name in names:
         case = by_name[name]
@@ -563,8 +564,8 @@ def main(argv: list[str] | None = None) -> int:
 
     peak = matmul_peak(device, args.tiny)
     results["peak_flops"] = peak
-    head = [f"# {results['env'].get('gpu', 'cpu')}  torch {torch.__version__}  transformers "
-            f"{results['env']['transformers']}  deepspeed {results['env']['deepspeed']}",
+    head = [(f"# {results['env'].get('gpu', 'cpu')}  torch {torch.__version__}  transformers "
+            f"{results['env']['transformers']}  deepspeed {results['env']['deepspeed']}"),
             f"# dense matmul peak (measured here, now): {peak / 1e12:.2f} TFLOP/s"]
     print("\n".join(head), flush=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_tp_"))
@@ -597,8 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                 gen = generation(model_dir, device, args.tiny, args.max_tokens,
                                  [int(b) for b in args.gen_batches.split(",") if b])
                 results["generate"] = gen
-                lines += ["", f"{'generation, ' + gen[0]['shape']:46} {'batch':>5} {'tokens':>7} {'s':>7} "
-                              f"{'tok/s':>8} {'ms/step':>8}"]
+                lines += ["", (f"{'generation, ' + gen[0]['shape']:46} {'batch':>5} {'tokens':>7} {'s':>7} "
+                              f"{'tok/s':>8} {'ms/step':>8}")]
                 lines += [f"{g['what']:46} {g['batch']:>5} {g['tokens']:>7} {g['s']:>7.2f} {g['tok_s']:>8.0f} "
                           f"{g['ms_per_step']:>8.1f}" for g in gen]
                 print("\n".join(lines[-len(gen) - 1:]), flush=True)

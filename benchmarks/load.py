@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import tempfile
 import threading
@@ -35,10 +34,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' server launcher and verl-shaped batches
 
-import requests  # noqa: E402
-
-from _helpers_reliability import client_config, train_batch  # noqa: E402
-from server_process import running_server, tiny_model_dir  # noqa: E402
+import requests
+from _helpers_reliability import client_config, train_batch
+from server_process import running_server, tiny_model_dir
 
 __all__ = ["percentile", "rss_mib", "run_load"]
 
@@ -48,7 +46,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))]
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def rss_mib(pid: int) -> float:

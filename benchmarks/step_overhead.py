@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
 import sys
@@ -56,17 +55,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' server launcher and verl-shaped batches
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 
-from _helpers_arctic import legacy_batch, verl_main_config  # noqa: E402
-from server_process import running_server, tiny_model_dir  # noqa: E402
+from _helpers_arctic import legacy_batch, verl_main_config
+from server_process import running_server, tiny_model_dir
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding
 
-from arctic_rl import dssst1  # noqa: E402
-from arctic_rl.protocol import Paths  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
+from arctic_rl import dssst1
+from arctic_rl.protocol import Paths
 
 CLIENT_MOD = "verl.workers.remote_client.arctic_rl"
 LAYOUT_FNS = ("plan_layout", "dense_batch", "nested_from_server")
@@ -270,9 +269,9 @@ def print_part_a(med: dict[str, Any], args) -> list[str]:
             ("server: idempotency hash (replayed)", med.get("server_hash", 0.0)),
             ("server: DSSST1 encode of answers (replayed)", med.get("server_encode", 0.0)),
             ("HTTP: sockets, requests, uvicorn, FastAPI (residual)", http_net)]
-    lines = [f"Part A: GRPO step through ArcticRLClient, {args.rows} rows x ({args.prompt} + {args.response}) max, "
+    lines = [(f"Part A: GRPO step through ArcticRLClient, {args.rows} rows x ({args.prompt} + {args.response}) max, "
              f"n={args.n}, micro={args.micro}; {int(med['tokens'])} real tokens; {int(med['calls'])} HTTP calls; "
-             f"median of {args.steps} step(s)",
+             f"median of {args.steps} step(s)"),
              f"{'component':66} {'ms/step':>10} {'% of step':>9}"]
     lines += [f"{name:66} {s * 1e3:>10.1f} {s / wall:>9.2%}" for name, s in rows]
     lines.append(f"{'step wall (adapter calls)':66} {wall * 1e3:>10.1f} {1:>9.0%}")
@@ -283,7 +282,7 @@ def print_part_a(med: dict[str, Any], args) -> list[str]:
                  f"{med['bytes_received'] / 1e6:.2f} MB (bodies; headers not counted); JSON RTT {med['rtt_json'] * 1e3:.2f} ms")
     if "ray" in med:
         ray_total = sum(med["ray"].values())
-        lines.append(f"Ray actor hop (verl driver -> forwarder worker), TensorDicts of this step: "
+        lines.append("Ray actor hop (verl driver -> forwarder worker), TensorDicts of this step: "
                      + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med["ray"].items())
                      + f"; total {ray_total * 1e3:.1f} ms = {ray_total / (wall + ray_total):.2%} of step + hop")
         over_all = over + ray_total
@@ -323,9 +322,9 @@ def part_b(args, client, cfg) -> list[str]:
     # verl's agent loop sends exactly these keys (plus max_tokens, fixed here to bound the run)
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True,
               "max_tokens": args.gen_tokens, "ignore_eos": True}
-    lines = [f"Part B: rollout replica server, {args.gen_samples} samples x {args.gen_tokens} tokens "
+    lines = [(f"Part B: rollout replica server, {args.gen_samples} samples x {args.gen_tokens} tokens "
              f"(prompts 24-64 tokens), coalescer max_batch_size={cfg.remote_backend.rollout.max_batch_size}, "
-             f"max_wait_ms={cfg.remote_backend.rollout.max_wait_ms}",
+             f"max_wait_ms={cfg.remote_backend.rollout.max_wait_ms}"),
              f"{'mode':34} {'wall_s':>8} {'req/s':>8} {'tok/s':>8} {'/generate calls':>15}  batch sizes sent"]
     res = {}
     for mode in ("sequential", "concurrent", "sequential", "concurrent") if not args.quick else ("sequential",
@@ -364,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rows, args.prompt, args.response, args.micro = 16, 128, 128, 8
         args.hidden, args.layers, args.steps, args.gen_samples = 128, 2, 1, 64
-    from verl.remote_backend import RemoteBackendRegistry
     import verl.remote_backend.builtin  # noqa: F401 - registers "arctic"
+    from verl.remote_backend import RemoteBackendRegistry
 
     print(f"# load average at start: {loadavg()}  ({os.cpu_count()} cores)", flush=True)
     with tempfile.TemporaryDirectory(prefix="step_overhead_") as tmp:

@@ -12,6 +12,7 @@ import ctypes
 import gc
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
@@ -264,7 +265,7 @@ def test_roundtrip_nested_structure_and_metadata() -> None:
     metadata = {"request_id": "r-1", "router_replay": {"enabled": True}}
     out, op = dssst1.loads_with_metadata(dssst1.dumps(obj, metadata=metadata))
     nan = out["meta"].pop("nan")
-    assert nan != nan
+    assert math.isnan(nan)
     del obj["meta"]["nan"]
     assert_same(out, obj)
     assert op == metadata
@@ -566,7 +567,7 @@ def test_chunk_set_errors(big_frame: bytearray) -> None:
     results = dssst1.encode_byte_chunks(big_frame, kind="result", max_bytes=3000)
     cases = [
         ([], "non-empty"),
-        (chunks[:-1], r"missing chunk_idx \[%d\]" % (len(chunks) - 1)),
+        (chunks[:-1], rf"missing chunk_idx \[{len(chunks) - 1}\]"),
         (chunks[:1] + chunks[2:], r"missing chunk_idx \[1\]"),
         (chunks + chunks[:1], "duplicate chunk_idx 0"),
         (chunks[:1] + others[1:], "chunk_group_id"),

@@ -64,7 +64,8 @@ def _env(**extra: str) -> dict:
 
 def _run(args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=300
+        [sys.executable, *args], cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=300,
+        check=False,
     )
 
 

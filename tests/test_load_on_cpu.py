@@ -12,7 +12,6 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-
 from server_process import running_server, tiny_model_dir
 
 pytestmark = pytest.mark.slow

@@ -67,17 +67,17 @@ def test_rows_are_deterministic_and_val_is_held_out():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(alphabet="a"), "alphabet"),
-        (dict(alphabet="aab"), "alphabet"),
-        (dict(alphabet="ab c"), "alphabet"),
-        (dict(min_len=4, max_len=3), "min_len"),
-        (dict(min_len=0, max_len=3), "min_len"),
-        (dict(n_val=0), "n_train/n_val"),
-        (dict(alphabet="ab", min_len=1, max_len=1, n_val=2), "n_val"),
+        ({"alphabet": "a"}, "alphabet"),
+        ({"alphabet": "aab"}, "alphabet"),
+        ({"alphabet": "ab c"}, "alphabet"),
+        ({"min_len": 4, "max_len": 3}, "min_len"),
+        ({"min_len": 0, "max_len": 3}, "min_len"),
+        ({"n_val": 0}, "n_train/n_val"),
+        ({"alphabet": "ab", "min_len": 1, "max_len": 1, "n_val": 2}, "n_val"),
     ],
 )
 def test_bad_parameters_name_the_field(kwargs, field):
-    args = dict(n_train=10, n_val=5)
+    args = {"n_train": 10, "n_val": 5}
     args.update({k: kwargs.pop(k) for k in ("n_train", "n_val") if k in kwargs})
     with pytest.raises(ValueError, match=field):
         make_data.build_rows(args["n_train"], args["n_val"], **kwargs)
@@ -179,9 +179,8 @@ def test_sft_batch_trains_on_answer_and_end_token_only(tiny_model_dir):
 
 def _write_jsonl(path: pathlib.Path, rewards: list[float]) -> None:
     with open(path, "w") as f:
-        for step, r in enumerate(rewards, start=1):
-            f.write(json.dumps({"step": step, "data": {"critic/score/mean": r, "timing_s/gen": 0.5 + step,
-                                                      "training/epoch": 0, "note": "text is skipped"}}) + "\n")
+        f.writelines(json.dumps({"step": step, "data": {"critic/score/mean": r, "timing_s/gen": 0.5 + step,
+                                                      "training/epoch": 0, "note": "text is skipped"}}) + "\n" for step, r in enumerate(rewards, start=1))
         # validation is a separate log call at the last step
         f.write(json.dumps({"step": len(rewards), "data": {"val-core/reverse_text/acc/mean@1": 0.9}}) + "\n")
 

@@ -5,14 +5,14 @@ schedule, weights) bit-for-bit equal to the uninterrupted run; ``save_total_limi
 ``export_hf`` directory loads with ``transformers``; request paths cannot escape the checkpoint root.
 """
 
-import sys, pathlib  # noqa: E401
+import pathlib
+import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import pytest
 import requests
 import torch
-
 from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
 
 pytestmark = pytest.mark.slow

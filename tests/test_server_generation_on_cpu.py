@@ -6,7 +6,8 @@ token ids and ``finish_reason``, token-id prompts, sampled-token log-probs equal
 ``/generate``, bad sampling input, and ``/health`` staying responsive during generation.
 """
 
-import sys, pathlib  # noqa: E401
+import pathlib
+import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
@@ -16,9 +17,9 @@ import time
 import pytest
 import requests
 import torch
+from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
 
 from arctic_rl.protocol import sampled_logprobs
-from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 

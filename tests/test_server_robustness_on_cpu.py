@@ -4,7 +4,8 @@ Every malformed request gets its 4xx with a JSON ``detail`` naming the field, an
 healthy; a pickle that would run code when unpickled is refused without running it.
 """
 
-import sys, pathlib  # noqa: E401
+import pathlib
+import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
@@ -16,10 +17,10 @@ import subprocess
 import pytest
 import requests
 import torch
+from server_process import REPO_ROOT, decode, free_port, make_batch, post_frame, running_server, tiny_model_dir
 
 from arctic_rl import dssst1
 from arctic_rl.protocol import LOSS_NAMES, POST_PROCESSORS
-from server_process import REPO_ROOT, decode, free_port, make_batch, post_frame, running_server, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +140,7 @@ def test_jobs_and_control_calls(srv, model_dir):
     assert_error(post_frame(srv, f"/generate?job_id={ids['training']}", {"prompts": ["a"]}), 400, "job_id")
     assert_error(post_frame(srv, "/forward-backward", good_body()), 422, "job_id")
     assert_error(requests.get(srv.url + "/job/abc"), 422, "job_id")
-    post = lambda path, **kw: requests.post(srv.url + path, timeout=60, **kw)  # noqa: E731
+    post = lambda path, **kw: requests.post(srv.url + path, timeout=60, **kw)
     assert_error(post("/initialize", json={"model_name": str(model_dir), "job_type": "training"}), 409, "job_type")
     assert_error(post("/initialize", json={"model_name": str(model_dir), "job_type": "trainer"}), 400, "job_type")
     assert_error(post("/initialize", json={"job_type": "training"}), 400, "model_name")
@@ -238,6 +239,6 @@ def test_refuses_non_loopback_bind_without_token():
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     # 192.0.2.1 is TEST-NET-1: never this machine's address, so nothing could be exposed even on failure
     cmd = [sys.executable, "-m", "arctic_rl.server", "--host", "192.0.2.1", "--port", str(free_port())]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert "--token" in proc.stderr and "192.0.2.1" in proc.stderr

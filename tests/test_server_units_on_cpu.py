@@ -1,7 +1,8 @@
 """Unit tests of the reference server's pure parts (no server process): idempotency, checkpoint
 path safety, DeepSpeed-config building, body validation, auth, the sampler's filters."""
 
-import sys, pathlib  # noqa: E401
+import pathlib
+import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
@@ -11,6 +12,7 @@ import pickle
 
 import pytest
 import torch
+from server_process import make_batch
 
 from arctic_rl.protocol import LOSS_NAMES, POST_PROCESSORS, REQUIRED_TRAIN_TENSORS, SamplingParams
 from arctic_rl.server import checkpoint as ckpt
@@ -21,7 +23,6 @@ from arctic_rl.server.errors import ApiError, BadRequest, Conflict, NotFound
 from arctic_rl.server.idempotency import CachedResponse, IdempotencyCache, payload_hash
 from arctic_rl.server.settings import is_loopback_host
 from arctic_rl.server.validation import parse_batch_body
-from server_process import make_batch
 
 # --------------------------------------------------------------------------- idempotency
 

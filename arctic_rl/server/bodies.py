@@ -71,7 +71,7 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
 
     try:  # one deadline for the whole body (not one timer per chunk)
         await (receive() if timeout_s is None else asyncio.wait_for(receive(), timeout_s))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise RequestTimeout(
             f"body: {seen['received']} of {size_hint if size_hint is not None else '?'} bytes received in "
             f"{timeout_s:g} s (--body-timeout-s)",

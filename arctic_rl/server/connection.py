@@ -59,7 +59,7 @@ def head_timeout_protocol(head_timeout_s: float) -> type[H11Protocol]:
                 return  # a request is under way (its body has its own limit) or the connection is gone
             if self.conn.trailing_data[0]:  # bytes of an unfinished head: a slow or stalled client
                 logger.warning("closing a connection from %s: no complete request head within %g s",
-                               "%s:%d" % self.client if self.client else "?", head_timeout_s)
+                               f"{self.client[0]}:{self.client[1]}" if self.client else "?", head_timeout_s)
             self.transport.close()
 
     return HeadTimeoutH11Protocol

@@ -106,7 +106,7 @@ class ServerState:
             if job.engine is not None and hasattr(job.engine, "close"):
                 try:
                     job.engine.close()
-                except Exception:  # noqa: BLE001 - best effort at exit
+                except Exception:
                     logger.exception("closing job %d failed", job.job_id)
         self._pool.shutdown(wait=False, cancel_futures=True)
 

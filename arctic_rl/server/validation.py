@@ -199,9 +199,8 @@ def _as_ids(value: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _as_mask(value: torch.Tensor, name: str) -> torch.Tensor:
-    if value.dtype != torch.bool:
-        if value.numel() and not bool(((value == 0) | (value == 1)).all()):
-            raise BadRequest(f"batch.{name}: expected 0/1 values", field=f"batch.{name}", allowed=[0, 1])
+    if value.dtype != torch.bool and value.numel() and not bool(((value == 0) | (value == 1)).all()):
+        raise BadRequest(f"batch.{name}: expected 0/1 values", field=f"batch.{name}", allowed=[0, 1])
     return value != 0
 
 

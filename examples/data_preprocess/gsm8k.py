@@ -48,7 +48,7 @@ def make_row(example: dict[str, Any], index: int, split: str) -> dict[str, Any]:
     for field in ("question", "answer"):
         if not isinstance(example.get(field), str):
             got = type(example.get(field)).__name__
-            raise ValueError(f"{field}: expected a string in every GSM8K example, got {got}")
+            raise TypeError(f"{field}: expected a string in every GSM8K example, got {got}")
     question, answer = example["question"], example["answer"]
     return {
         "data_source": DATA_SOURCE,

@@ -16,16 +16,16 @@ import argparse
 from pathlib import Path
 
 #: The recipe's model size, as ``arctic_rl.tiny_models.build_tiny_model`` keyword arguments.
-RECIPE_SIZE: dict[str, int | bool] = dict(
-    hidden_size=128,
-    num_layers=2,
-    num_heads=4,
-    head_dim=32,
-    num_kv_heads=2,
-    intermediate_size=512,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-)
+RECIPE_SIZE: dict[str, int | bool] = {
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "head_dim": 32,
+    "num_kv_heads": 2,
+    "intermediate_size": 512,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+}
 
 
 def make_model(out_dir: str | Path, seed: int = 0) -> Path:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when imported from elsewhere
-from make_data import DATA_SOURCE, prompt_messages, random_string  # noqa: E402
-from reward import compute_score  # noqa: E402
+from make_data import DATA_SOURCE, prompt_messages, random_string
+from reward import compute_score
 
 EVAL_SEED = 4242  # held-out strings for the stop criterion (as in the measured recipe)
 
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    kwargs = dict(target=a.target, max_steps=a.max_steps, lr=a.lr, warmup_steps=a.warmup_steps, batch_size=a.batch_size,
-                  eval_every=a.eval_every, eval_prompts=a.eval_prompts, max_new_tokens=a.max_new_tokens, seed=a.seed)
+    kwargs = {"target": a.target, "max_steps": a.max_steps, "lr": a.lr, "warmup_steps": a.warmup_steps, "batch_size": a.batch_size,
+                  "eval_every": a.eval_every, "eval_prompts": a.eval_prompts, "max_new_tokens": a.max_new_tokens, "seed": a.seed}
     if a.via_server:
         from warm_start_server import warm_start_via_server
 
