@@ -10,12 +10,17 @@
 #   * ARCTIC_RL_URL / ARCTIC_RL_TOKEN, the server to talk to (the token stays out of verl's config, the
 #     trace and the command line -- the runtime_env then travels in a private file; the adapter reads the
 #     token from the environment).
-# The GRPO recipe itself is a run_*.sh script (default: the ZoRRO GSM8K one), run on the cluster with the
-# same Hydra overrides; extra arguments of this script are appended to them.
+# The GRPO recipe itself is a run_*.sh script (default: the GSM8K one), run on the cluster with the
+# same Hydra overrides; extra arguments of this script are appended to them. The recipe's knobs
+# (DATA_DIR, MODEL_DIR, OUT_DIR, STEPS, ZORRO, SEED, RUN_NAME, VERBOSE) reach it when they are set here.
 #
 #   ARCTIC_RL_URL=http://arctic-head:7000 ARCTIC_RL_TOKEN=... DATA_DIR=/shared/gsm8k \
 #   RAY_ADDRESS=http://ray-head:8265 bash examples/ray_cluster/submit_grpo.sh trainer.total_training_steps=10
-set -xeuo pipefail
+#
+# By default `ray job submit` follows the job and prints its output (the recipe's header, one line per
+# step, its summary); NO_WAIT=1 returns once the job is submitted. VERBOSE=1 traces this script.
+set -euo pipefail
+if [ "${VERBOSE:-0}" = 1 ]; then set -x; fi
 
 ############################ User-adjustable ############################
 
@@ -24,23 +29,24 @@ REPO_ROOT="$(cd "${SCRIPT_DIR}/../.." && pwd)"
 # Ray dashboard / job server of the cluster.
 RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 # The recipe to run (a path relative to the checkout, as it will be inside the job's working_dir).
-RECIPE="${RECIPE:-examples/grpo/run_gsm8k_grpo_arl_zorro_yes.sh}"
+RECIPE="${RECIPE:-examples/grpo/run_gsm8k_grpo_arl.sh}"
 # pip: install this checkout into the job's environment; preinstalled: the nodes already have it.
 PACKAGE_MODE="${PACKAGE_MODE:-pip}"
-# Data and model as the cluster nodes see them (shared storage or a hub name).
-DATA_DIR="${DATA_DIR:-/shared/data/gsm8k}"
-MODEL_DIR="${MODEL_DIR:-Qwen/Qwen3-0.6B}"
-OUT_DIR="${OUT_DIR:-/shared/outputs/gsm8k}"
+# The recipe's knobs that travel to the job when set here (data and model as the cluster nodes see them:
+# shared storage or a hub name); unset ones keep the recipe's defaults.
+RECIPE_KNOBS=(DATA_DIR MODEL_DIR OUT_DIR STEPS ZORRO SEED RUN_NAME VERBOSE)
 SUBMISSION_ID="${SUBMISSION_ID:-verl_grpo_arl_$(date -u +%Y%m%dT%H%M%SZ)}"
 # DRY_RUN=1: print the runtime_env (token redacted) and the entrypoint, submit nothing.
 DRY_RUN="${DRY_RUN:-0}"
+# NO_WAIT=1: return once submitted (follow with `ray job logs --follow`, or Ray's job API).
+NO_WAIT="${NO_WAIT:-0}"
 : "${ARCTIC_RL_URL:?set ARCTIC_RL_URL to the Arctic RL server (e.g. http://arctic-head:7000)}"
 PYTHON="${PYTHON:-python3}"
 
 ############################ runtime_env ############################
 
 # Built by Python so that every value is JSON-escaped; the token only ever travels inside it.
-set +x  # do not echo the token
+{ set +x; } 2>/dev/null  # do not echo the token
 RUNTIME_ENV_JSON="$(PACKAGE_MODE="${PACKAGE_MODE}" REPO_ROOT="${REPO_ROOT}" ARCTIC_RL_URL="${ARCTIC_RL_URL}" \
     ARCTIC_RL_TOKEN="${ARCTIC_RL_TOKEN:-}" "${PYTHON}" - <<'PY'
 import json, os
@@ -58,9 +64,9 @@ if os.environ.get("ARCTIC_RL_TOKEN"):
     env_vars["ARCTIC_RL_TOKEN"] = os.environ["ARCTIC_RL_TOKEN"]
 runtime_env = {
     "working_dir": os.environ["REPO_ROOT"],
-    # keep the upload small: no virtualenvs, build trees, outputs or caches
-    "excludes": [".venv/", ".git/", "build/", "dist/", "outputs/", "runs/", "*.egg-info/", "__pycache__/",
-                 ".pytest_cache/", ".ruff_cache/", ".hypothesis/", "*.parquet", "*.whl"],
+    # keep the upload small: no hidden directories (.venv, .git, caches), build trees, outputs
+    "excludes": [".*/", "build/", "dist/", "outputs/", "runs/", "*.egg-info/", "__pycache__/", "*.parquet",
+                 "*.whl"],
     "env_vars": env_vars,
 }
 if mode == "pip":
@@ -79,7 +85,11 @@ PY
 
 # Not traced (set +x above): the runtime_env holds the token. Print it redacted instead.
 echo "[submit] runtime_env: $(printf '%s' "${RUNTIME_ENV_JSON}" | sed -E 's/("ARCTIC_RL_TOKEN": ")[^"]*"/\1***"/')"
-echo "[submit] ${RAY_ADDRESS}: ${SUBMISSION_ID}: bash ${RECIPE} $*"
+JOB_ENV=()
+for knob in "${RECIPE_KNOBS[@]}"; do
+    if [ -n "${!knob:-}" ]; then JOB_ENV+=("${knob}=${!knob}"); fi
+done
+echo "[submit] ${RAY_ADDRESS}: ${SUBMISSION_ID}: env ${JOB_ENV[*]} bash ${RECIPE} $*"
 if [ "${DRY_RUN}" = 1 ]; then exit 0; fi
 # With a token, the runtime_env goes through a private file (--runtime-env) rather than the command line
 # (--runtime-env-json), where any user of the submitting machine could read it in `ps`.
@@ -90,10 +100,13 @@ if [ -n "${ARCTIC_RL_TOKEN:-}" ]; then
     printf '%s' "${RUNTIME_ENV_JSON}" > "${RUNTIME_ENV_FILE}"
     RUNTIME_ENV_ARGS=(--runtime-env "${RUNTIME_ENV_FILE}")
 fi
+WAIT_ARGS=()
+if [ "${NO_WAIT}" = 1 ]; then WAIT_ARGS=(--no-wait); fi
 ray job submit \
     --address "${RAY_ADDRESS}" \
     --submission-id "${SUBMISSION_ID}" \
     "${RUNTIME_ENV_ARGS[@]}" \
-    -- env DATA_DIR="${DATA_DIR}" MODEL_DIR="${MODEL_DIR}" OUT_DIR="${OUT_DIR}" \
+    "${WAIT_ARGS[@]}" \
+    -- env "${JOB_ENV[@]}" \
     bash "${RECIPE}" \
     "$@"
