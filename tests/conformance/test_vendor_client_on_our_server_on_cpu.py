@@ -72,10 +72,10 @@ def test_vendor_verl_client_runs_grpo_steps_on_our_server(server, tiny_model_dir
     assert fwd[1]["max_diff_ref"] > 1e-4
 
     # one /forward-backward per mini-batch then /step: two mini-batches per step, an optimizer step each
-    # (the vendor's loss names its metrics actor/pg_loss, ...; ours pg_loss, ...: the wrapper passes either on)
+    # (our loss names its metrics as the vendor's does -- actor/pg_loss, ... -- and the wrapper passes them on)
     for upd in phases["update_actor"]:
         m = upd["metrics"]
-        pg_loss = m.get("actor/pg_loss", m.get("pg_loss"))
+        pg_loss = m.get("actor/pg_loss")
         assert isinstance(pg_loss, float) and math.isfinite(pg_loss) and math.isfinite(upd["loss"]), m
         assert m["grad_norm"] > 0, m  # gradients flowed
     # the weight sync ran through /operation and landed: /weight-norm of trainer and sampler agree
