@@ -408,10 +408,12 @@ class StepRequest(BaseModel):
 
 
 class StepResponse(BaseModel):
+    """The vendor's servers answer ``{job_id, workers}`` (no ``metrics``); ours adds ``metrics``."""
+
     model_config = ConfigDict(extra="allow")
 
     job_id: int | None = None
-    metrics: dict[str, Any]
+    metrics: dict[str, Any] = Field(default_factory=dict)
     batch: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -1,14 +1,19 @@
 """verl.workers.remote_client: client adapters that drive a remote backend over HTTP.
 
 ``arctic_rl.ArcticRLClient`` (registered as ``"arctic"`` in ``RemoteBackendRegistry``) speaks the
-Arctic RL protocol. One concept per module:
+Arctic RL protocol: it is the session (jobs, handle, destroy) and delegates the rest by role. One
+concept per module:
 
 * ``arctic_config`` -- ``config.remote_backend`` as typed, validated dataclasses (mirrors arctic.yaml);
 * ``verl_settings`` -- the standard verl fields the adapter reads;
 * ``builders`` -- ds_config / ds_worker_config / JobConfig / loss config / call meta (pure functions);
+* ``dialect`` -- what differs between wire v1 and v2 (paths, codec, bodies), one object per version;
+* ``session`` -- the run's shared state (job ids, step, instance id, owned jobs) and calls to its jobs;
+* ``training`` -- ``update_actor`` and ``/step``; ``log_probs`` -- ``compute_(ref_)log_prob``;
+* ``generation`` -- ``/generate``; ``checkpoints`` -- weight sync, save, load;
 * ``layout`` -- verl's nested batches <-> the server's ``[left-padded prompt | response]`` layout;
-* ``http`` -- session, time limits, retries, error mapping; ``wire`` -- v1/v2 bodies and detection;
-* ``jobs`` -- health, job creation/destruction, handles; ``generation`` -- ``/generate`` helpers;
+* ``http`` -- session, time limits, retries, error mapping; ``wire`` -- protocol detection;
+* ``jobs`` -- health, job creation/destruction, handles; ``recovery``/``journal`` -- lost answers, restarts;
 * ``metrics`` -- verl metric names and MFU; ``local_server`` -- a local reference server process.
 
 Importing this package imports none of them: ``import verl.workers.remote_client.arctic_rl``

@@ -19,7 +19,9 @@ samples the same tokens, while repeated samples of one prompt (GRPO's ``n``) sti
 Log-probs come back per token as ``{str(token_id): {"logprob", "rank"}}`` (the sampled token and the
 top-k, the vendor's format); :func:`ordered_results` keeps the sampled token's value, one float per
 generated token, which is what verl's rollout expects.
-What is not here: HTTP (:mod:`.arctic_rl` sends the request).
+:class:`Sampler` is the generation role of the client: one ``/generate`` call per verl request, its
+body built by the run's :class:`~.dialect.Dialect` from :class:`~arctic_rl.protocol.GenerateRequest`.
+What is not here: HTTP and retries (:mod:`.session`, :mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ import threading
 from collections import Counter
 from typing import Any
 
-from arctic_rl.protocol import GenerateResult, SamplingParams, sampled_logprobs
+from arctic_rl.protocol import Features, GenerateResult, JobType, Paths, SamplingParams, sampled_logprobs
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 
-__all__ = ["SeedDeriver", "clean_sampling_params", "ordered_results"]
+from .session import JobCalls, ModelTokens
+
+__all__ = ["Sampler", "SeedDeriver", "clean_sampling_params", "ordered_results"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,3 +105,35 @@ def ordered_results(raw: Any, num_prompts: int, n: int, *, expanded: bool) -> li
     for i, r in enumerate(results):
         r.prompt_index, r.sample_index = i // n, i % n
     return results
+
+
+class Sampler:
+    """``generate`` on the sampling job (see the module docstring)."""
+
+    def __init__(self, calls: JobCalls, *, tokens: ModelTokens, seeds: SeedDeriver | None) -> None:
+        self.calls = calls
+        self.tokens = tokens
+        self.seeds = seeds
+        self._warned: set[str] = set()
+
+    def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[GenerateResult]:
+        """One ``/generate`` call; results in prompt order, ``n`` samples of a prompt adjacent."""
+        if not prompts:
+            return []
+        features = self.calls.state.features
+        params = clean_sampling_params(sampling_params or {}, self._warned)
+        n = params.n
+        expand = n > 1 and Features.N_SAMPLES not in features
+        rows = [[int(t) for t in p] for p in prompts for _ in range(n if expand else 1)]
+        wire_params = params.model_dump(mode="json", exclude_none=True)
+        if self.seeds is not None and params.seed is None:  # verl's rollout.full_determinism
+            wire_params["seed"] = self.seeds(prompts)
+        if expand:
+            wire_params["n"] = 1
+        if Features.TOKEN_PROMPTS in features:
+            wire_prompts: list = rows
+        else:  # the vendor's servers take text only
+            wire_prompts = [self.tokens.tokenizer.decode(r, skip_special_tokens=False) for r in rows]
+        payload = self.calls.state.dialect.generate_payload(wire_prompts, wire_params)
+        out = self.calls.post(Paths.GENERATE, JobType.SAMPLING, payload, op="generate", idempotent=True)
+        return ordered_results(out, len(prompts), n, expanded=expand)

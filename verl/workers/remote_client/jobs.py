@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from arctic_rl.protocol import HealthResponse, InitializeResponse, JobInfo, JobType, Paths
+from arctic_rl.protocol import DestroyRequest, HealthResponse, InitializeResponse, JobInfo, JobType, Paths
 from verl.remote_backend.errors import (
     RemoteBackendConfigError,
     RemoteBackendError,
@@ -207,7 +207,8 @@ def destroy_jobs(http: ArcticHttp, jobs: dict[str, int]) -> None:
         if job_id is None:
             continue
         try:
-            http.post_json(Paths.DESTROY, {"job_type": job_type.value}, params={"job_id": job_id}, idempotent=True)
+            body = DestroyRequest(job_type=job_type).model_dump(mode="json")
+            http.post_json(Paths.DESTROY, body, params={"job_id": job_id}, idempotent=True)
             logger.info("arctic: destroyed %s job %d", job_type.value, job_id)
         except RemoteJobNotFoundError:
             logger.info("arctic: %s job %d was already gone", job_type.value, job_id)

@@ -1,7 +1,8 @@
 """Keeping a run going when the Arctic server fails: unanswered calls, restarts, the update journal.
 
 A GRPO run lasts days and its server is across a network. Two things go wrong, and this module
-handles both for :class:`~verl.workers.remote_client.arctic_rl.ArcticRLClient`:
+handles both for :class:`~verl.workers.remote_client.arctic_rl.ArcticRLClient`, on the run's shared
+:class:`~.session.RunState`:
 
 **An unanswered mutating call** (:class:`~.http.AmbiguousCallError`: sent, then the connection
 died). If the server is still the same process, either it replays ``X-Request-Id``s (it lists
@@ -40,9 +41,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
-from arctic_rl.protocol import JobType, Paths
+from arctic_rl.protocol import JobType, LoadCheckpointRequest, Paths
 from verl.remote_backend.errors import (
     RemoteBackendError,
     RemoteConnectionError,
@@ -54,6 +56,9 @@ from .arctic_config import RecoveryConfig
 from .http import AmbiguousCallError, ArcticHttp, new_request_id
 from .jobs import JOB_ORDER, create_job, destroy_jobs, status_jobs
 from .journal import UpdateJournal
+
+if TYPE_CHECKING:
+    from .session import RunState
 
 __all__ = ["APPLIED", "Outcome", "Recovery", "read_counter"]
 
@@ -98,14 +103,21 @@ def read_counter(http: ArcticHttp, job_id: int, counter: str) -> tuple[int | Non
 class Recovery:
     """Failure handling of one client (see the module docstring).
 
-    ``client`` is the :class:`~.arctic_rl.ArcticRLClient` it serves; this object reads and replaces
-    its job ids, instance id, step and owned jobs, and calls its ``_job_bodies()`` and
-    ``_sync_weights_now()``. ``lock`` serialises the training client's calls with restores.
+    ``state`` is the run's :class:`~.session.RunState`: this object reads and replaces its job ids,
+    instance id, step and owned jobs. ``job_bodies()`` gives the ``/initialize`` bodies of the run's
+    jobs (to create them again), ``sync_weights()`` pushes the training weights to the sampler, and
+    ``checkpoint_path`` is the training job's configured checkpoint directory (where recovery
+    checkpoints go when ``recovery.checkpoint_path`` is unset and the server does not say).
+    ``lock`` serialises the training client's calls with restores.
     """
 
-    def __init__(self, client: Any, config: RecoveryConfig) -> None:
-        self.client = client
+    def __init__(self, state: RunState, config: RecoveryConfig, *, job_bodies: Callable[[], dict[JobType, dict]],
+                 sync_weights: Callable[[], dict], checkpoint_path: str | None = None) -> None:
+        self.state = state
         self.config = config
+        self._job_bodies = job_bodies
+        self._sync_weights = sync_weights
+        self._default_checkpoint_path = checkpoint_path
         self.journal = UpdateJournal(max_bytes=int(config.journal_max_mb * 2**20))
         self.lock = threading.RLock()
         self.epoch = 0  # bumped by every restore/adoption: calls started before it re-read job ids
@@ -118,7 +130,7 @@ class Recovery:
 
     @property
     def http(self) -> ArcticHttp:
-        return self.client._http
+        return self.state.http
 
     # ------------------------------------------------------------------------------ roles
 
@@ -232,7 +244,7 @@ class Recovery:
         if counter is None:
             return Outcome.UNKNOWN
         name, before = counter
-        job = self.client._job(JobType.TRAINING)
+        job = self.state.job(JobType.TRAINING)
         value, info = read_counter(self.http, job, name)
         deadline = time.monotonic() + self.config.wait_s
         while info.get("busy") is True and time.monotonic() < deadline:  # the call may still be computing
@@ -274,15 +286,15 @@ class Recovery:
             time.sleep(_POLL_S)
 
     def _restarted(self, health: dict, *, jobs_gone: bool) -> bool:
-        known, now = self.client._instance_id, health.get("instance_id")
+        known, now = self.state.instance_id, health.get("instance_id")
         if known and now:
             return known != now
         # a server without instance ids: a restart shows as refused connections, then unknown jobs
         if not (self._down_seen or jobs_gone):
             return False
         try:
-            self.http.get_json(Paths.job(self.client._job(JobType.TRAINING if JobType.TRAINING.value in
-                                                          self.client._job_ids else JobType.SAMPLING)))
+            self.http.get_json(Paths.job(self.state.job(JobType.TRAINING if JobType.TRAINING.value in
+                                                        self.state.job_ids else JobType.SAMPLING)))
             return False
         except RemoteJobNotFoundError:
             return self._down_seen
@@ -302,24 +314,25 @@ class Recovery:
             self.epoch += 1
             self._down_seen = False
             logger.warning("arctic: recovered from a server restart in %.1f s (jobs now %s)", time.monotonic() - t0,
-                           self.client._job_ids)
+                           self.state.job_ids)
 
     def _restore(self, reason: str, only_training: bool = False) -> None:
-        client, journal = self.client, self.journal
+        state, journal = self.state, self.journal
         health = self._wait_for_server(time.monotonic() + self.config.wait_s)
         logger.warning("arctic: restoring the training state (%s): base %s, %d journalled call(s) with %d step(s)%s",
                        reason, journal.base or "a fresh job", len(journal.entries), journal.steps,
                        "" if journal.complete else " -- JOURNAL INCOMPLETE")
-        bodies = client._job_bodies()
-        types = [JobType.TRAINING] if only_training else [t for t in JOB_ORDER if t.value in client._job_ids]
+        bodies = self._job_bodies()
+        types = [JobType.TRAINING] if only_training else [t for t in JOB_ORDER if t.value in state.job_ids]
         created: dict[str, int] = {}
         try:
             for job_type in types:
-                created[job_type.value] = create_job(self.http, job_type, bodies[job_type], tag=client.client_tag)
+                created[job_type.value] = create_job(self.http, job_type, bodies[job_type], tag=state.client_tag)
             training = created[JobType.TRAINING.value]
             step = 0
             if journal.base is not None:
-                out = self.http.post_json(Paths.LOAD_CHECKPOINT, {"path": journal.base.path},
+                body = LoadCheckpointRequest(path=journal.base.path).model_dump(mode="json", exclude_none=True)
+                out = self.http.post_json(Paths.LOAD_CHECKPOINT, body,
                                           params={"job_id": training}, op="save", idempotent=True).json()
                 step = int(out.get("global_step", journal.base.step))
                 self.stats["checkpoints_loaded"] += 1
@@ -333,26 +346,25 @@ class Recovery:
                         got = (resp.json().get("metrics") or {}).get("global_step")
                         step = int(got) if isinstance(got, int) else step + 1
                     self.stats["journal_replayed"] += 1
-                if step != client._step:
+                if step != state.step:
                     raise RemoteBackendError(f"arctic: restore reached step {step}, but the client is at step "
-                                             f"{client._step}; the run cannot continue exactly")
+                                             f"{state.step}; the run cannot continue exactly")
             elif journal.base is None:
                 raise RemoteBackendError(
                     "arctic: the server restarted and this client knows no checkpoint of the run and not every update "
                     "since its start: the training state cannot be restored; resume the run from its last checkpoint")
             else:
-                lost = client._step - step
+                lost = state.step - step
                 logger.error("arctic: the update journal was incomplete: restored step %d from %s; the %d step(s) "
                              "since are LOST (the server's step counter is now %d, verl's keeps counting)", step,
                              journal.base, lost, step)
                 self.stats["steps_lost"] += lost
-                client._step = step
-                client._http.step = step
+                state.set_step(step)
                 journal.reset(journal.base)
-            client._publish_jobs({**client._job_ids, **created}, health.get("instance_id") or client._instance_id,
-                                 created=created)
+            state.publish_jobs({**state.job_ids, **created}, health.get("instance_id") or state.instance_id,
+                               created=created)
             if not only_training:  # a rebuilt training job holds the weights the sampler already has
-                client._sync_weights_now()
+                self._sync_weights()
         except BaseException:
             destroy_jobs(self.http, created)
             raise
@@ -366,7 +378,7 @@ class Recovery:
                 "whether it was applied, and this client cannot rebuild the training state (no complete journal): "
                 "the run cannot continue exactly; resume it from its last checkpoint")
         with self.lock:
-            old = self.client._job(JobType.TRAINING)
+            old = self.state.job(JobType.TRAINING)
             destroy_jobs(self.http, {JobType.TRAINING.value: old})
             self._restore(f"{what} unanswered", only_training=True)
             self.epoch += 1
@@ -374,21 +386,21 @@ class Recovery:
 
     def _adopt(self, reason: str) -> None:
         """Wait for the training client to restore, then use its jobs."""
-        client = self.client
+        state = self.state
         deadline = time.monotonic() + self.config.wait_s
-        wanted = [t for t in JOB_ORDER if t.value in client._job_ids]
+        wanted = [t for t in JOB_ORDER if t.value in state.job_ids]
         logger.warning("arctic: the server restarted (%s); waiting for the training client to restore the jobs", reason)
         while True:
             health = self._wait_for_server(deadline)
             found = self._ready_jobs(wanted)
             if found is not None:
-                client._publish_jobs(found, health.get("instance_id") or client._instance_id, created={})
+                state.publish_jobs(found, health.get("instance_id") or state.instance_id, created={})
                 self.stats["adoptions"] += 1
                 return
             if time.monotonic() >= deadline:
                 raise RemoteBackendError(
                     f"arctic: the server restarted and no restored jobs ({[t.value for t in wanted]}, tag "
-                    f"{client.client_tag}) appeared within recovery.wait_s = {self.config.wait_s:g} s: the client that "
+                    f"{state.client_tag}) appeared within recovery.wait_s = {self.config.wait_s:g} s: the client that "
                     "trains restores them (is it alive, with recovery.enable?)")
             time.sleep(_POLL_S * 2)
 
@@ -402,7 +414,7 @@ class Recovery:
             matches = [
                 v for v in jobs
                 if v.get("job_type") == job_type.value
-                and ("client_tag" not in v or v["client_tag"] == self.client.client_tag)
+                and ("client_tag" not in v or v["client_tag"] == self.state.client_tag)
             ]
             if len(matches) != 1:
                 return None
@@ -420,7 +432,7 @@ class Recovery:
         """``GET /job/{id}`` of the training job, surviving a restart like any other call (the server
         may die right after the step that preceded the read; a restore re-reads the new job)."""
         info = self.call(f"GET {Paths.JOB}", lambda _id: self.http.get_json(
-            Paths.job(self.client._job(JobType.TRAINING))), safe=True)
+            Paths.job(self.state.job(JobType.TRAINING))), safe=True)
         return info if isinstance(info, dict) else {}
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -434,7 +446,7 @@ class Recovery:
         if not cfg.enable or not (due or self.journal.overflowed):
             return
         if self._checkpoint_dir is None:
-            base = self.training_job_info().get("checkpoint_path") or self.client.arctic.train.checkpoint_path
+            base = self.training_job_info().get("checkpoint_path") or self._default_checkpoint_path
             if not base:
                 logger.error("arctic: no directory for recovery checkpoints (set remote_backend.recovery."
                              "checkpoint_path); a restart will replay the journal from the start of the run")
@@ -450,7 +462,7 @@ class Recovery:
         """Training client only: restore as soon as a restart shows, even with no call in flight."""
         interval = self.config.watch_interval_s
         while not self._stop.wait(interval):
-            if self.client._destroyed:
+            if self.state.destroyed:
                 return
             epoch = self.epoch
             health = self.http.probe(Paths.HEALTH, timeout_s=min(5.0, interval * 2))

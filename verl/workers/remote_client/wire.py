@@ -7,7 +7,8 @@
 
 :func:`detect_protocol` asks the server's ``/openapi.json`` (FastAPI): v2-only paths mean v2,
 v1-only paths mean v1. Responses are decoded by their ``Content-Type`` (JSON or octet-stream).
-What is not here: the HTTP session (:mod:`.http`) or the request shapes (:mod:`.arctic_rl`).
+:func:`encode_body` / :func:`decode_response` are the codecs of :mod:`.dialect` under the version's number.
+What is not here: the HTTP session (:mod:`.http`) or the request shapes (:mod:`.dialect`, the role modules).
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from typing import Any
 
 import requests
 
-from arctic_rl import dssst1
-from arctic_rl.protocol import OCTET_STREAM, V1_ONLY_PATHS, V2_ONLY_PATHS, Paths, ProtocolVersion
-from arctic_rl.v1compat import torch_load_safe, torch_save_bytes
+from arctic_rl.protocol import V1_ONLY_PATHS, V2_ONLY_PATHS, Paths, ProtocolVersion
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError, RemoteServerError
 
+from .dialect import dialect_for
 from .http import ArcticHttp
 
 __all__ = ["decode_response", "detect_protocol", "encode_body"]
@@ -54,19 +54,9 @@ def detect_protocol(http: ArcticHttp, configured: str = "auto") -> ProtocolVersi
 
 def encode_body(version: ProtocolVersion, obj: Any) -> bytes | bytearray:
     """A tensor body for ``version`` (DSSST1 frame or ``torch.save`` bytes), sent as octet-stream."""
-    if version is ProtocolVersion.V2:
-        return dssst1.dumps(obj)
-    return torch_save_bytes(obj)
+    return dialect_for(version).encode_tensors(obj)
 
 
 def decode_response(version: ProtocolVersion, resp: requests.Response, endpoint: str) -> Any:
     """A JSON or octet-stream answer decoded safely; undecodable answers are protocol errors."""
-    kind = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    try:
-        if kind == OCTET_STREAM:
-            if version is ProtocolVersion.V2:
-                return dssst1.loads(resp.content)
-            return torch_load_safe(resp.content)
-        return resp.json()
-    except (dssst1.WireError, ValueError) as exc:
-        raise RemoteProtocolError(endpoint, f"undecodable {kind or 'untyped'} answer: {exc}") from None
+    return dialect_for(version).decode(resp, endpoint)
