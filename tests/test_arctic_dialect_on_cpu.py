@@ -108,3 +108,31 @@ def test_answers_are_read_with_tolerant_models():
     assert parse_answer(StepResponse, {"job_id": 3, "workers": [{}]}, "POST /step").metrics == {}
     with pytest.raises(RemoteProtocolError, match=r"metrics: .*StepResponse.*received 7"):
         parse_answer(StepResponse, {"metrics": 7}, "POST /step")
+
+
+def test_forward_backward_body_is_what_the_models_produce():
+    """``{batch, meta, processing}``: meta from the builder, checked by ``BatchMeta`` without a key lost or
+    added; processing a ``Processing`` as the reference server parses it."""
+    from _helpers_arctic import verl_main_config
+
+    from arctic_rl.protocol import BatchMeta, Processing
+    from verl.workers.remote_client.arctic_config import ArcticConfig
+    from verl.workers.remote_client.builders import build_loss_config, build_meta
+    from verl.workers.remote_client.training import TRAIN_POST, forward_body
+    from verl.workers.remote_client.verl_settings import VerlSettings
+
+    cfg = verl_main_config(None)
+    v, a = VerlSettings.from_main_config(cfg), ArcticConfig.from_main_config(cfg)
+    loss = build_loss_config(v, loss_scale_tokens=40.0)
+    meta = build_meta(v, a, max_prompt_len=11, max_response_len=32, temperature=0.7, calculate_entropy=True,
+                      pad_token_id=3, global_batch_size=8, batch_num_tokens=40.0, loss=loss)
+    processing = Processing(loss_fn="verl_grpo", post=list(TRAIN_POST), config=loss.model_dump(mode="json"))
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long)}
+    body = forward_body(batch, meta, processing)
+    assert body["batch"] is batch
+    assert body["meta"] == meta == BatchMeta.model_validate(meta).model_dump(mode="json", exclude_unset=True)
+    assert body["processing"] == {"loss_fn": "verl_grpo", "post": ["apply_temperature", "compute_entropy_and_logprobs"],
+                                  "config": loss.model_dump(mode="json")}
+    assert Processing.model_validate(body["processing"]).model_dump(mode="json") == body["processing"]
+    with pytest.raises(ValueError, match="temperature"):
+        forward_body(batch, {**meta, "temperature": 0.0}, processing)
