@@ -31,7 +31,7 @@ Recovery checkpoints are taken here too (:meth:`Recovery.after_step`: every
 ``recovery.checkpoint_every_n_steps`` steps, or early when the journal overflowed).
 
 What is not here: the journal itself (:mod:`.journal`), HTTP retries of transient failures
-(:mod:`.http`), what the calls carry (:mod:`.arctic_rl`), job creation (:mod:`.jobs`).
+(:mod:`.http`), what the calls carry (:mod:`.dialect` and the role modules), job creation (:mod:`.jobs`).
 """
 
 from __future__ import annotations
