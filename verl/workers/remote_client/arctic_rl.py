@@ -113,7 +113,7 @@ class ArcticRLClient(RemoteBackend):
     # ------------------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def from_config(cls, main_config: Any, *, handle: dict | None = None, owner: bool = False) -> "ArcticRLClient":
+    def from_config(cls, main_config: Any, *, handle: dict | None = None, owner: bool = False) -> ArcticRLClient:
         """Create the jobs (``handle=None``) or re-attach to those of ``handle``.
 
         ``owner=True`` with a handle makes this instance responsible for destroying the handle's
@@ -173,7 +173,7 @@ class ArcticRLClient(RemoteBackend):
         return client
 
     @classmethod
-    def _attach(cls, arctic: ArcticConfig, verl: VerlSettings, handle: dict, *, owner: bool) -> "ArcticRLClient":
+    def _attach(cls, arctic: ArcticConfig, verl: VerlSettings, handle: dict, *, owner: bool) -> ArcticRLClient:
         h = check_handle(handle)
         if arctic.server.url and arctic.server.url.rstrip("/") != h["url"].rstrip("/"):
             logger.warning("arctic: attaching to %s from the handle (remote_backend.server.url says %s)", h["url"],

@@ -58,7 +58,7 @@ def clean_sampling_params(given: dict[str, Any], warned: set[str]) -> SamplingPa
     try:
         return SamplingParams.model_validate(clean)
     except ValueError as exc:
-        errors = getattr(exc, "errors", lambda: [])()
+        errors = getattr(exc, "errors", list)()
         first = errors[0] if errors else {}
         field = ".".join(str(x) for x in first.get("loc", ())) or "?"
         raise RemoteBackendConfigError(f"sampling_params.{field}", first.get("msg", str(exc)),

@@ -476,5 +476,5 @@ class Recovery:
                     self.recover(epoch, "seen by the watcher")
             except RemoteServerError as exc:
                 logger.warning("arctic: watcher: %s", exc)
-            except Exception:  # noqa: BLE001 - the watcher must not die; the next call retries the restore
+            except Exception:  # the watcher must not die; the next call retries the restore
                 logger.exception("arctic: watcher: restore failed; the next call will try again")
