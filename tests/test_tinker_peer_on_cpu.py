@@ -171,7 +171,7 @@ def test_a_second_processes_sampler_follows_the_weight_sync(setup):
 
 
 def test_save_and_load_state_round_trip_and_resume_index(setup):
-    main, backend, tok = setup
+    _, backend, tok = setup
     prompt, responses = _rows(tok)
     saved = backend.save_checkpoint(step=7)
     assert saved["path"].startswith("tinker://")

@@ -139,7 +139,7 @@ def test_rows_and_response_values_from_nested_and_padded_batches(padded):
     assert (rows.prompt_lens, rows.response_lens) == ([3, 2], [2, 3])
     values = tb.response_values(data, "old_log_probs", rows)
     assert [len(v) for v in values] == [2, 3]
-    assert sum(values, []) == pytest.approx([-0.5, -1.0, -0.1, -0.2, -0.3])
+    assert [x for v in values for x in v] == pytest.approx([-0.5, -1.0, -0.1, -0.2, -0.3])
 
 
 def test_datum_inputs_align_response_values_with_their_target_tokens():

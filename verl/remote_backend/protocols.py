@@ -22,7 +22,8 @@ TensorDict with nested ``log_probs`` (value ``k`` of a row = log p(token ``k+1``
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "ACTOR_METHODS",

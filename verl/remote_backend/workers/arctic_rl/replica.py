@@ -9,7 +9,8 @@ verl's sampling parameters validated into ``arctic_rl.protocol.SamplingParams``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from verl.remote_backend.workers.replica import (
     RemoteRolloutReplica,

@@ -187,7 +187,7 @@ class TinkerClient(RemoteBackend):
         mask = tb.response_values(data, "response_mask", rows)
         old = tb.response_values(data, "old_log_probs", rows)
         adv = tb.response_values(data, "advantages", rows)
-        if "rollout_is_weights" in data.keys():
+        if "rollout_is_weights" in data.keys():  # noqa: SIM118 (TensorDict has no __contains__)
             weights = tb.response_values(data, "rollout_is_weights", rows)
             adv = [[a * w for a, w in zip(ra, rw)] for ra, rw in zip(adv, weights)]
         lr = learning_rate(run, self._step)
@@ -206,7 +206,7 @@ class TinkerClient(RemoteBackend):
                         a = [x * m * scale for x, m in zip(adv[b], mask[b])]
                         datums.append(self.session.datum(*tb.target_inputs(rows, b, {"logprobs": old[b],
                                                                                        "advantages": a})))
-                    new, fb_metrics = self.session.forward_backward(tc, datums, run.loss_fn, run.loss_fn_config)
+                    new, _fb_metrics = self.session.forward_backward(tc, datums, run.loss_fn, run.loss_fn_config)
                     opt = self.session.optim_step(tc, lr=lr, betas=run.optim.betas, eps=run.adam_eps,
                                                   weight_decay=run.optim.weight_decay,
                                                   grad_clip_norm=run.optim.clip_grad)

@@ -33,10 +33,10 @@ def tinker_sampling_params(params: dict[str, Any]) -> tuple[dict[str, Any], int]
     Keys Tinker cannot express are dropped with a one-time warning (``ignore_eos`` when true,
     ``skip_special_tokens`` ...). A bad value raises naming ``sampling_params.<key>``.
     """
-    for key in params:
-        if key not in SUPPORTED_PARAMS and key not in _warned and params[key] not in (None, False):
+    for key, value in params.items():
+        if key not in SUPPORTED_PARAMS and key not in _warned and value not in (None, False):
             _warned.add(key)
-            logger.warning("sampling param %s=%r is not supported by Tinker's sampler; ignored", key, params[key])
+            logger.warning("sampling param %s=%r is not supported by Tinker's sampler; ignored", key, value)
     n = 1 if params.get("n") is None else int(params["n"])
     max_tokens = params.get("max_tokens")
     temperature = float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0)

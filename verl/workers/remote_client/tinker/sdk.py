@@ -19,7 +19,8 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from verl.remote_backend.errors import (
     RemoteBackendConfigError,
