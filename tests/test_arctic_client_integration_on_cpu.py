@@ -329,7 +329,7 @@ def test_local_server_that_dies_is_reported_with_its_log(tmp_path):
         start_local_server(cfg, python=python)
     text = str(err.value)
     assert "exited with code 3" in text and "cannot load model -m arctic_rl.server --host 127.0.0.1" in text
-    assert "--checkpoint-root" in text and "--device cpu --threads 1" in text
+    assert "--checkpoint-root" in text and "--device cpu --sampler auto --threads 1" in text
 
 
 def test_local_server_that_never_answers_times_out_and_is_stopped(tmp_path):
