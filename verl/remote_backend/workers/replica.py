@@ -25,17 +25,18 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ray
 from omegaconf import OmegaConf
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.protocols import SAMPLER_METHODS, RemoteSampler, result_field
 from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.worker import attach_rollout_server
-from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 __all__ = ["RemoteRolloutReplica", "RemoteRolloutServer", "normalize_sampling_params", "remote_server_class"]
 

@@ -28,12 +28,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 from tensordict import TensorDict
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_UPDATE_KEY, RemoteActor
-from verl.single_controller.base import Worker
-from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 
 __all__ = ["CHECKPOINT_MARKER", "RemoteActorRolloutRefWorker", "attach_rollout_server", "checkpoint_step"]
 
