@@ -14,6 +14,8 @@ Two halves ship in one distribution:
 Install with the pins of ``constraints.txt``: ``pip install -c constraints.txt -e .[test]``.
 """
 
+from pathlib import Path
+
 from setuptools import find_namespace_packages, setup
 
 OURS = [
@@ -32,7 +34,7 @@ setup(
     name="verl-remote-backend",
     version="0.1.0",
     description="Run verl's actor training, log-probs and generation on a remote backend (Arctic RL)",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",

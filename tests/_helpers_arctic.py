@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -105,7 +104,7 @@ def start_ray(**kwargs) -> None:
         try:
             ray.init(**kwargs)
             return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == 2:
                 raise
             ray.shutdown()

@@ -20,11 +20,10 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-
 from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
@@ -116,7 +115,7 @@ class DropProxy:
         self._closed = False
         self._thread = threading.Thread(target=self._accept, daemon=True)
 
-    def __enter__(self) -> "DropProxy":
+    def __enter__(self) -> DropProxy:  # noqa: PYI034 - Python 3.10 has no typing.Self
         self._thread.start()
         return self
 

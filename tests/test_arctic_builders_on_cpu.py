@@ -9,12 +9,13 @@ config, and ``builders`` (ds_config, ds_worker_config, JobConfig, loss config, m
 from __future__ import annotations
 
 import dataclasses
-import json
 import inspect
+import json
 import re
 
 import pytest
 import yaml
+from _helpers_arctic import ARCTIC_YAML, verl_main_config
 
 from arctic_rl.protocol import DsWorkerConfig, JobConfig, LossConfig
 from verl.remote_backend import RemoteBackend, RemoteBackendRegistry
@@ -31,8 +32,6 @@ from verl.workers.remote_client.builders import (
 )
 from verl.workers.remote_client.metrics import FlopsEstimator, mini_batch_metrics
 from verl.workers.remote_client.verl_settings import VerlSettings
-
-from _helpers_arctic import ARCTIC_YAML, verl_main_config
 
 
 def settings(overrides: dict | None = None, arctic: dict | None = None) -> tuple[VerlSettings, ArcticConfig]:

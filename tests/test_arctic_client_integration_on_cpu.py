@@ -22,21 +22,24 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-
-from arctic_rl.protocol import GenerateResult
-from verl.remote_backend import RemoteBackendRegistry
-from verl.remote_backend.errors import RemoteJobNotFoundError, RemoteServerError
+from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from server_process import running_server, tiny_model_dir
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
-from verl.remote_backend.errors import RemoteConnectionError, RemoteTimeoutError
+from verl.workers.utils.padding import no_padding_2_padding
+
+from arctic_rl.protocol import GenerateResult
+from verl.remote_backend import RemoteBackendRegistry
+from verl.remote_backend.errors import (
+    RemoteConnectionError,
+    RemoteJobNotFoundError,
+    RemoteServerError,
+    RemoteTimeoutError,
+)
 from verl.workers.remote_client.arctic_config import LocalServerConfig
 from verl.workers.remote_client.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.local_server import start_local_server
-from verl.workers.utils.padding import no_padding_2_padding
-
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
-from server_process import running_server, tiny_model_dir
 
 N = 2  # rollout.n
 MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per optimizer step

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers_arctic import PAD, grpo_rows, legacy_batch, v1_batch
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding, response_from_nested
 
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
-from verl.utils import tensordict_utils as tu
 from verl.workers.remote_client.layout import (
     dense_batch,
     group_spans,
@@ -21,9 +23,6 @@ from verl.workers.remote_client.layout import (
     shuffled_rows,
     split_rows,
 )
-from verl.workers.utils.padding import no_padding_2_padding, response_from_nested
-
-from _helpers_arctic import PAD, grpo_rows, legacy_batch, v1_batch
 
 
 def fake_shifted(batch: dict) -> torch.Tensor:
@@ -142,7 +141,7 @@ def test_entropy_and_logprobs_share_one_conversion():
 
 
 def test_response_longer_than_wire_width_is_a_config_error():
-    prompts, responses = grpo_rows(5, [3], n=2, interleave=False)
+    prompts, _responses = grpo_rows(5, [3], n=2, interleave=False)
     data = legacy_batch(prompts, [[5] * 8, [6] * 2])
     with pytest.raises(RemoteBackendConfigError) as err:
         plan_layout(data, response_width=4)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import pytest
 import requests
 import torch
-
 from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
 from server_process import running_server
 from verl.utils import tensordict_utils as tu
-from verl.workers.remote_client.arctic_rl import ArcticRLClient
 from verl.workers.utils.padding import no_padding_2_padding
+
+from verl.workers.remote_client.arctic_rl import ArcticRLClient
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,9 @@ import logging
 import pytest
 import requests
 import torch
-
 from _helpers_reliability import DropProxy, Supervisor, client_config, final_logprobs, train_batch
 from server_process import running_server, tiny_model_dir
+
 from verl.workers.remote_client.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.journal import CheckpointRef, UpdateJournal
 

@@ -24,10 +24,10 @@ import copy
 import pytest
 import requests
 import torch
-
 from _helpers_reliability import DropProxy, client_config, final_logprobs, train_batch
-from arctic_rl import dssst1
 from server_process import make_batch, running_server, tiny_model_dir
+
+from arctic_rl import dssst1
 from verl.workers.remote_client.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.http import AmbiguousCallError
 
@@ -50,7 +50,7 @@ def setup(tmp_path_factory):
 
 def run(setup, url: str, proxy: DropProxy | None = None, **remote) -> tuple[torch.Tensor, ArcticRLClient]:
     """Reset to the start state, then UPDATES update_actor calls through a client attached at ``url``."""
-    srv, model, owner, start = setup
+    _srv, model, owner, start = setup
     owner.load_checkpoint(path=start)
     handle = dict(owner.reconnect_handle(), url=url)
     cfg = client_config(model, url, **remote)
@@ -70,7 +70,7 @@ def job_info(srv, job_id):
 
 
 def test_dropped_answers_and_requests_are_applied_exactly_once(setup, caplog):
-    srv, model, owner, start = setup
+    srv, _model, owner, start = setup
     training = owner.job_ids["training"]
     reference, _ = run(setup, srv.url)
     assert job_info(srv, training)["global_step"] == 2 * UPDATES
@@ -131,7 +131,7 @@ def test_dropped_answers_and_requests_are_applied_exactly_once(setup, caplog):
 def test_request_ids_replay_and_conflict_on_the_server(setup):
     """The server side of the contract: a replayed id is answered from the cache (nothing re-applied),
     the same id with another payload is a 409, a new id applies again."""
-    srv, model, owner, start = setup
+    srv, _model, owner, start = setup
     owner.load_checkpoint(path=start)
     training = owner.job_ids["training"]
     batch = make_batch([[5, 6, 7], [8, 9]], [[10, 11, 12], [13]])

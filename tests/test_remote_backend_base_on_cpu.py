@@ -10,6 +10,7 @@ import os
 import pickle
 import signal
 import time
+from typing import ClassVar
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_abstract_members_are_exactly_the_lifecycle():
 
 
 class _Backend(RemoteBackend):
-    created: list = []
+    created: ClassVar[list] = []
 
     def __init__(self, config, handle):
         self.config, self.handle, self.destroyed = config, handle, 0

@@ -8,16 +8,17 @@ split into GAS micro-batches by the server (same gradient and token-mean metrics
 ``/step`` or a ``/step`` without a call is a 400; ``X-Request-Id`` replays apply once.
 """
 
-import sys, pathlib  # noqa: E401
+import pathlib
+import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import contextlib
+import itertools
 
 import pytest
 import requests
 import torch
-
 from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -128,7 +129,7 @@ def test_sft_steps_lower_the_loss_and_change_the_weights(srv, model_dir):
         after = forward(srv, jid, body)["batch"]["logprobs"]
     assert steps == [1, 2, 3, 4, 5]
     assert losses[-1] < losses[0] - 0.5, losses
-    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
     mask = batch["response_mask"][:, 1:].bool()
     assert (after[:, :-1][mask] - before[:, :-1][mask]).abs().max() > 1e-2  # the weights moved
     assert after[:, :-1][mask].mean() > before[:, :-1][mask].mean()  # toward the SFT targets

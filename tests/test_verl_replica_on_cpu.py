@@ -217,9 +217,9 @@ def test_invalid_values_raise_naming_the_field():
 @pytest.mark.slow
 def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path):
     import ray
-
     from _helpers_arctic import start_ray, verl_main_config
     from server_process import running_server, tiny_model_dir
+
     from verl.remote_backend.context import read_context
     from verl.remote_backend.lifecycle import BackendOwner
     from verl.remote_backend.workers.arctic_rl.replica import _RemoteServer

@@ -8,6 +8,7 @@ adapter: forwarding must not change a number.
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def test_rollout_servers_are_attached_through_verls_worker_dict(monkeypatch):
     worker = ArcticRLActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout_ref")
 
     class Holder:  # the shape of verl's colocated WorkerDict: {role: worker}
-        worker_dict = {"actor_rollout_ref": worker, "other": object()}
+        worker_dict: ClassVar[dict] = {"actor_rollout_ref": worker, "other": object()}
 
     assert attach_rollout_server(Holder(), "server-a") == 1
     assert attach_rollout_server(worker, "server-a") == 1  # idempotent, and works on a bare worker
@@ -99,14 +100,14 @@ def test_checkpoint_step_from_marker_or_path(tmp_path):
 @pytest.mark.slow
 def test_worker_group_forwards_every_call_unchanged(tmp_path):
     import ray
-
     from _helpers_arctic import grpo_rows, legacy_batch, start_ray, verl_main_config
     from server_process import running_server, tiny_model_dir
-    from verl.remote_backend.lifecycle import BackendOwner
-    from verl.remote_backend.trainer import CpuResourcePoolManager
     from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
+
+    from verl.remote_backend.lifecycle import BackendOwner
+    from verl.remote_backend.trainer import CpuResourcePoolManager
 
     model = tiny_model_dir(tmp_path / "model")
     with running_server(tmp_path / "srv") as srv:
@@ -139,7 +140,7 @@ def test_worker_group_forwards_every_call_unchanged(tmp_path):
                 old = wg.compute_log_prob(data)
                 assert torch.equal(old["log_probs"].offsets(), data["input_ids"].offsets())
                 assert torch.allclose(old["log_probs"].values(), direct.compute_log_prob(data)["log_probs"].values())
-                assert "entropy" in old.keys() and "mfu" in tu.get(old, "metrics")
+                assert "entropy" in old.keys() and "mfu" in tu.get(old, "metrics")  # noqa: SIM118 - a TensorDict refuses `in`
                 ref = wg.compute_ref_log_prob(data)
                 assert torch.allclose(ref["log_probs"].values(), direct.compute_ref_log_prob(data)["log_probs"].values())
 

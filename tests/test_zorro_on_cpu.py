@@ -122,7 +122,7 @@ def run(model, batch, prompt_len, *, zorro: bool, temperature: float = 0.7):
 
 
 def test_group_prompts_adjacent_groups():
-    ids, mask, pos = make_batch(3, 4, 6, 5, seed=1)
+    ids, mask, _pos = make_batch(3, 4, 6, 5, seed=1)
     unique, groups = group_prompts(ids, mask, 6)
     assert unique.tolist() == [0, 4, 8]
     assert groups.tolist() == [0] * 4 + [1] * 4 + [2] * 4
@@ -140,7 +140,7 @@ def test_group_prompts_non_adjacent_numbered_by_first_row():
 def test_group_prompts_mask_and_positions_are_part_of_the_key():
     ids = torch.tensor([[0, 5, 6, 1], [0, 5, 6, 2], [0, 5, 6, 3]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
-    unique, groups = group_prompts(ids, mask, 3)
+    _unique, groups = group_prompts(ids, mask, 3)
     assert groups.tolist() == [0, 1, 0]
     pos = torch.tensor([[0, 0, 1, 2], [0, 1, 2, 3], [0, 5, 6, 7]])
     _, groups = group_prompts(ids, mask, 3, position_ids=pos)
@@ -168,10 +168,10 @@ def test_group_prompts_rejects_bad_prompt_len(prompt_len):
 # --------------------------------------------------------------------------------------------
 
 LAYOUTS = {
-    "groups_of_4": dict(num_prompts=3, n=4, shuffle=False),
-    "non_adjacent": dict(num_prompts=3, n=3, shuffle=True),
-    "all_unique": dict(num_prompts=5, n=1, shuffle=False),
-    "single_group": dict(num_prompts=1, n=5, shuffle=False),
+    "groups_of_4": {"num_prompts": 3, "n": 4, "shuffle": False},
+    "non_adjacent": {"num_prompts": 3, "n": 3, "shuffle": True},
+    "all_unique": {"num_prompts": 5, "n": 1, "shuffle": False},
+    "single_group": {"num_prompts": 1, "n": 5, "shuffle": False},
 }
 
 

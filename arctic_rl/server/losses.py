@@ -71,7 +71,8 @@ def _tensor(batch: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]
             raise ValueError(f"{name}: expected a {list(shape)} tensor in the batch, got none (keys: {sorted(batch)})")
         return None
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor of shape {list(shape)}, got {type(value).__name__}")
+        raise ValueError(  # noqa: TRY004 - the server answers every ValueError of a loss input with a 400
+            f"{name}: expected a torch.Tensor of shape {list(shape)}, got {type(value).__name__}")
     if tuple(value.shape) != shape:
         raise ValueError(f"{name}: expected shape {list(shape)} (response-sliced [B, R]), got {list(value.shape)}")
     return value

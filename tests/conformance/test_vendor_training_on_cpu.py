@@ -38,13 +38,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config  # noqa: E402
-from _helpers_reliability import DropProxy  # noqa: E402
+from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from _helpers_reliability import DropProxy
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding
 
-from verl.remote_backend.errors import RemoteBackendConfigError  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.remote_client.arctic_rl import ArcticRLClient  # noqa: E402
-from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
+from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.workers.remote_client.arctic_rl import ArcticRLClient
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from verl.remote_backend.errors import RemoteBackendConfigError
 
@@ -279,12 +280,12 @@ class ArcticConfig:
         _require(self.name == "arctic", f"{p}.name", "this adapter is the `arctic` backend", ["arctic"], self.name)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None, *, prefix: str = ROOT) -> "ArcticConfig":
+    def from_dict(cls, data: Mapping[str, Any] | None, *, prefix: str = ROOT) -> ArcticConfig:
         """Build and validate from a plain mapping (``OmegaConf.to_container(cfg, resolve=True)``)."""
         return _build(cls, {} if data is None else data, prefix)
 
     @classmethod
-    def from_main_config(cls, main_config: Any) -> "ArcticConfig":
+    def from_main_config(cls, main_config: Any) -> ArcticConfig:
         """Read ``main_config.remote_backend`` (a DictConfig or a mapping)."""
         section = main_config.get("remote_backend") if hasattr(main_config, "get") else None
         if section is None:

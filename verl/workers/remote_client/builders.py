@@ -313,7 +313,7 @@ def build_loss_config(verl: VerlSettings, *, loss_scale_tokens: float | None) ->
             loss_scale_tokens=loss_scale_tokens,
         )
     except ValueError as exc:  # pydantic: name the first bad field in verl's terms
-        errors = getattr(exc, "errors", lambda: [])()
+        errors = getattr(exc, "errors", list)()
         loc = errors[0]["loc"][0] if errors else "loss"
         received = errors[0].get("input") if errors else None
         raise RemoteBackendConfigError(f"{_ACTOR}.{loc}", errors[0]["msg"] if errors else str(exc),

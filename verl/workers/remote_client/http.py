@@ -31,11 +31,12 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
 import threading
+import time
 import uuid
 from collections import Counter
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import requests
 from requests.adapters import HTTPAdapter

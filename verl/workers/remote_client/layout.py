@@ -31,6 +31,7 @@ What is not here: HTTP, the /forward-backward loop, or anything about the model.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -295,7 +296,7 @@ def group_spans(layout: RowLayout) -> list[tuple[int, int]]:
         return []
     cuts = (torch.nonzero(g[1:] != g[:-1]).flatten() + 1).tolist()
     bounds = [0, *cuts, int(g.numel())]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def shuffled_rows(layout: RowLayout, *, seed: int | None) -> torch.Tensor:

@@ -32,7 +32,7 @@ def select(cfg: Any, dotted: str, default: Any = None) -> Any:
             return default
         try:
             node = node.get(part, _MISSING) if hasattr(node, "get") else getattr(node, part, _MISSING)
-        except Exception:  # omegaconf raises on missing mandatory values ("???")
+        except Exception:  # noqa: BLE001 - omegaconf raises on missing mandatory values ("???")
             return default
         if node is _MISSING:
             return default
@@ -122,7 +122,7 @@ class VerlSettings:
     optim: OptimSettings = field(default_factory=OptimSettings)
 
     @classmethod
-    def from_main_config(cls, cfg: Any) -> "VerlSettings":
+    def from_main_config(cls, cfg: Any) -> VerlSettings:
         arr = "actor_rollout_ref"
         actor = f"{arr}.actor"
         model_path = select(cfg, f"{arr}.model.path")
