@@ -32,7 +32,7 @@ PROVIDER = "verl-remote-backend"
 PLUGIN_MODULE = "verl.remote_backend.register"
 TRAINER_MODE = "remote_backend"
 PRIMARY_CONFIG = "remote_backend_ppo_trainer"
-_OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2}|~)(?P<key>[A-Za-z0-9_.@/\-]+)=(?P<value>.*)$", re.S)
+_OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2}|~)(?P<key>[A-Za-z0-9_.@/\-]+)=(?P<value>.*)$", re.DOTALL)
 
 
 def _is_verl_config(path: str) -> bool:
@@ -47,7 +47,7 @@ def _package_dir(name: str) -> str | None:
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 def our_search_paths() -> list[str]:

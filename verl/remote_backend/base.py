@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Any, Callable, ClassVar, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 __all__ = ["RemoteBackend", "RemoteBackendRegistry"]
 
@@ -25,7 +26,7 @@ class RemoteBackend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_config(cls, main_config: Any, *, handle: dict | None = None) -> "RemoteBackend":
+    def from_config(cls, main_config: Any, *, handle: dict | None = None) -> RemoteBackend:
         """Create the backend's remote state from verl's main config, or re-attach to it.
 
         With ``handle`` (a dict from :meth:`reconnect_handle`, possibly made in another process)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -58,7 +59,7 @@ class BackendContext:
         return {"name": self.name, "handle": copy.deepcopy(self.handle), "main_config": json.dumps(self.main_config)}
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, where: str = CONTEXT_FIELD) -> "BackendContext":
+    def from_mapping(cls, data: Mapping[str, Any], *, where: str = CONTEXT_FIELD) -> BackendContext:
         if isinstance(data, DictConfig):
             data = OmegaConf.to_container(data, resolve=True)
         missing = [k for k in ("name", "handle", "main_config") if k not in data]

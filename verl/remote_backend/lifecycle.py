@@ -20,8 +20,8 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -98,7 +98,7 @@ class BackendOwner:
         self._lock = threading.Lock()
 
     @classmethod
-    def create(cls, config: DictConfig) -> "BackendOwner":
+    def create(cls, config: DictConfig) -> BackendOwner:
         """Create the backend and write its context (name + handle) into ``config``."""
         name = backend_name(config)
         ensure_backends_registered()
@@ -128,10 +128,10 @@ class BackendOwner:
         except Exception as exc:  # noqa: BLE001
             logger.error("destroying remote backend %r failed: %s", self.name, exc)
 
-    def __enter__(self) -> "BackendOwner":
+    def __enter__(self) -> BackendOwner:  # noqa: PYI034 - Python 3.10 has no typing.Self
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.destroy()
 
 

@@ -67,13 +67,17 @@ def _has_accelerator() -> bool:
 def run(config: DictConfig) -> None:
     """Run verl's trainer on the backend selected in ``config`` (a composed main config)."""
     import ray
-
-    from verl.remote_backend.lifecycle import BackendOwner, resolve_total_training_steps, signals_raise
-    from verl.remote_backend.trainer import RemoteBackendTaskRunnerV0, RemoteBackendTaskRunnerV1, prepare_remote_backend_config
     from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
+
+    from verl.remote_backend.lifecycle import BackendOwner, resolve_total_training_steps, signals_raise
+    from verl.remote_backend.trainer import (
+        RemoteBackendTaskRunnerV0,
+        RemoteBackendTaskRunnerV1,
+        prepare_remote_backend_config,
+    )
 
     auto_set_device(config)
     prepare_remote_backend_config(config)
@@ -107,11 +111,11 @@ class _StartRayOnly:
     run = _NoTask
 
     @classmethod
-    def remote(cls) -> type["_StartRayOnly"]:
+    def remote(cls) -> type[_StartRayOnly]:
         return cls
 
     @classmethod
-    def options(cls, **kwargs) -> type["_StartRayOnly"]:
+    def options(cls, **kwargs) -> type[_StartRayOnly]:
         return cls
 
 
@@ -124,15 +128,15 @@ def start_ray(config: DictConfig) -> None:
       Python handler ran, before any ``finally``; the Python handlers are put back on top.
     """
     import ray
+    from verl.trainer.main_ppo import run_ppo
 
     from verl.remote_backend.lifecycle import restore_python_signal_handlers
-    from verl.trainer.main_ppo import run_ppo
 
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             run_ppo(config, task_runner_class=_StartRayOnly)
             break
-        except Exception as exc:  # noqa: BLE001 - only Ray's own start-up timeout is retried
+        except Exception as exc:  # only Ray's own start-up timeout is retried (the rest re-raises)
             if ray.is_initialized() or _RAY_START_TIMEOUT not in str(exc) or attempt == RAY_START_ATTEMPTS:
                 raise
             print(f"[remote_backend] Ray did not start ({exc}); retrying ({attempt}/{RAY_START_ATTEMPTS})", file=sys.stderr)

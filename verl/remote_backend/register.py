@@ -18,7 +18,7 @@ adapter fails the import, loudly.
 
 from __future__ import annotations
 
-import verl.remote_backend.builtin  # noqa: F401  (backends, workers, replicas)
+import verl.remote_backend.builtin
 import verl.remote_backend.trainer  # noqa: F401  (@register_trainer("remote_backend"))
 from verl.remote_backend.main_ppo import register_searchpath_plugin
 

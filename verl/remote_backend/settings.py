@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -43,7 +44,7 @@ FORWARDER_BUNDLE_CPUS = 1
 #: headroom for actors that need one CPU to be *scheduled* (task runner, agent-loop and reward workers)
 SCHEDULING_HEADROOM_CPUS = 2
 
-_OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2}|~)(?P<key>[A-Za-z0-9_.@/\-]+)=(?P<value>.*)$", re.S)
+_OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2}|~)(?P<key>[A-Za-z0-9_.@/\-]+)=(?P<value>.*)$", re.DOTALL)
 
 
 def forced_settings(backend_name: str, *, has_accelerator: bool) -> dict[str, Any]:

@@ -25,19 +25,24 @@ from typing import Any
 
 import ray
 from omegaconf import DictConfig, OmegaConf, open_dict
-
-from verl.remote_backend.base import RemoteBackendRegistry
-from verl.remote_backend.context import ensure_backends_registered, install_context, read_context
-from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.lifecycle import BackendOwner, backend_name
-from verl.remote_backend.progress import StepClock, format_progress
-from verl.remote_backend.settings import FORWARDER_BUNDLE_CPUS, SCHEDULING_HEADROOM_CPUS, TRAINER_MODE, apply_forced_settings
 from verl.single_controller.ray.base import RayResourcePool, RayWorkerGroup, ResourcePoolManager
 from verl.trainer.main_ppo import TaskRunnerV1
 from verl.trainer.main_ppo_v0 import BaseTaskRunner, TaskRunner
 from verl.trainer.ppo.utils import Role, need_critic, need_reference_policy
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+from verl.remote_backend.base import RemoteBackendRegistry
+from verl.remote_backend.context import ensure_backends_registered, install_context, read_context
+from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.lifecycle import BackendOwner, backend_name
+from verl.remote_backend.progress import StepClock, format_progress
+from verl.remote_backend.settings import (
+    FORWARDER_BUNDLE_CPUS,
+    SCHEDULING_HEADROOM_CPUS,
+    TRAINER_MODE,
+    apply_forced_settings,
+)
 
 __all__ = [
     "CpuResourcePoolManager",

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["RequestAborted", "RequestCoalescer", "params_key"]
 
@@ -155,7 +156,7 @@ class RequestCoalescer:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     await asyncio.wait_for(self._changed.wait(), timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             await self._slots.acquire()  # while we wait, the group may grow up to max_batch_size
