@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +29,17 @@ _SHARED = Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", _HERE.parents[2] / "
 _KIT = _SHARED / "vendor"
 
 
-def _missing(what: str) -> None:
-    text = (f"{what}: the vendor's Arctic-Platform snapshot is needed (set ARCTIC_PLATFORM_SRC to a directory "
-            f"holding arctic_platform/, or put the shared vendor kit at {_KIT}; the public repository is "
-            "Snowflake-AI-Research/Arctic-Platform at commit 586438082833d9f599bf8567cd1c1405b144dc6e)")
+def _skip_or_fail(text: str) -> None:
+    """Skip outside CI; under CI (``CI=true``) a missing vendor copy is a failure."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(text, pytrace=False)
     pytest.skip(text)
+
+
+def _missing(what: str) -> None:
+    _skip_or_fail(f"{what}: the vendor's Arctic-Platform snapshot is needed (set ARCTIC_PLATFORM_SRC to a directory "
+                  f"holding arctic_platform/, or put the shared vendor kit at {_KIT}; the public repository is "
+                  "Snowflake-AI-Research/Arctic-Platform at commit 586438082833d9f599bf8567cd1c1405b144dc6e)")
 
 
 @pytest.fixture(scope="session")
@@ -87,26 +90,23 @@ class VendorServer:
 
 
 @contextlib.contextmanager
-def running_vendor_server(vendor_kit: Path, vendor_src: Path, workdir: Path, *,
-                          extra_args: tuple[str, ...] = ()) -> Iterator[VendorServer]:
-    """Start ``run_vendor_server.py --port 0`` and stop it (SIGTERM, then SIGKILL) on exit."""
+def _serving(cmd: list[str], workdir: Path, name: str) -> Iterator[VendorServer]:
+    """Run ``cmd`` (a server script that prints ``READY <port>`` first) in ``workdir`` with one thread,
+    its stderr in ``<name>.log`` and its trace in ``<name>-trace.jsonl``; stop it (SIGTERM, then SIGKILL) on exit."""
     workdir.mkdir(parents=True, exist_ok=True)
-    log, trace = workdir / "vendor-server.log", workdir / "vendor-trace.jsonl"
+    log, trace = workdir / f"{name}.log", workdir / f"{name}-trace.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, str(vendor_kit / "run_vendor_server.py"), "--port", "0", "--vendor-src", str(vendor_src),
-           "--trace", str(trace), *extra_args]
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(workdir), env=env)
+        proc = subprocess.Popen([*cmd, "--trace", str(trace)], stdout=subprocess.PIPE, stderr=err, text=True,
+                                cwd=str(workdir), env=env)
     try:
-        deadline = time.monotonic() + 300
         line = proc.stdout.readline() if proc.stdout else ""
-        if not line.startswith("READY") or time.monotonic() > deadline:
+        if not line.startswith("READY"):
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"the vendor server did not start (first line {line!r}); log tail:\n"
+            raise RuntimeError(f"{name} did not start (first line {line!r}); log tail:\n"
                                f"{log.read_text(errors='replace')[-4000:]}")
-        server = VendorServer(url=f"http://127.0.0.1:{int(line.split()[1])}", proc=proc, log=log, trace=trace)
-        yield server
+        yield VendorServer(url=f"http://127.0.0.1:{int(line.split()[1])}", proc=proc, log=log, trace=trace)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -115,6 +115,16 @@ def running_vendor_server(vendor_kit: Path, vendor_src: Path, workdir: Path, *,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def running_vendor_server(vendor_kit: Path, vendor_src: Path, workdir: Path, *,
+                          extra_args: tuple[str, ...] = ()) -> Iterator[VendorServer]:
+    """Start ``run_vendor_server.py --port 0`` (the vendor's v2 app on CPU) and stop it on exit."""
+    cmd = [sys.executable, str(vendor_kit / "run_vendor_server.py"), "--port", "0", "--vendor-src", str(vendor_src),
+           *extra_args]
+    with _serving(cmd, workdir, "vendor-server") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +151,7 @@ def vendor_v1_src(vendor_kit: Path) -> Path:
         text = (f"no arctic_platform/rl/http_server.py under {src}: the vendor's v1 code is needed (run "
                 f"`bash scripts/install.sh --test`, or `pip install --no-deps --target {_V1_INSTALL} "
                 "arctic-platform==0.1.2`, or set ARCTIC_PLATFORM_V1_SRC)")
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(text, pytrace=False)
-        pytest.skip(text)
+        _skip_or_fail(text)
     return src
 
 
@@ -153,29 +161,10 @@ def running_vendor_v1_server(vendor_kit: Path, v1_src: Path, workdir: Path) -> I
 
     Its trace lines carry ``global_steps``: the training engine's optimizer step count after the exchange.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    log, trace = workdir / "vendor-v1-server.log", workdir / "vendor-v1-trace.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, str(_HERE / "vendor_v1_server.py"), "--port", "0", "--v1-src", str(v1_src),
-           "--kit", str(vendor_kit), "--trace", str(trace)]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(workdir), env=env)
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line.startswith("READY"):
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"the vendor v1 server did not start (first line {line!r}); log tail:\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
-        yield VendorServer(url=f"http://127.0.0.1:{int(line.split()[1])}", proc=proc, log=log, trace=trace)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+           "--kit", str(vendor_kit)]
+    with _serving(cmd, workdir, "vendor-v1-server") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
