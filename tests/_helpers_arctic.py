@@ -77,6 +77,22 @@ def legacy_batch(prompts: list[list[int]], responses: list[list[int]], p0: int =
     return left_right_2_no_padding(td)
 
 
+def hf_response_logprobs(model_dir: str | Path, prompts: list[list[int]], responses: list[list[int]], *,
+                         r0: int = 8, temperature: float = 1.0) -> torch.Tensor:
+    """The reference: the same model run row by row with transformers in fp32, log softmax(logits / T) of
+    each response token given its prefix, as ``[B, r0]`` (zeros past a row's response)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = torch.zeros(len(prompts), r0)
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            lp = torch.log_softmax(model(torch.tensor([p + r])).logits[0].float() / temperature, -1)
+            for j, tok in enumerate(r):
+                out[i, j] = lp[len(p) - 1 + j, tok]
+    return out
+
+
 def v1_batch(prompts: list[list[int]], responses: list[list[int]]):
     """What the V1 trainer (TransferQueue) hands the worker: every per-token field nested."""
     def nested(rows, dtype=torch.int64):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from _helpers_arctic import grpo_rows, hf_response_logprobs, legacy_batch, verl_main_config
 from server_process import running_server, tiny_model_dir
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import reduce_metrics
@@ -79,20 +79,6 @@ def grpo_batch(seed: int = 0, vocab: int = 90):
     return prompts, responses, data
 
 
-def local_logprobs(model_dir, prompts, responses, r0=8):
-    """The same model, run row by row with transformers: log p(response token j | prefix) as [B, r0]."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    out = torch.zeros(len(prompts), r0)
-    with torch.no_grad():
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            ids = torch.tensor([p + r])
-            lp = torch.log_softmax(model(ids).logits[0].float(), -1)
-            for j, tok in enumerate(r):
-                out[i, j] = lp[len(p) - 1 + j, tok]
-    return out
-
 
 def train_inputs(client, data):
     """What verl's trainer adds before update_actor: old/ref log-probs, advantages, meta."""
@@ -127,7 +113,7 @@ def test_full_cycle_v2(server, model_dir, monkeypatch):
         out = client.compute_log_prob(data)
         assert torch.equal(out["log_probs"].offsets(), data["input_ids"].offsets())
         assert out["entropy"].is_nested and set(tu.get(out, "metrics")) == {"mfu"}
-        want = local_logprobs(model_dir, prompts, responses)
+        want = hf_response_logprobs(model_dir, prompts, responses)
         got = no_padding_2_padding(out["log_probs"], data)
         mask = data["response_mask"].bool()
         torch.testing.assert_close(got[mask], want[mask], atol=2e-4, rtol=1e-4)
@@ -298,7 +284,7 @@ def test_local_server_v1_and_zorro(model_dir, tmp_path, monkeypatch):
         tu.assign_non_tensor(data, calculate_entropy=True)
         got = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)  # ZoRRO: response-aligned
         mask = data["response_mask"].bool()
-        torch.testing.assert_close(got[mask], local_logprobs(model_dir, prompts, responses)[mask], atol=2e-4,
+        torch.testing.assert_close(got[mask], hf_response_logprobs(model_dir, prompts, responses)[mask], atol=2e-4,
                                    rtol=1e-4)
         data = train_inputs(client, data)
         metrics = tu.get(client.update_actor(data), "metrics")

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from _helpers_arctic import grpo_rows, hf_response_logprobs, legacy_batch, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -72,20 +72,6 @@ def grpo_batch(seed: int = 0):
     return prompts, responses, legacy_batch(prompts, responses, p0=9, r0=8)
 
 
-def hf_logprobs(model_dir: Path, prompts, responses, *, temperature: float, r0: int = 8) -> torch.Tensor:
-    """log softmax(logits / T) of each response token, row by row in fp32: ``[B, r0]``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = torch.zeros(len(prompts), r0)
-    with torch.no_grad():
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            logits = model(torch.tensor([p + r])).logits[0].float() / temperature
-            lp = torch.log_softmax(logits, -1)
-            for j, tok in enumerate(r):
-                out[i, j] = lp[len(p) - 1 + j, tok]
-    return out
-
 
 def check_logprobs(client: ArcticRLClient, model_dir: Path, *, ref: bool = False) -> float:
     prompts, responses, data = grpo_batch()
@@ -94,10 +80,10 @@ def check_logprobs(client: ArcticRLClient, model_dir: Path, *, ref: bool = False
     assert torch.equal(out["log_probs"].offsets(), data["input_ids"].offsets())
     got = no_padding_2_padding(out["log_probs"], data)
     mask = data["response_mask"].bool()
-    want = hf_logprobs(model_dir, prompts, responses, temperature=TEMPERATURE)
+    want = hf_response_logprobs(model_dir, prompts, responses, temperature=TEMPERATURE)
     err = float((got[mask] - want[mask]).abs().max())
     # the T=1 values are much further away: the temperature really was applied (finding 8)
-    plain = hf_logprobs(model_dir, prompts, responses, temperature=1.0)
+    plain = hf_response_logprobs(model_dir, prompts, responses, temperature=1.0)
     err_plain = float((got[mask] - plain[mask]).abs().max())
     assert err < ATOL and err_plain > 3 * err, (err, err_plain)
     return err

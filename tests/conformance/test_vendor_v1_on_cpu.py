@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from _helpers_arctic import grpo_rows, hf_response_logprobs, legacy_batch, verl_main_config
 from server_process import tiny_model_dir
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
@@ -70,20 +70,6 @@ def grpo_batch(seed: int = 0):
     prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=N, interleave=True)
     return prompts, responses, legacy_batch(prompts, responses, p0=9, r0=R0)
 
-
-def hf_logprobs(model_dir: Path, prompts, responses, temperature: float = 1.0) -> torch.Tensor:
-    """Reference: the same model, row by row with transformers in fp32: log p(response token j) as [B, R0]."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = torch.zeros(len(prompts), R0)
-    with torch.no_grad():
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            logits = model(torch.tensor([p + r])).logits[0].float() / temperature
-            lp = torch.log_softmax(logits, -1)
-            for j, tok in enumerate(r):
-                out[i, j] = lp[len(p) - 1 + j, tok]
-    return out
 
 
 def server_jobs(url: str) -> dict:
@@ -146,7 +132,7 @@ def test_default_config_creates_jobs_that_compute_right_log_probs(vendor_v1_serv
 def _logprobs_against_hf(client, model_dir, *, temperature: float = 1.0, atol: float = 0.05):
     prompts, responses, data = grpo_batch()
     tu.assign_non_tensor(data, temperature=temperature)
-    want = hf_logprobs(model_dir, prompts, responses, temperature)
+    want = hf_response_logprobs(model_dir, prompts, responses, r0=R0, temperature=temperature)
     mask = data["response_mask"].bool()
     for compute in (client.compute_log_prob, client.compute_ref_log_prob):
         got = no_padding_2_padding(compute(data)["log_probs"], data).float()
