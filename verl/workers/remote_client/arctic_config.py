@@ -13,13 +13,15 @@ both (:mod:`.builders`).
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from verl.remote_backend.errors import RemoteBackendConfigError
+
+from .strict_config import build as _build
+from .strict_config import require as _require
+from .strict_config import to_plain as _to_plain
 
 __all__ = [
     "ArcticConfig",
@@ -42,11 +44,6 @@ ROOT = "remote_backend"
 ZERO_STAGES = (0, 1, 2, 3)
 #: ``train.attn_implementation``; ``auto`` resolves to verl's override or flash_attention_2 (``builders``)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-
-
-def _require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> None:
-    if not ok:
-        raise RemoteBackendConfigError(key, message, allowed=allowed, received=received)
 
 
 @dataclass(frozen=True)
@@ -295,90 +292,3 @@ class ArcticConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-# ---------------------------------------------------------------------------------------------
-# strict mapping -> dataclass conversion
-# ---------------------------------------------------------------------------------------------
-
-
-def _to_plain(section: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(section, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(section, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with verl
-        pass
-    return section
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, Mapping):
-        raise RemoteBackendConfigError(prefix, "expected a mapping", allowed=f"keys of {cls.__name__}",
-                                       received=data)
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(map(str, data)) - set(fields))
-    if unknown:
-        raise RemoteBackendConfigError(f"{prefix}.{unknown[0]}", "unknown key", allowed=sorted(fields),
-                                       received=unknown[0])
-    kwargs = {name: _convert(hints[name], data[name], f"{prefix}.{name}") for name in fields if name in data}
-    obj = cls(**kwargs)
-    for name in fields:  # nested dataclasses validate themselves when built from data or defaults
-        value = getattr(obj, name)
-        if dataclasses.is_dataclass(value) and name not in data:
-            _build(type(value), {}, f"{prefix}.{name}")
-    validate = getattr(obj, "_validate", None)
-    if validate is not None:
-        validate(prefix)
-    return obj
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise RemoteBackendConfigError(key, "must not be null", allowed=_describe(tp), received=value)
-        inner = [o for o in options if o is not type(None)]
-        return _convert(inner[0], value, key) if len(inner) == 1 else value
-    if origin is Literal:
-        allowed = list(typing.get_args(tp))
-        if value not in allowed:
-            raise RemoteBackendConfigError(key, "not one of the allowed values", allowed=allowed, received=value)
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise RemoteBackendConfigError(key, "expected a boolean", allowed="true or false", received=value)
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise RemoteBackendConfigError(key, "expected an integer", allowed="an integer", received=value)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RemoteBackendConfigError(key, "expected a number", allowed="a number", received=value)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise RemoteBackendConfigError(key, "expected a string", allowed="a string", received=value)
-        return value
-    if tp is dict or origin is dict:
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            raise RemoteBackendConfigError(key, "expected a mapping", allowed="a mapping ({} for none)",
-                                           received=value)
-        return dict(value)
-    return value  # pragma: no cover - every field type is handled above
-
-
-def _describe(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

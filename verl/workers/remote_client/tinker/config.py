@@ -13,13 +13,13 @@ What is not here: the verl options the adapter supports or refuses (:mod:`.optio
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from verl.remote_backend.errors import RemoteBackendConfigError
+from ..strict_config import build as _build
+from ..strict_config import require as _require
+from ..strict_config import to_plain as _to_plain
 
 __all__ = [
     "API_KEY_ENV",
@@ -34,11 +34,6 @@ __all__ = [
 ROOT = "remote_backend"
 #: environment variable the API key is read from (the SDK's own convention)
 API_KEY_ENV = "TINKER_API_KEY"
-
-
-def _require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> None:
-    if not ok:
-        raise RemoteBackendConfigError(key, message, allowed=allowed, received=received)
 
 
 @dataclass(frozen=True)
@@ -133,62 +128,3 @@ class TinkerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _to_plain(node: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(node, DictConfig):
-            return OmegaConf.to_container(node, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return node
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, Mapping):
-        raise RemoteBackendConfigError(prefix, "expected a mapping", allowed="a mapping of keys", received=data)
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise RemoteBackendConfigError(f"{prefix}.{unknown[0]}", "unknown key", allowed=names, received=unknown)
-    values = {}
-    for name in names:
-        if name in data:
-            values[name] = _convert(hints[name], data[name], f"{prefix}.{name}")
-    obj = cls(**values)
-    obj._validate(prefix)
-    return obj
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, {} if value is None else value, key)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        inner = [o for o in options if o is not type(None)]
-        return _convert(inner[0], value, key)
-    if origin is Literal:
-        allowed = list(typing.get_args(tp))
-        _require(value in allowed, key, "not an allowed value", allowed, value)
-        return value
-    if tp is bool:
-        _require(isinstance(value, bool), key, "expected a boolean", "true or false", value)
-        return value
-    if tp is int:
-        _require(isinstance(value, int) and not isinstance(value, bool), key, "expected an integer", "an integer",
-                 value)
-        return value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        _require(ok, key, "expected a number", "a number", value)
-        return float(value)
-    if tp is str:
-        _require(isinstance(value, str), key, "expected a string", "a string", value)
-        return value
-    raise TypeError(f"{key}: unsupported field type {tp!r}")  # a bug in this module, not user input
