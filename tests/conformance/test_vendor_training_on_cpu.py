@@ -22,7 +22,7 @@ Qwen3 with a real DeepSpeed engine. Checked against the vendor's code, not again
 
 The learning rate is 0 (except in the recovery test) so that every call of a test sees the same
 weights (metrics can be compared across calls); the steps still count. The same facts against our reference server are checked in
-``tests/test_arctic_training_contract_on_cpu.py``.
+``tests/remote_client/test_arctic_training_contract_on_cpu.py``.
 """
 
 from __future__ import annotations

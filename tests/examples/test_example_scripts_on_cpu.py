@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 GRPO_DIR = REPO_ROOT / "examples" / "grpo"
 SECRET = "tok-3f9c-never-print-me"
 

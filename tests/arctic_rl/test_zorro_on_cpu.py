@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from _helpers_zorro import ARCHS, ATTNS, LAYOUTS, RTOL, VOCAB, make_batch, make_model, rel_err
 
 from arctic_rl.protocol import LossConfig
 from arctic_rl.server.logprobs import response_logprobs
@@ -25,57 +25,8 @@ from arctic_rl.server.zorro import (
     zorro_forward,
     zorro_unsupported_reason,
 )
-from arctic_rl.tiny_models import tiny_config
 
 torch.set_num_threads(1)
-
-VOCAB = 40
-ARCHS = ("qwen3", "qwen2", "llama")
-ATTNS = ("eager", "sdpa")
-RTOL = 1e-5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a-b| / max(max|b|, tiny): robust to tensors with zeros."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
-def make_model(arch: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
-    config = tiny_config(arch, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
-
-
-def make_batch(
-    num_prompts: int, n: int, prompt_len: int, resp_len: int, *, seed: int = 0, shuffle: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[left-padded prompt | right-padded response]`` rows, ``n`` adjacent rows per prompt.
-
-    Prompt lengths vary in ``1..P`` (the first prompt is full width); response lengths vary in
-    ``0..R`` and the first row of each group has an empty (fully padded) response.
-    """
-    g = torch.Generator().manual_seed(seed)
-    b, t = num_prompts * n, prompt_len + resp_len
-    ids = torch.zeros(b, t, dtype=torch.long)
-    mask = torch.zeros(b, t, dtype=torch.long)
-    for u in range(num_prompts):
-        plen = prompt_len if u == 0 else int(torch.randint(1, prompt_len + 1, (1,), generator=g))
-        prompt = torch.randint(3, VOCAB, (plen,), generator=g)
-        for k in range(n):
-            row = u * n + k
-            ids[row, prompt_len - plen : prompt_len] = prompt
-            mask[row, prompt_len - plen : prompt_len] = 1
-            rlen = 0 if (k == 0 and n > 1) else int(torch.randint(1, resp_len + 1, (1,), generator=g))
-            ids[row, prompt_len : prompt_len + rlen] = torch.randint(3, VOCAB, (rlen,), generator=g)
-            mask[row, prompt_len : prompt_len + rlen] = 1
-    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-    if shuffle:
-        perm = torch.randperm(b, generator=g)
-        ids, mask, position_ids = ids[perm], mask[perm], position_ids[perm]
-    return ids, mask, position_ids
-
 
 def rl_tensors(lp: torch.Tensor, mask: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
     """Response-sliced RL tensors around the current log-probs (so clipping and KL are active)."""
@@ -167,12 +118,6 @@ def test_group_prompts_rejects_bad_prompt_len(prompt_len):
 # Equivalence with the plain pass
 # --------------------------------------------------------------------------------------------
 
-LAYOUTS = {
-    "groups_of_4": {"num_prompts": 3, "n": 4, "shuffle": False},
-    "non_adjacent": {"num_prompts": 3, "n": 3, "shuffle": True},
-    "all_unique": {"num_prompts": 5, "n": 1, "shuffle": False},
-    "single_group": {"num_prompts": 1, "n": 5, "shuffle": False},
-}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -213,7 +158,7 @@ def flex_response_attention():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_flex_response_attention_equals_plain_pass(arch, attn, layout, flex_response_attention, monkeypatch):
     """The grouped response pass gives the plain pass's values (forward: FlexAttention has no CPU
-    backward; its gradients are compared on a GPU by ``tests/test_zorro_gpu.py``)."""
+    backward; its gradients are compared on a GPU by ``tests/arctic_rl/test_zorro_gpu.py``)."""
     import arctic_rl.server.zorro as zorro_module
 
     calls = []

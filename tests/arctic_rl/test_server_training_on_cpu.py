@@ -8,10 +8,7 @@ split into GAS micro-batches by the server (same gradient and token-mean metrics
 ``/step`` or a ``/step`` without a call is a 400; ``X-Request-Id`` replays apply once.
 """
 
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import contextlib
 import itertools

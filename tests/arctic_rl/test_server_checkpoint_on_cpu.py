@@ -6,9 +6,6 @@ schedule, weights) bit-for-bit equal to the uninterrupted run; ``save_total_limi
 """
 
 import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import pytest
 import requests

@@ -26,7 +26,7 @@ from verl.remote_backend.settings import (
     selected_backend,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # what examples/grpo_trainer/run_qwen2-7b.sh-style recipes pass (model/data paths are not read by --cfg)
 STOCK_GRPO = [

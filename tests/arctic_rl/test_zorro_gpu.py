@@ -1,16 +1,16 @@
 """ZoRRO's grouped FlexAttention response pass on a GPU: values *and gradients* equal the plain pass.
 
-FlexAttention has no CPU backward, so ``tests/test_zorro_on_cpu.py`` can compare only the forward
+FlexAttention has no CPU backward, so ``tests/arctic_rl/test_zorro_on_cpu.py`` can compare only the forward
 of this path; here the compiled kernels run forward and backward on CUDA (fp32, tiny models),
 alone and inside whole-layer ``torch.compile`` as the reference server runs them. Skipped without
-a CUDA device (run on a GPU box: ``python -m pytest tests/test_zorro_gpu.py``).
+a CUDA device (run on a GPU box: ``python -m pytest tests/arctic_rl/test_zorro_gpu.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_zorro_on_cpu import ARCHS, LAYOUTS, make_batch, make_model, rel_err
+from _helpers_zorro import ARCHS, LAYOUTS, make_batch, make_model, rel_err
 
 import arctic_rl.server.zorro as zorro_module
 from arctic_rl.server.engines.common import compile_model

@@ -22,7 +22,7 @@ from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_METHODS, Remote
 from verl.remote_backend.workers.replica import RemoteRolloutReplica
 from verl.remote_backend.workers.worker import RemoteActorRolloutRefWorker
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GROUP_DIR = REPO / "verl" / "trainer" / "config" / "remote_backend"
 BACKENDS = RemoteBackendRegistry.list()
 

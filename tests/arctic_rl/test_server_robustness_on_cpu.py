@@ -4,15 +4,12 @@ Every malformed request gets its 4xx with a JSON ``detail`` naming the field, an
 healthy; a pickle that would run code when unpickled is refused without running it.
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
 import io
 import json
 import os
+import pathlib
 import subprocess
+import sys
 
 import pytest
 import requests

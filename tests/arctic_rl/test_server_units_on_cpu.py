@@ -1,14 +1,11 @@
 """Unit tests of the reference server's pure parts (no server process): idempotency, checkpoint
 path safety, DeepSpeed-config building, body validation, auth, the sampler's filters."""
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
 import asyncio
 import os
+import pathlib
 import pickle
+import sys
 
 import pytest
 import torch
@@ -373,7 +370,7 @@ def test_app_import_pulls_in_neither_verl_nor_ray():
     import subprocess
 
     code = "import arctic_rl.server.app, sys; assert 'verl' not in sys.modules and 'ray' not in sys.modules"
-    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[2]))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 

@@ -27,7 +27,7 @@ from arctic_rl.server.engines.vllm_sampler import DEFAULT_GPU_MEMORY_UTILIZATION
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.settings import ServerSettings
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_auto_falls_back_to_transformers_on_cpu(tiny_model_dir, tmp_path, caplog):

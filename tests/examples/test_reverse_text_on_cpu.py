@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TASK_DIR = REPO_ROOT / "examples" / "reverse_text"
 
 

@@ -21,7 +21,7 @@ CLIENTS = 32
 
 
 def _load_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "load.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "load.py"
     spec = importlib.util.spec_from_file_location("arctic_load_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

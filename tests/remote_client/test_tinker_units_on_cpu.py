@@ -21,7 +21,7 @@ from verl.workers.remote_client.tinker.options import learning_rate, plan_run
 from verl.workers.remote_client.tinker.sampling import tinker_sampling_params
 from verl.workers.remote_client.tinker.sdk import full_length_logprobs, make_datum, map_error
 
-YAML = Path(__file__).resolve().parents[1] / "verl/trainer/config/remote_backend/tinker.yaml"
+YAML = Path(__file__).resolve().parents[2] / "verl/trainer/config/remote_backend/tinker.yaml"
 
 
 def _nested(rows: list[list[float]], dtype=torch.float32) -> torch.Tensor:

@@ -6,10 +6,7 @@ token ids and ``finish_reason``, token-id prompts, sampled-token log-probs equal
 ``/generate``, bad sampling input, and ``/health`` staying responsive during generation.
 """
 
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import threading
 import time

@@ -6,7 +6,7 @@ the ``/generate`` parameters (n, seed, greedy, max_tokens, stop tokens, stop str
 prompts, log-prob candidates, 400s), log-probs against the training model, a weight sync after an
 optimizer step (the next generation uses the new weights), sleep / wake at levels 1 and 2, and a
 loop of sleep -> train -> wake -> sync -> generate with no OOM. Skipped without a CUDA device or
-without ``vllm`` (run on a GPU box: ``python -m pytest tests/test_vllm_sampler_gpu.py``).
+without ``vllm`` (run on a GPU box: ``python -m pytest tests/arctic_rl/test_vllm_sampler_gpu.py``).
 """
 
 from __future__ import annotations
