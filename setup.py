@@ -69,7 +69,7 @@ setup(
         # remote_backend=tinker: the official Tinker SDK (its releases need Python >= 3.11)
         "tinker": ['tinker>=0.24.1; python_version >= "3.11"'],
         # tests drive a local Tinker server that speaks the JSON wire of SDK 0.24.1
-        "test": ["pytest>=8", "pytest-timeout", "httpx", "matplotlib", "schemathesis", "ruff==0.17.6",
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "httpx", "matplotlib", "schemathesis", "ruff==0.17.6",
                  'tinker==0.24.1; python_version >= "3.11"'],
     },
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
