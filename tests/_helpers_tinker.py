@@ -1,15 +1,25 @@
-"""A running Tinker peer for tests: SkyRL's Tinker API server on CPU, driven by the official SDK.
+"""One running Tinker peer per test session: SkyRL's Tinker API server on CPU, driven by the official SDK.
 
-:func:`running_peer` builds the server's own venv with ``<shared>/peers/tinker/setup.sh`` (into
-``$XDG_CACHE_HOME/tinker-peer/venv``, or ``~/.cache/...``: idempotent, ~1 min cold), writes a tiny
-Qwen3 under a path the SDK's tokenizer heuristics accept, starts the server on a free loopback
-port with ``start.sh`` and stops it with ``stop.sh``. Outside CI a missing kit or SDK skips; under
-CI (``CI=true``) it fails, so a green CI means these tests ran.
+The session fixture :func:`tinker_peer` (exposed to every test by ``tests/conftest.py``) builds the
+server's own venv with ``<shared>/peers/tinker/setup.sh`` (into ``$XDG_CACHE_HOME/tinker-peer/venv``,
+or ``~/.cache/...``: idempotent, ~1 min cold), writes a tiny Qwen3 under a path the SDK's tokenizer
+heuristics accept, starts the server on a free loopback port with ``start.sh`` and stops it with
+``stop.sh`` when the session ends. The peer tests and the Tinker end-to-end run share it, so the
+server starts once and every XLA program it compiles for one shape serves both (keep to the shapes
+in :data:`PEER_SHAPES`).
+
+Under pytest-xdist each worker is a session of its own: the workers of one run share one peer
+through a lock and a reference count in the run's common temporary directory, and the last worker
+to finish stops it. Outside CI a missing kit or SDK skips; under CI (``CI=true``) it fails, so a
+green CI means these tests ran.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
+import json
 import os
 import socket
 import subprocess
@@ -25,6 +35,21 @@ SHARED = Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", REPO.parent / "shared
 KIT = SHARED / "peers" / "tinker"
 #: any key of the hosted service's shape: the peer checks nothing, the SDK wants the prefix
 PEER_API_KEY = "tml-local-peer"
+#: The shapes every user of the shared peer keeps to, so that each XLA program compiles once per server:
+#: training batches of 4 rows (the peer's micro-batch) of at most 32 tokens (its first sequence bucket),
+#: one ``max_tokens`` for sampling, one LoRA rank.
+PEER_SHAPES = {"rows": 4, "max_seq_len": 32, "max_tokens": 8, "lora_rank": 8}
+#: LoRA slots of the shared peer (one is the base model's): the peer tests and one verl run at a time
+#: each hold one or two, and the service frees a slot only after its session stops heartbeating.
+PEER_LORA_SLOTS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TinkerPeer:
+    """A running peer: its base URL and the model directory it serves (also the ``base_model`` name)."""
+
+    url: str
+    model: Path
 
 
 def _missing(text: str) -> None:
@@ -34,6 +59,7 @@ def _missing(text: str) -> None:
 
 
 def require_peer_kit() -> Path:
+    """The peer kit's directory; skips (fails under CI) without the kit or the ``tinker`` SDK."""
     try:
         import tinker  # noqa: F401
     except ImportError:
@@ -51,7 +77,7 @@ def _free_port() -> int:
 
 def build_peer_model(root: Path) -> Path:
     """The tiny Qwen3 under ``root/peer/tiny-qwen3`` (three or more ``/`` and no ``:``: the SDK's
-    ``get_tokenizer`` rewrites two-slash names)."""
+    ``get_tokenizer`` rewrites two-slash names). The same weights as ``_helpers_e2e.build_task``'s model."""
     from arctic_rl.tiny_models import build_tiny_model
 
     out = root / "peer" / "tiny-qwen3"
@@ -61,27 +87,84 @@ def build_peer_model(root: Path) -> Path:
     return out
 
 
-@contextlib.contextmanager
-def running_peer(workdir: Path, *, model: Path | None = None, env: dict | None = None) -> Iterator[tuple[str, Path]]:
-    """Set up (cached), start and finally stop a peer serving ``model`` (default: a tiny Qwen3);
-    yields ``(base_url, model_dir)``."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _start_peer(root: Path) -> dict:
+    """Set up (cached) and start a peer serving the tiny Qwen3; returns what :func:`_stop_peer` and
+    the other workers need."""
     kit = require_peer_kit()
     t0 = time.monotonic()
     setup = subprocess.run(["bash", str(kit / "setup.sh")], capture_output=True, text=True, timeout=1200,
                            check=False)
     if setup.returncode != 0:
         pytest.fail(f"tinker peer setup.sh failed:\n{setup.stdout[-2000:]}\n{setup.stderr[-3000:]}", pytrace=False)
-    model = build_peer_model(workdir) if model is None else Path(model)
-    state = workdir / "peer-state"
+    model = build_peer_model(root)
+    state = root / f"state-{os.getpid()}"
     port = _free_port()
-    run_env = {**os.environ, "TINKER_PEER_MAX_LORA_ADAPTERS": "8", **(env or {})}
+    env = {**os.environ, "TINKER_PEER_MAX_LORA_ADAPTERS": str(PEER_LORA_SLOTS)}
     start = subprocess.run(["bash", str(kit / "start.sh"), str(model), str(port), str(state)], capture_output=True,
-                           text=True, timeout=600, env=run_env, check=False)
+                           text=True, timeout=600, env=env, check=False)
     if start.returncode != 0 or f"READY {port}" not in start.stdout:
-        subprocess.run(["bash", str(kit / "stop.sh"), str(state)], capture_output=True, timeout=120, check=False)
+        _stop_peer(state)
         pytest.fail(f"tinker peer did not start:\n{start.stdout[-2000:]}\n{start.stderr[-3000:]}", pytrace=False)
+    pid = int((state / "server.pid").read_text().strip())
     print(f"[tinker peer] set up and started in {time.monotonic() - t0:.1f} s on port {port}", file=sys.stderr)
+    return {"url": f"http://127.0.0.1:{port}", "model": str(model), "state": str(state), "pid": pid, "users": 0}
+
+
+def _stop_peer(state: Path) -> None:
+    subprocess.run(["bash", str(KIT / "stop.sh"), str(state)], capture_output=True, timeout=120, check=False)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while another worker starts or stops the peer
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def shared_peer(root: Path) -> Iterator[TinkerPeer]:
+    """A peer under ``root`` shared by every process that enters this with the same ``root``: the first
+    starts it, the last to leave stops it (``root/peer.json`` holds its address and the user count)."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock, record = root / "lock", root / "peer.json"
+    with _locked(lock):
+        peer = json.loads(record.read_text()) if record.exists() else None
+        if peer is None or not _alive(int(peer["pid"])):
+            peer = _start_peer(root)
+        peer["users"] += 1
+        record.write_text(json.dumps(peer))
     try:
-        yield f"http://127.0.0.1:{port}", model
+        yield TinkerPeer(url=peer["url"], model=Path(peer["model"]))
     finally:
-        subprocess.run(["bash", str(kit / "stop.sh"), str(state)], capture_output=True, timeout=120, check=False)
+        with _locked(lock):
+            current = json.loads(record.read_text()) if record.exists() else {}
+            # a record of another server means ours died and was replaced: nothing of ours to release
+            if current.get("pid") == peer["pid"]:
+                if current["users"] <= 1:
+                    _stop_peer(Path(current["state"]))
+                    record.unlink()
+                else:
+                    current["users"] -= 1
+                    record.write_text(json.dumps(current))
+
+
+@pytest.fixture(scope="session")
+def tinker_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerPeer]:
+    """The session's Tinker peer (started on first use, stopped at the end of the session; under
+    pytest-xdist one for all workers)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base temp dirs (popen-gwN) share this parent
+    with shared_peer(root / "tinker-peer") as peer:
+        yield peer

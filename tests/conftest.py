@@ -128,3 +128,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     from arctic_rl.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=0)
+
+
+# The Tinker peer (SkyRL's Tinker server on CPU): one per test session, shared by the peer tests and the
+# Tinker end-to-end run; see tests/_helpers_tinker.py.
+from _helpers_tinker import tinker_peer  # noqa: F401  (a fixture: pytest finds it by name here)
