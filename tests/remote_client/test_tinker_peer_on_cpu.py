@@ -1,8 +1,9 @@
 """The Tinker adapter against a real Tinker API server (SkyRL's, on CPU) through the official SDK.
 
-One peer per module (set up + started once, ~30 s cold, ~10 s with a warm JAX cache). Every batch
-has 4 rows of <= 32 tokens and every sample call the same ``max_tokens``, so each XLA program of
-the peer compiles once. Checks: sampling with per-token log-probs; reference log-probs equal the
+The peer is the session's ``tinker_peer`` (``tests/_helpers_tinker.py``; ~30 s cold, ~10 s with a
+warm JAX cache), shared with the Tinker end-to-end run. Every batch has 4 rows of <= 32 tokens and
+every sample call the same ``max_tokens`` (``PEER_SHAPES``), so each XLA program of the peer
+compiles once per session. Checks: sampling with per-token log-probs; reference log-probs equal the
 peer's own ``compute_logprobs`` of the base model; old log-probs equal a sampler of the synced
 weights; one update moves log-probs the way the advantages say; a second process's sampler
 follows a weight sync; save/load round trip; destroy.
@@ -14,7 +15,7 @@ import os
 
 import pytest
 import torch
-from _helpers_tinker import PEER_API_KEY, running_peer
+from _helpers_tinker import PEER_API_KEY, PEER_SHAPES
 from omegaconf import OmegaConf
 from verl.utils import tensordict_utils as tu
 
@@ -22,16 +23,16 @@ from verl.remote_backend.errors import RemoteBackendConfigError
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 8
+MAX_TOKENS = PEER_SHAPES["max_tokens"]
 
 
 @pytest.fixture(scope="module")
-def peer(tmp_path_factory):
+def peer(tinker_peer):
+    """The session's peer, with the SDK's API key set for this module only."""
     old = os.environ.get("TINKER_API_KEY")
     os.environ["TINKER_API_KEY"] = PEER_API_KEY
     try:
-        with running_peer(tmp_path_factory.mktemp("tinker")) as (url, model):
-            yield url, model
+        yield tinker_peer.url, tinker_peer.model
     finally:
         if old is None:
             os.environ.pop("TINKER_API_KEY", None)
@@ -47,7 +48,7 @@ def _main_config(url: str, model, ckpt_dir):
     extra = {
         "remote_backend": {**OmegaConf.to_container(tinker_yaml), "server": {"url": url, "base_model": None}},
         "actor_rollout_ref": {
-            "model": {"path": str(model), "lora_rank": 8},
+            "model": {"path": str(model), "lora_rank": PEER_SHAPES["lora_rank"]},
             "actor": {"ppo_mini_batch_size": 1, "use_kl_loss": False, "loss_agg_mode": "token-mean",
                       "optim": {"lr": 5e-2, "total_training_steps": 4, "lr_warmup_steps_ratio": 0.0}},
             "rollout": {"n": 4, "temperature": 1.0},
@@ -76,7 +77,8 @@ def setup(peer, tmp_path_factory):
 def _rows(tok) -> tuple[list[int], list[list[int]]]:
     prompt = tok.encode("abcd=", add_special_tokens=False)
     responses = [tok.encode(s, add_special_tokens=False) for s in ("dcba", "dcb", "aaaa", "bbbab")]
-    assert len(prompt) + max(map(len, responses)) <= 32
+    assert len(responses) == PEER_SHAPES["rows"]
+    assert len(prompt) + max(map(len, responses)) <= PEER_SHAPES["max_seq_len"]
     return prompt, responses
 
 

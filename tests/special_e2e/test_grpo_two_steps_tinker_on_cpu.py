@@ -1,7 +1,10 @@
 """Two GRPO steps of stock verl 0.9.1 through ``remote_backend=tinker``, against a real Tinker server.
 
-The server is SkyRL's Tinker API server on CPU (the peer kit, see ``tests/_helpers_tinker.py``),
-serving the tiny Qwen3 of the ``a+b=`` task; verl talks to it only through the official SDK. The
+The server is the session's ``tinker_peer`` (SkyRL's Tinker API server on CPU, see
+``tests/_helpers_tinker.py``), shared with the peer tests; it serves the same tiny Qwen3 as the
+``a+b=`` task's model, and the run keeps to the peer's fixed shapes (4 rows of <= 32 tokens, 8 new
+tokens, LoRA rank 8), so programs it compiled for the peer tests are reused. verl talks to it only
+through the official SDK. The
 command is what a user types (``python -m verl.remote_backend.main_ppo <stock GRPO overrides>
 remote_backend=tinker remote_backend.server.url=...``) with the API key in ``TINKER_API_KEY``.
 A KL penalty in the reward (``algorithm.use_kl_in_reward``) makes verl ask the LoRA actor for
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from _helpers_e2e import build_task, parse_console_metrics
-from _helpers_tinker import PEER_API_KEY, running_peer
+from _helpers_tinker import PEER_API_KEY, PEER_SHAPES
 
 # the peer compiles one XLA program per new shape (sample, forward, forward_backward, compute_logprobs):
 # on two shared cores that alone takes minutes, so this test gets more than the suite's 900 s default
@@ -31,6 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def grpo_command(task: dict[str, Path], out: Path, url: str) -> list[str]:
+    # 2 prompts x 2 samples = the peer's 4-row micro-batch; prompt + response <= its 32-token bucket
     overrides = [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=True",
@@ -38,9 +42,9 @@ def grpo_command(task: dict[str, Path], out: Path, url: str) -> list[str]:
         f"data.val_files={task['val']}",
         "data.train_batch_size=2",
         "data.max_prompt_length=24",
-        "data.max_response_length=8",
+        f"data.max_response_length={PEER_SHAPES['max_tokens']}",
         f"actor_rollout_ref.model.path={task['model']}",
-        "actor_rollout_ref.model.lora_rank=8",
+        f"actor_rollout_ref.model.lora_rank={PEER_SHAPES['lora_rank']}",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -63,19 +67,19 @@ def grpo_command(task: dict[str, Path], out: Path, url: str) -> list[str]:
     return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
 
 
-def test_two_grpo_steps_through_tinker(tmp_path):
-    task = build_task(tmp_path / "task")
-    with running_peer(tmp_path / "peer", model=task["model"], env={"TINKER_PEER_MAX_LORA_ADAPTERS": "4"}) as (url, _):
-        cmd = grpo_command(task, tmp_path / "run", url)
-        print("running:", " ".join(cmd), flush=True)
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                   RAY_DEDUP_LOGS="0", TINKER_API_KEY=PEER_API_KEY)
-        env.pop("VERL_USE_EXTERNAL_MODULES", None)
-        t0 = time.monotonic()
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2100, check=False)
-        output = proc.stdout + proc.stderr
-        (tmp_path / "run.log").write_text(output)
-        print(f"wall time {time.monotonic() - t0:.0f} s, log {tmp_path / 'run.log'}", flush=True)
+def test_two_grpo_steps_through_tinker(tmp_path, tinker_peer):
+    # the task's model and the peer's are the same tiny Qwen3; the service only trains the one it serves
+    task = {**build_task(tmp_path / "task"), "model": tinker_peer.model}
+    cmd = grpo_command(task, tmp_path / "run", tinker_peer.url)
+    print("running:", " ".join(cmd), flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               RAY_DEDUP_LOGS="0", TINKER_API_KEY=PEER_API_KEY)
+    env.pop("VERL_USE_EXTERNAL_MODULES", None)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2100, check=False)
+    output = proc.stdout + proc.stderr
+    (tmp_path / "run.log").write_text(output)
+    print(f"wall time {time.monotonic() - t0:.0f} s, log {tmp_path / 'run.log'}", flush=True)
     assert proc.returncode == 0, output[-6000:]
     steps = parse_console_metrics(output)
     assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
