@@ -4,6 +4,9 @@ PyPI verl is a regular package, so our sub-packages reach ``verl.*`` either thro
 install's import hook (which points at this checkout) or as copies in site-packages. A copy goes
 stale the moment a file here is edited; the check below stops the session before a single test
 runs against one.
+
+Fixtures shared across the folders: ``tiny_model_dir`` (a tiny Qwen3, one per session) and
+``reference_server`` (a reference server process, one per module).
 """
 
 from __future__ import annotations
@@ -11,8 +14,13 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from arctic_rl.server.launcher import ServerProcess
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
@@ -128,6 +136,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     from arctic_rl.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The reference server (``python -m arctic_rl.server``, CPU, one thread, no token), one per test module.
+
+    Tests on it destroy the jobs they create (it holds one job per type at a time); a module's own fixture may
+    create jobs that its tests share. Servers with other options: ``server_process.running_server``.
+    """
+    from server_process import running_server
+
+    with running_server(tmp_path_factory.mktemp("reference_server")) as server:
+        yield server
 
 
 # The Tinker peer (SkyRL's Tinker server on CPU): one per test session, shared by the peer tests and the

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import requests
-from server_process import decode, running_server, tiny_model_dir
+from server_process import decode
 
 from arctic_rl.protocol import (
     DestroyRequest,
@@ -79,13 +79,12 @@ def with_bodies(spec: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-    with running_server(tmp_path_factory.mktemp("server")) as srv:
-        for job_type in ("training", "sampling"):
-            config = {"model_name": str(model), "job_type": job_type, "checkpoint_path": "fuzz"}
-            decode(requests.post(srv.url + "/initialize", json=config, timeout=300))
-        yield srv
+def server(reference_server, tiny_model_dir):
+    """The module's server, holding a training and a sampling job."""
+    for job_type in ("training", "sampling"):
+        config = {"model_name": str(tiny_model_dir), "job_type": job_type, "checkpoint_path": "fuzz"}
+        decode(requests.post(reference_server.url + "/initialize", json=config, timeout=300))
+    return reference_server
 
 
 def test_no_server_errors_on_generated_requests(server):

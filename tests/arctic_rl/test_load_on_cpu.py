@@ -12,7 +12,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from server_process import running_server, tiny_model_dir
+from server_process import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +28,10 @@ def _load_module():
     return module
 
 
-def test_32_generate_clients_and_training_for_15_s(tmp_path):
+def test_32_generate_clients_and_training_for_15_s(tmp_path, tiny_model_dir):
     load = _load_module()
-    model = tiny_model_dir(tmp_path / "tiny")
     with running_server(tmp_path / "server") as srv:
-        result = load.run_load(model, srv.url, srv.proc.pid, clients=CLIENTS, seconds=SECONDS)
+        result = load.run_load(tiny_model_dir, srv.url, srv.proc.pid, clients=CLIENTS, seconds=SECONDS)
     print(load.table(result))
     lat = result["latencies"]
     assert result["errors"] == []
@@ -43,6 +42,6 @@ def test_32_generate_clients_and_training_for_15_s(tmp_path):
     assert load.percentile(health, 0.99) < 2.0, sorted(health)[-5:]
     mem = [m for _, m in result["rss"]]
     third = mem[len(mem) // 3]
-    assert max(mem) < mem[0] + 1024  # MiB: bounded by the model, batches and threads
+    assert max(mem) < mem[0] + 1024  # MiB: bounded by the tiny_model_dir, batches and threads
     assert mem[-1] < third + 256, mem  # no steady growth once warm
     assert load.percentile([1.0, 2.0, 3.0], 0.5) == 2.0 and load.percentile([], 0.5) != load.percentile([], 0.5)

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
-from server_process import REPO_ROOT, decode, free_port, make_batch, post_frame, running_server, tiny_model_dir
+from server_process import REPO_ROOT, decode, free_port, make_batch, post_frame, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -64,14 +64,13 @@ def dss(tree) -> dict:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    model = tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
+def srv(tmp_path_factory, tiny_model_dir):
     args = ("--max-body-mb", "1", "--body-timeout-s", str(TIMEOUT_S), "--head-timeout-s", str(TIMEOUT_S),
             "--limit-concurrency", "48")
     with running_server(tmp_path_factory.mktemp("server"), extra_args=args) as server:
         ids = {}
         for job_type in ("training", "log_prob", "sampling"):
-            config = {"model_name": str(model), "job_type": job_type, "checkpoint_path": "hostile"}
+            config = {"model_name": str(tiny_model_dir), "job_type": job_type, "checkpoint_path": "hostile"}
             ids[job_type] = decode(requests.post(server.url + "/initialize", json=config, timeout=300))["job_id"]
         server.ids = ids
         t = ids["training"]

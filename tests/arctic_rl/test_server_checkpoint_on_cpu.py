@@ -10,20 +10,13 @@ import pathlib
 import pytest
 import requests
 import torch
-from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
+from server_process import decode, make_batch, post_frame
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("server")) as server:
-        yield server
+def initialize(server, config: dict) -> dict:
+    return decode(requests.post(server.url + "/initialize", json=config, timeout=300))
 
 
 def training_config(model_dir, checkpoint_path="run"):
@@ -72,54 +65,53 @@ def save(srv, job_id, **body):
     return response
 
 
-def test_resume_after_a_kill_is_bit_for_bit(srv, model_dir):
-    init = decode(requests.post(srv.url + "/initialize", json=training_config(model_dir), timeout=300))
+def test_resume_after_a_kill_is_bit_for_bit(reference_server, tiny_model_dir):
+    init = initialize(reference_server, training_config(tiny_model_dir))
     jid = init["job_id"]
     for _ in range(2):
-        train_step(srv, jid)
-    saved = decode(save(srv, jid))
+        train_step(reference_server, jid)
+    saved = decode(save(reference_server, jid))
     assert saved["global_step"] == 2 and saved["path"].endswith("run/checkpoint-2")
-    assert (srv.checkpoint_root / "run" / "latest").read_text() == "checkpoint-2"
-    losses, metrics = train_step(srv, jid)  # the uninterrupted step 3
-    logprobs = probe(srv, jid)
-    weights = hf_weights(decode(save(srv, jid, path="uninterrupted", export_hf=True))["hf_path"])
+    assert (reference_server.checkpoint_root / "run" / "latest").read_text() == "checkpoint-2"
+    losses, metrics = train_step(reference_server, jid)  # the uninterrupted step 3
+    logprobs = probe(reference_server, jid)
+    weights = hf_weights(decode(save(reference_server, jid, path="uninterrupted", export_hf=True))["hf_path"])
 
-    instance = requests.get(srv.url + "/health").json()["instance_id"]
-    srv.restart()  # SIGKILL: no chance to flush anything
-    assert requests.get(srv.url + "/health").json()["instance_id"] != instance
-    assert requests.get(srv.url + "/status").json()["jobs"] == {}
+    instance = requests.get(reference_server.url + "/health").json()["instance_id"]
+    reference_server.restart()  # SIGKILL: no chance to flush anything
+    assert requests.get(reference_server.url + "/health").json()["instance_id"] != instance
+    assert requests.get(reference_server.url + "/status").json()["jobs"] == {}
 
-    jid = decode(requests.post(srv.url + "/initialize", json=training_config(model_dir), timeout=300))["job_id"]
-    loaded = decode(requests.post(f"{srv.url}/load-checkpoint?job_id={jid}", json={}, timeout=120))
+    jid = initialize(reference_server, training_config(tiny_model_dir))["job_id"]
+    loaded = decode(requests.post(f"{reference_server.url}/load-checkpoint?job_id={jid}", json={}, timeout=120))
     assert loaded["global_step"] == 2 and loaded["path"] == saved["path"]
-    losses2, metrics2 = train_step(srv, jid)
+    losses2, metrics2 = train_step(reference_server, jid)
     assert losses2 == losses
     assert metrics2 == metrics and metrics2["global_step"] == 3
-    assert torch.equal(probe(srv, jid), logprobs)
-    weights2 = hf_weights(decode(save(srv, jid, path="resumed", export_hf=True))["hf_path"])
+    assert torch.equal(probe(reference_server, jid), logprobs)
+    weights2 = hf_weights(decode(save(reference_server, jid, path="resumed", export_hf=True))["hf_path"])
     assert weights2.keys() == weights.keys() and all(torch.equal(weights2[k], weights[k]) for k in weights)
-    requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
+    requests.post(f"{reference_server.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
 
 
-def test_total_limit_export_hf_and_explicit_steps(srv, model_dir):
-    jid = decode(requests.post(srv.url + "/initialize", json=training_config(model_dir, "limits"), timeout=300))[
-        "job_id"
-    ]
+def test_total_limit_export_hf_and_explicit_steps(reference_server, tiny_model_dir):
+    jid = initialize(reference_server, training_config(tiny_model_dir, "limits"))["job_id"]
     try:
         for step in (1, 2, 3):
-            out = decode(save(srv, jid, step=step, save_total_limit=2))
+            out = decode(save(reference_server, jid, step=step, save_total_limit=2))
             assert out["path"].endswith(f"limits/checkpoint-{step}")
-        assert out["pruned"] == [str(srv.checkpoint_root / "limits" / "checkpoint-1")]
-        assert sorted(p.name for p in (srv.checkpoint_root / "limits").glob("checkpoint-*")) == [
+        assert out["pruned"] == [str(reference_server.checkpoint_root / "limits" / "checkpoint-1")]
+        assert sorted(p.name for p in (reference_server.checkpoint_root / "limits").glob("checkpoint-*")) == [
             "checkpoint-2",
             "checkpoint-3",
         ]
-        loaded = decode(requests.post(f"{srv.url}/load-checkpoint?job_id={jid}", json={"step": 2}, timeout=60))
+        loaded = decode(requests.post(f"{reference_server.url}/load-checkpoint?job_id={jid}", json={"step": 2},
+                                      timeout=60))
         assert loaded["path"].endswith("checkpoint-2")
-        missing = requests.post(f"{srv.url}/load-checkpoint?job_id={jid}", json={"step": 1}, timeout=60)
+        missing = requests.post(f"{reference_server.url}/load-checkpoint?job_id={jid}", json={"step": 1}, timeout=60)
         assert missing.status_code == 404
 
-        exported = decode(save(srv, jid, path="export", export_hf=True))
+        exported = decode(save(reference_server, jid, path="export", export_hf=True))
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(exported["hf_path"], dtype=torch.float32).eval()
@@ -135,26 +127,26 @@ def test_total_limit_export_hf_and_explicit_steps(srv, model_dir):
             .squeeze(-1)
         )
         real = batch["response_mask"][:, 1:].bool()
-        assert torch.allclose(probe(srv, jid)[:, :-1][real], lp[real], atol=1e-5)
+        assert torch.allclose(probe(reference_server, jid)[:, :-1][real], lp[real], atol=1e-5)
     finally:
-        requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
+        requests.post(f"{reference_server.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
 
 
-def test_paths_cannot_escape_the_checkpoint_root(srv, model_dir, tmp_path):
+def test_paths_cannot_escape_the_checkpoint_root(reference_server, tiny_model_dir, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
-    (srv.checkpoint_root / "link-out").symlink_to(outside, target_is_directory=True)
-    bad_config = training_config(model_dir, "../../escape")
-    response = requests.post(srv.url + "/initialize", json=bad_config, timeout=60)
+    (reference_server.checkpoint_root / "link-out").symlink_to(outside, target_is_directory=True)
+    bad_config = training_config(tiny_model_dir, "../../escape")
+    response = requests.post(reference_server.url + "/initialize", json=bad_config, timeout=60)
     assert response.status_code == 400 and response.json()["detail"]["field"] == "checkpoint_path"
-    jid = decode(requests.post(srv.url + "/initialize", json=training_config(model_dir, "safe"), timeout=300))["job_id"]
+    jid = initialize(reference_server, training_config(tiny_model_dir, "safe"))["job_id"]
     try:
         for path in ("../x", "a/../../x", str(outside), "link-out", "link-out/deeper", "/etc"):
             for endpoint in ("save", "load-checkpoint"):
-                r = requests.post(f"{srv.url}/{endpoint}?job_id={jid}", json={"path": path}, timeout=60)
+                r = requests.post(f"{reference_server.url}/{endpoint}?job_id={jid}", json={"path": path}, timeout=60)
                 assert r.status_code == 400, (endpoint, path, r.text)
                 assert r.json()["detail"]["field"] == "path"
         assert list(outside.iterdir()) == []
-        assert requests.get(srv.url + "/health").status_code == 200
+        assert requests.get(reference_server.url + "/health").status_code == 200
     finally:
-        requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
+        requests.post(f"{reference_server.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)

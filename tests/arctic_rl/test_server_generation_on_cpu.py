@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 import torch
-from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
+from server_process import decode, make_batch, post_frame
 
 from arctic_rl.protocol import sampled_logprobs
 
@@ -24,18 +24,12 @@ PROMPT_IDS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory, model_dir):
-    with running_server(tmp_path_factory.mktemp("server")) as server:
-        sampling = decode(
-            requests.post(server.url + "/initialize", json={"model_name": str(model_dir), "job_type": "sampling"})
-        )
-        server.sampling_id = sampling["job_id"]
-        yield server
+def srv(reference_server, tiny_model_dir):
+    """The module's server, holding a sampling job."""
+    sampling = decode(requests.post(reference_server.url + "/initialize",
+                                    json={"model_name": str(tiny_model_dir), "job_type": "sampling"}))
+    reference_server.sampling_id = sampling["job_id"]
+    return reference_server
 
 
 def sampled(result) -> list[float]:
@@ -77,10 +71,10 @@ def test_n_samples_grouped_by_prompt(srv):
     assert all(r["logprobs"] is None and r["prefix_cache_len"] == 0 for r in results)
 
 
-def test_max_tokens_stop_ids_and_stop_strings(srv, model_dir):
+def test_max_tokens_stop_ids_and_stop_strings(srv, tiny_model_dir):
     from transformers import AutoTokenizer
 
-    decode_ids = AutoTokenizer.from_pretrained(model_dir).decode
+    decode_ids = AutoTokenizer.from_pretrained(tiny_model_dir).decode
     greedy = generate(srv, PROMPT_IDS[:1], temperature=0, max_tokens=10, ignore_eos=True)[0]
     tokens = greedy["token_ids"]
     assert (greedy["generation_len"], greedy["finish_reason"], len(tokens)) == (10, "length", 10)
@@ -97,21 +91,21 @@ def test_max_tokens_stop_ids_and_stop_strings(srv, model_dir):
     assert by_text["text"] == greedy["text"][: greedy["text"].find(stop_text)]
 
 
-def test_token_prompts_equal_text_prompts_and_logprobs_are_exact(srv, model_dir):
+def test_token_prompts_equal_text_prompts_and_logprobs_are_exact(srv, tiny_model_dir):
     from transformers import AutoTokenizer
 
     text = "hello world"
-    ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)(text)["input_ids"]
     by_text = generate(srv, [text], temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)[0]
     by_ids = generate(srv, [ids], temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)[0]
     assert by_text["token_ids"] == by_ids["token_ids"] and by_text["prompt_len"] == by_ids["prompt_len"] == len(ids)
-    expected = direct_token_logprobs(model_dir, ids, by_ids["token_ids"])
+    expected = direct_token_logprobs(tiny_model_dir, ids, by_ids["token_ids"])
     assert torch.allclose(torch.tensor(sampled(by_ids)), expected, atol=1e-4)
     # logprobs=0: only the sampled token (vLLM's rule); greedy: it is the most likely, rank 1
     assert all(list(e) == [str(t)] and e[str(t)]["rank"] == 1 for e, t in zip(by_ids["logprobs"], by_ids["token_ids"]))
     # sampled tokens: log-probs of softmax(logits / T) at the sampled token
     sample = generate(srv, [ids], temperature=0.8, max_tokens=6, logprobs=1, seed=3, ignore_eos=True)[0]
-    expected = direct_token_logprobs(model_dir, ids, sample["token_ids"], temperature=0.8)
+    expected = direct_token_logprobs(tiny_model_dir, ids, sample["token_ids"], temperature=0.8)
     assert torch.allclose(torch.tensor(sampled(sample)), expected, atol=1e-4)
     # logprobs=1: the sampled token and the most likely one, ranks counted in that same distribution
     for entry, tok in zip(sample["logprobs"], sample["token_ids"]):
@@ -174,9 +168,9 @@ def test_health_stays_responsive_while_generating(srv):
     assert max(latencies) < 1.0, latencies
 
 
-def test_weight_sync_makes_the_sampler_equal_the_trainer(srv, model_dir):
+def test_weight_sync_makes_the_sampler_equal_the_trainer(srv, tiny_model_dir):
     config = {
-        "model_name": str(model_dir),
+        "model_name": str(tiny_model_dir),
         "job_type": "training",
         "ds_config": {"optimizer": {"type": "AdamW", "params": {"lr": 5e-2}}},
     }

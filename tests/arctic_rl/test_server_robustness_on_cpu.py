@@ -14,7 +14,7 @@ import sys
 import pytest
 import requests
 import torch
-from server_process import REPO_ROOT, decode, free_port, make_batch, post_frame, running_server, tiny_model_dir
+from server_process import REPO_ROOT, decode, free_port, make_batch, post_frame, running_server
 
 from arctic_rl import dssst1
 from arctic_rl.protocol import LOSS_NAMES, POST_PROCESSORS
@@ -23,19 +23,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory, model_dir):
-    with running_server(tmp_path_factory.mktemp("server")) as server:
-        ids = {}
-        for job_type in ("training", "log_prob", "sampling"):
-            config = {"model_name": str(model_dir), "job_type": job_type, "checkpoint_path": "rb"}
-            ids[job_type] = decode(requests.post(server.url + "/initialize", json=config, timeout=300))["job_id"]
-        server.ids = ids
-        yield server
+def srv(reference_server, tiny_model_dir):
+    """The module's server, holding one job of each type (``srv.ids``)."""
+    ids = {}
+    for job_type in ("training", "log_prob", "sampling"):
+        config = {"model_name": str(tiny_model_dir), "job_type": job_type, "checkpoint_path": "rb"}
+        ids[job_type] = decode(requests.post(reference_server.url + "/initialize", json=config, timeout=300))["job_id"]
+    reference_server.ids = ids
+    return reference_server
 
 
 def good_body():
@@ -129,7 +124,7 @@ def test_bad_bodies_are_400_naming_the_field(srv, name, body, field):
     assert info["pending_micro_batches"] == 0  # nothing was accumulated
 
 
-def test_jobs_and_control_calls(srv, model_dir):
+def test_jobs_and_control_calls(srv, tiny_model_dir):
     ids = srv.ids
     assert_error(post_frame(srv, "/forward-backward?job_id=999", good_body()), 404, "job_id")
     assert_error(post_frame(srv, f"/forward-backward?job_id={ids['log_prob']}", good_body()), 400, "job_id")
@@ -138,8 +133,8 @@ def test_jobs_and_control_calls(srv, model_dir):
     assert_error(post_frame(srv, "/forward-backward", good_body()), 422, "job_id")
     assert_error(requests.get(srv.url + "/job/abc"), 422, "job_id")
     post = lambda path, **kw: requests.post(srv.url + path, timeout=60, **kw)
-    assert_error(post("/initialize", json={"model_name": str(model_dir), "job_type": "training"}), 409, "job_type")
-    assert_error(post("/initialize", json={"model_name": str(model_dir), "job_type": "trainer"}), 400, "job_type")
+    assert_error(post("/initialize", json={"model_name": str(tiny_model_dir), "job_type": "training"}), 409, "job_type")
+    assert_error(post("/initialize", json={"model_name": str(tiny_model_dir), "job_type": "trainer"}), 400, "job_type")
     assert_error(post("/initialize", json={"job_type": "training"}), 400, "model_name")
     assert_error(post("/initialize", data=b"{not json", headers={"Content-Type": "application/json"}), 400, "body")
     assert_error(post("/initialize", json={"model_name": "/no/such/model", "job_type": "training"}), 409)
@@ -159,13 +154,14 @@ def test_jobs_and_control_calls(srv, model_dir):
     assert sorted(status["jobs"]) == sorted(str(i) for i in ids.values())
 
 
-def test_unloadable_model_is_400(srv, model_dir):
+def test_unloadable_model_is_400(srv, tiny_model_dir):
     # the log_prob slot is taken: destroy it, fail to create one, create it again
     ids = srv.ids
     decode(requests.post(f"{srv.url}/destroy?job_id={ids['log_prob']}", json={"job_type": "log_prob"}))
     bad = requests.post(srv.url + "/initialize", json={"model_name": "/no/such/model", "job_type": "log_prob"})
     assert_error(bad, 400, "model_name")
-    again = decode(requests.post(srv.url + "/initialize", json={"model_name": str(model_dir), "job_type": "log_prob"}))
+    body = {"model_name": str(tiny_model_dir), "job_type": "log_prob"}
+    again = decode(requests.post(srv.url + "/initialize", json=body))
     assert again["job_id"] > ids["log_prob"]
     ids["log_prob"] = again["job_id"]
 

@@ -16,23 +16,12 @@ import itertools
 import pytest
 import requests
 import torch
-from server_process import decode, make_batch, post_frame, running_server, tiny_model_dir
+from server_process import decode, make_batch, post_frame
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
 RESPONSES = [[20, 21, 22], [23, 24, 25, 26], [27]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("server")) as server:
-        yield server
 
 
 @contextlib.contextmanager
@@ -109,21 +98,21 @@ def to_response(shifted, prompt_len, response_len):
     return shifted[:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
-def test_sft_steps_lower_the_loss_and_change_the_weights(srv, model_dir):
+def test_sft_steps_lower_the_loss_and_change_the_weights(reference_server, tiny_model_dir):
     batch = make_batch(PROMPTS, RESPONSES)
     body = grpo_body(batch, loss_fn="cross_entropy")
-    with job(srv, model_dir, lr=2e-2) as jid:
-        before = forward(srv, jid, body)["batch"]["logprobs"]
+    with job(reference_server, tiny_model_dir, lr=2e-2) as jid:
+        before = forward(reference_server, jid, body)["batch"]["logprobs"]
         losses, steps = [], []
         for _ in range(5):
-            out = decode(fwd_bwd(srv, jid, body))
+            out = decode(fwd_bwd(reference_server, jid, body))
             losses.append(out["metrics"]["loss"])
             assert out["avg_loss"] == pytest.approx(out["metrics"]["loss"])
             assert out["metrics"]["num_tokens"] == float(batch["response_mask"].sum())
-            metrics = decode(step(srv, jid))["metrics"]
+            metrics = decode(step(reference_server, jid))["metrics"]
             assert metrics["grad_norm"] > 0 and metrics["last_lr"] == pytest.approx(2e-2)
             steps.append(metrics["global_step"])
-        after = forward(srv, jid, body)["batch"]["logprobs"]
+        after = forward(reference_server, jid, body)["batch"]["logprobs"]
     assert steps == [1, 2, 3, 4, 5]
     assert losses[-1] < losses[0] - 0.5, losses
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
@@ -133,14 +122,14 @@ def test_sft_steps_lower_the_loss_and_change_the_weights(srv, model_dir):
 
 
 @pytest.mark.parametrize("job_type", ["training", "log_prob"])
-def test_forward_matches_transformers(srv, model_dir, job_type):
+def test_forward_matches_transformers(reference_server, tiny_model_dir, job_type):
     batch = make_batch(PROMPTS, RESPONSES)
     p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    lp_ref, ent_ref = direct_shifted(model_dir, batch, temperature=0.7)
+    lp_ref, ent_ref = direct_shifted(tiny_model_dir, batch, temperature=0.7)
     real = batch["response_mask"][:, 1:].bool()  # shifted positions whose target is a response token
-    with job(srv, model_dir, job_type) as jid:
-        shifted = forward(srv, jid, grpo_body(batch, temperature=0.7, entropy=True))
-        aligned = forward(srv, jid, grpo_body(batch, zorro=True, temperature=0.7, entropy=True))
+    with job(reference_server, tiny_model_dir, job_type) as jid:
+        shifted = forward(reference_server, jid, grpo_body(batch, temperature=0.7, entropy=True))
+        aligned = forward(reference_server, jid, grpo_body(batch, zorro=True, temperature=0.7, entropy=True))
     assert shifted["logprob_alignment"] == "shifted" and aligned["logprob_alignment"] == "response"
     lp, ent = shifted["batch"]["logprobs"], shifted["batch"]["entropy"]
     assert lp.shape == ent.shape == batch["input_ids"].shape
@@ -156,21 +145,21 @@ def test_forward_matches_transformers(srv, model_dir, job_type):
                           atol=1e-5)
 
 
-def test_forward_the_vendor_way_temperature_and_optional_tensors(srv, model_dir):
+def test_forward_the_vendor_way_temperature_and_optional_tensors(reference_server, tiny_model_dir):
     """As at the vendor: ``meta.temperature`` scales nothing without the ``apply_temperature`` post-processor,
     and a body without ``position_ids`` (rebuilt from the mask) and ``responses`` (``input_ids[:, P:]``)
     is served -- the vendor's verl client sends such bodies."""
     batch = make_batch(PROMPTS, RESPONSES)
-    lp_ref, _ = direct_shifted(model_dir, batch, temperature=1.0)
+    lp_ref, _ = direct_shifted(tiny_model_dir, batch, temperature=1.0)
     real = batch["response_mask"][:, 1:].bool()
     body = {"batch": {k: v for k, v in batch.items() if k not in ("position_ids", "responses")},
             "meta": {"temperature": 0.7}, "processing": {"post": ["compute_entropy_and_logprobs"]}}
-    with job(srv, model_dir, "log_prob") as jid:
-        out = forward(srv, jid, body)
+    with job(reference_server, tiny_model_dir, "log_prob") as jid:
+        out = forward(reference_server, jid, body)
     assert torch.allclose(out["batch"]["logprobs"][:, :-1][real], lp_ref[real], atol=1e-5)
 
 
-def test_zorro_on_off_agree_and_the_mini_batch_token_mean(srv, model_dir):
+def test_zorro_on_off_agree_and_the_mini_batch_token_mean(reference_server, tiny_model_dir):
     """One /forward-backward per mini-batch: the server splits it into GAS micro-batches (the vendor's
     contract), the gradient is that of the mini-batch's token mean whatever GAS is, and the metrics are
     the call's token means. ``meta.batch_num_tokens`` (the vendor's field) beats ``loss_scale_tokens``."""
@@ -185,13 +174,13 @@ def test_zorro_on_off_agree_and_the_mini_batch_token_mean(srv, model_dir):
     def one_step(jid, zorro=False, config=None, meta=None):
         body = grpo_body(batch, zorro=zorro, config=config)
         body["meta"].update(meta or {})
-        metrics = decode(fwd_bwd(srv, jid, body))["metrics"]
-        return metrics, decode(step(srv, jid))["metrics"]["grad_norm"]
+        metrics = decode(fwd_bwd(reference_server, jid, body))["metrics"]
+        return metrics, decode(step(reference_server, jid))["metrics"]["grad_norm"]
 
     # lr 0: the weights never change, so every step sees the same gradient
-    with job(srv, model_dir, gas=2, lr=0.0) as jid:
-        off = forward(srv, jid, grpo_body(batch))
-        on = forward(srv, jid, grpo_body(batch, zorro=True))
+    with job(reference_server, tiny_model_dir, gas=2, lr=0.0) as jid:
+        off = forward(reference_server, jid, grpo_body(batch))
+        on = forward(reference_server, jid, grpo_body(batch, zorro=True))
         assert (
             on["metrics"]["unique_prompts"] == 2
             and on["metrics"]["tokens_computed"] < off["metrics"]["tokens_computed"]
@@ -207,9 +196,9 @@ def test_zorro_on_off_agree_and_the_mini_batch_token_mean(srv, model_dir):
         _, g_weighted = one_step(jid, meta={"rollout_is_weights": torch.full(batch["input_ids"].shape, 2.0)})
         m_zero, g_zero = one_step(jid, meta={"rollout_is_weights": 0.0})
         in_batch = grpo_body({**batch, "rollout_is_weights": torch.ones(batch["input_ids"].shape)})
-        refused = fwd_bwd(srv, jid, in_batch)
-        info = requests.get(f"{srv.url}/job/{jid}", timeout=30).json()
-    with job(srv, model_dir, gas=1, lr=0.0) as jid:
+        refused = fwd_bwd(reference_server, jid, in_batch)
+        info = requests.get(f"{reference_server.url}/job/{jid}", timeout=30).json()
+    with job(reference_server, tiny_model_dir, gas=1, lr=0.0) as jid:
         m_gas1, g_gas1 = one_step(jid)
     assert refused.status_code == 400 and refused.json()["detail"]["field"] == "batch.rollout_is_weights"
     assert info["global_step"] == 6 and info["pending_forward_backward"] == 0
@@ -229,58 +218,61 @@ def test_zorro_on_off_agree_and_the_mini_batch_token_mean(srv, model_dir):
     assert m_zero["actor/pg_loss"] == 0.0 and not g_zero
 
 
-def test_job_level_zorro_answers_response_aligned(srv, model_dir):
+def test_job_level_zorro_answers_response_aligned(reference_server, tiny_model_dir):
     batch = make_batch(PROMPTS, RESPONSES)
-    with job(srv, model_dir, "log_prob", ds_worker_config={"zorro_train_enable": True, "use_liger": False}) as jid:
-        out = forward(srv, jid, grpo_body(batch))
+    zorro = {"zorro_train_enable": True, "use_liger": False}
+    with job(reference_server, tiny_model_dir, "log_prob", ds_worker_config=zorro) as jid:
+        out = forward(reference_server, jid, grpo_body(batch))
     assert out["logprob_alignment"] == "response" and out["batch"]["logprobs"].shape == batch["input_ids"].shape
 
 
-def test_one_forward_backward_per_step_else_400(srv, model_dir):
+def test_one_forward_backward_per_step_else_400(reference_server, tiny_model_dir):
     body = grpo_body(rl_batch(PROMPTS * 2, RESPONSES * 2))
-    with job(srv, model_dir, gas=2) as jid:
-        early = step(srv, jid)
+    with job(reference_server, tiny_model_dir, gas=2) as jid:
+        early = step(reference_server, jid)
         assert early.status_code == 400 and early.json()["detail"]["field"] == "ds_config.gradient_accumulation_steps"
-        odd = fwd_bwd(srv, jid, grpo_body(rl_batch()))  # 3 rows do not split into 2 micro-batches
+        odd = fwd_bwd(reference_server, jid, grpo_body(rl_batch()))  # 3 rows do not split into 2 micro-batches
         assert odd.status_code == 400 and odd.json()["detail"]["field"] == "batch.input_ids"
         assert odd.json()["detail"]["received"] == 3
-        assert decode(fwd_bwd(srv, jid, body))["metrics"]["micro_batches"] == 2
-        second = fwd_bwd(srv, jid, body)
+        assert decode(fwd_bwd(reference_server, jid, body))["metrics"]["micro_batches"] == 2
+        second = fwd_bwd(reference_server, jid, body)
         assert second.status_code == 400 and "/step" in second.json()["detail"]["message"]
-        assert decode(step(srv, jid))["metrics"]["global_step"] == 1
-        assert step(srv, jid).status_code == 400
+        assert decode(step(reference_server, jid))["metrics"]["global_step"] == 1
+        assert step(reference_server, jid).status_code == 400
 
 
-def test_request_ids_replay_without_reapplying(srv, model_dir):
+def test_request_ids_replay_without_reapplying(reference_server, tiny_model_dir):
     body = grpo_body(rl_batch())
     other = grpo_body(rl_batch(seed=1))
-    config = {"model_name": str(model_dir), "job_type": "training", "ds_config": {"gradient_accumulation_steps": 1}}
-    init_a = requests.post(srv.url + "/initialize", json=config, headers={"X-Request-Id": "init-1"}, timeout=300)
-    init_b = requests.post(srv.url + "/initialize", json=config, headers={"X-Request-Id": "init-1"}, timeout=300)
+    config = {"model_name": str(tiny_model_dir), "job_type": "training",
+              "ds_config": {"gradient_accumulation_steps": 1}}
+    url, once = reference_server.url + "/initialize", {"X-Request-Id": "init-1"}
+    init_a = requests.post(url, json=config, headers=once, timeout=300)
+    init_b = requests.post(url, json=config, headers=once, timeout=300)
     assert init_a.status_code == init_b.status_code == 200 and init_a.json() == init_b.json()
     assert init_b.headers.get("X-Idempotent-Replay") == "true"
     jid = init_a.json()["job_id"]
     try:
-        first = fwd_bwd(srv, jid, body, headers={"X-Request-Id": "fb-1"})
-        replay = fwd_bwd(srv, jid, body, headers={"X-Request-Id": "fb-1"})
+        first = fwd_bwd(reference_server, jid, body, headers={"X-Request-Id": "fb-1"})
+        replay = fwd_bwd(reference_server, jid, body, headers={"X-Request-Id": "fb-1"})
         assert replay.content == first.content and replay.headers.get("X-Idempotent-Replay") == "true"
-        conflict = fwd_bwd(srv, jid, other, headers={"X-Request-Id": "fb-1"})
+        conflict = fwd_bwd(reference_server, jid, other, headers={"X-Request-Id": "fb-1"})
         assert conflict.status_code == 409 and conflict.json()["detail"]["field"] == "X-Request-Id"
-        assert requests.get(f"{srv.url}/job/{jid}").json()["pending_forward_backward"] == 1  # applied once
-        s1 = decode(step(srv, jid, headers={"X-Request-Id": "st-1"}))
-        s1_again = decode(step(srv, jid, headers={"X-Request-Id": "st-1"}))
+        assert requests.get(f"{reference_server.url}/job/{jid}").json()["pending_forward_backward"] == 1  # applied once
+        s1 = decode(step(reference_server, jid, headers={"X-Request-Id": "st-1"}))
+        s1_again = decode(step(reference_server, jid, headers={"X-Request-Id": "st-1"}))
         assert s1 == s1_again and s1["metrics"]["global_step"] == 1
-        info = requests.get(f"{srv.url}/job/{jid}").json()
+        info = requests.get(f"{reference_server.url}/job/{jid}").json()
         assert info["global_step"] == 1 and info["pending_forward_backward"] == 0
     finally:
-        requests.post(f"{srv.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
+        requests.post(f"{reference_server.url}/destroy?job_id={jid}", json={"job_type": "training"}, timeout=60)
 
 
-def test_entropy_is_computed_only_when_asked(srv, model_dir):
+def test_entropy_is_computed_only_when_asked(reference_server, tiny_model_dir):
     """Clients send ``compute_entropy_and_logprobs`` on every call; ``meta.calculate_entropy`` decides."""
     batch = make_batch(PROMPTS, RESPONSES)
     post = {"post": ["apply_temperature", "compute_entropy_and_logprobs"]}
-    with job(srv, model_dir, "training") as jid:
+    with job(reference_server, tiny_model_dir, "training") as jid:
         without = grpo_body(batch, entropy=False)
         without["processing"].update(post)
         with_ = grpo_body(batch, entropy=True)
@@ -288,7 +280,7 @@ def test_entropy_is_computed_only_when_asked(srv, model_dir):
         legacy = grpo_body(batch)
         legacy["processing"].update(post)
         del legacy["meta"]["calculate_entropy"]  # no flag: the post-processor names decide (vendor rule)
-        got = {name: forward(srv, jid, body)["batch"] for name, body in
+        got = {name: forward(reference_server, jid, body)["batch"] for name, body in
                (("without", without), ("with", with_), ("legacy", legacy))}
     assert "entropy" not in got["without"] and "entropy" in got["with"] and "entropy" in got["legacy"]
     torch.testing.assert_close(got["without"]["logprobs"], got["with"]["logprobs"])

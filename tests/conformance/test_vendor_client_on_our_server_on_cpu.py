@@ -27,17 +27,11 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server_process import decode, running_server
+from server_process import decode
 
 pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).resolve().parent / "vendor_client_driver.py"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("ours_for_vendor_client")) as srv:
-        yield srv
 
 
 def run_driver(server, model_dir: Path, vendor_src: Path, workdir: Path) -> dict[str, list[dict]]:
@@ -54,8 +48,8 @@ def run_driver(server, model_dir: Path, vendor_src: Path, workdir: Path) -> dict
     return phases
 
 
-def test_vendor_verl_client_runs_grpo_steps_on_our_server(server, tiny_model_dir, vendor_src, tmp_path):
-    phases = run_driver(server, tiny_model_dir, vendor_src, tmp_path)
+def test_vendor_verl_client_runs_grpo_steps_on_our_server(reference_server, tiny_model_dir, vendor_src, tmp_path):
+    phases = run_driver(reference_server, tiny_model_dir, vendor_src, tmp_path)
     jobs = phases["initialize"][0]["jobs"]
     assert set(jobs) == {"training", "sampling", "log_prob"} and all(isinstance(v, int) for v in jobs.values())
 
@@ -87,13 +81,13 @@ def test_vendor_verl_client_runs_grpo_steps_on_our_server(server, tiny_model_dir
     assert phases["wake_training"][0]["out"]["job_id"] == jobs["training"]
     saved = phases["save"][0]["out"]
     assert saved["global_step"] == 4 and saved["path"], saved  # 2 GRPO steps x 2 mini-batches
-    assert requests.get(server.url + "/status", timeout=10).json()["jobs"] == {}
+    assert requests.get(reference_server.url + "/status", timeout=10).json()["jobs"] == {}
 
 
-def test_vendor_control_routes_and_their_errors(server, tiny_model_dir):
+def test_vendor_control_routes_and_their_errors(reference_server, tiny_model_dir):
     """The routes the vendor's client does not reach in a run: /weight-norm, /empty-training-cache,
     /sleep-log-prob, /wake-log-prob, /reset-prefix-cache, /operation's unknown type; and 404/400 answers."""
-    url = server.url
+    url = reference_server.url
 
     def init(job_type: str, **extra) -> int:
         body = {"model_name": str(tiny_model_dir), "job_type": job_type, **extra}

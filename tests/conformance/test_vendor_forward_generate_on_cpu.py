@@ -99,18 +99,13 @@ def wait_for_trace(server, done, timeout_s: float = 10.0) -> list[dict]:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Path) -> Path:
-    return tiny_model_dir
-
-
-def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server, model_dir, tmp_path):
-    cfg = main_config(model_dir, vendor_server.url, tmp_path, zorro=False)
+def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server, tiny_model_dir, tmp_path):
+    cfg = main_config(tiny_model_dir, vendor_server.url, tmp_path, zorro=False)
     client = ArcticRLClient.from_config(cfg)
     try:
         assert set(client.job_ids) == {"sampling", "log_prob", "training"}
-        check_logprobs(client, model_dir)  # training job
-        check_logprobs(client, model_dir, ref=True)  # log_prob job
+        check_logprobs(client, tiny_model_dir)  # training job
+        check_logprobs(client, tiny_model_dir, ref=True)  # log_prob job
 
         # generate with log-probs: the sampled tokens' values, as transformers gives them (T=1, fp32 sampler)
         tok = client.tokenizer
@@ -121,7 +116,7 @@ def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server
         assert len(results) == 2
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
         for ids, res in zip(prompt_ids, results):
             assert res.prompt_len == len(ids) and len(res.token_ids) == 4
             assert len(res.logprobs) == 4 and all(isinstance(x, float) for x in res.logprobs)
@@ -149,7 +144,7 @@ def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server
         # an unknown job on /forward is a plain 500 at the vendor: still RemoteJobNotFoundError here
         handle = client.reconnect_handle()
         handle["job_ids"] = {**handle["job_ids"], "training": 987}
-        stray = ArcticRLClient.from_config(main_config(model_dir, vendor_server.url, tmp_path, zorro=False,
+        stray = ArcticRLClient.from_config(main_config(tiny_model_dir, vendor_server.url, tmp_path, zorro=False,
                                                        recovery=False), handle=handle)
         try:
             with pytest.raises(RemoteJobNotFoundError) as err:
@@ -168,10 +163,10 @@ def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server
     assert len([r for r in vendor_server.trace_lines("/destroy") if r["status"] == 200]) >= 3
 
 
-def test_forward_zorro_on_reads_the_vendor_layout(vendor_server, model_dir, tmp_path):
-    client = ArcticRLClient.from_config(main_config(model_dir, vendor_server.url, tmp_path, zorro=True))
+def test_forward_zorro_on_reads_the_vendor_layout(vendor_server, tiny_model_dir, tmp_path):
+    client = ArcticRLClient.from_config(main_config(tiny_model_dir, vendor_server.url, tmp_path, zorro=True))
     try:
-        check_logprobs(client, model_dir)
-        check_logprobs(client, model_dir, ref=True)
+        check_logprobs(client, tiny_model_dir)
+        check_logprobs(client, tiny_model_dir, ref=True)
     finally:
         client.destroy()

@@ -95,14 +95,9 @@ def vendor_calls(vendor_server, since: int, expect: int = 0) -> list[dict]:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Path) -> Path:
-    return tiny_model_dir
-
-
 @pytest.mark.parametrize("micro, gas", [(4, 1), (2, 2), (1, 4)])
-def test_update_actor_follows_the_vendors_accumulation_contract(vendor_server, model_dir, tmp_path, micro, gas):
-    client = ArcticRLClient.from_config(main_config(model_dir, vendor_server.url, tmp_path, micro=micro))
+def test_update_actor_follows_the_vendors_accumulation_contract(vendor_server, tiny_model_dir, tmp_path, micro, gas):
+    client = ArcticRLClient.from_config(main_config(tiny_model_dir, vendor_server.url, tmp_path, micro=micro))
     try:
         data = train_data(client)
         created = vendor_server.trace_lines("/initialize")[-3:]
@@ -156,8 +151,8 @@ def test_update_actor_follows_the_vendors_accumulation_contract(vendor_server, m
     assert not set(map(str, ids.values())) & set(map(str, status["jobs"])), status
 
 
-def test_settings_the_vendor_ignores_are_named_at_start_up(vendor_server, model_dir, tmp_path, caplog):
-    cfg = main_config(model_dir, vendor_server.url, tmp_path, micro=4, clip_ratio_high=0.28)
+def test_settings_the_vendor_ignores_are_named_at_start_up(vendor_server, tiny_model_dir, tmp_path, caplog):
+    cfg = main_config(tiny_model_dir, vendor_server.url, tmp_path, micro=4, clip_ratio_high=0.28)
     with caplog.at_level(logging.WARNING, logger="verl.workers.remote_client.arctic_rl"):
         client = ArcticRLClient.from_config(cfg)
     client.destroy()
@@ -173,9 +168,9 @@ def probe_logprobs(client: ArcticRLClient) -> torch.Tensor:
     return no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data) * data["response_mask"]
 
 
-def test_a_lost_answer_never_applies_an_update_twice(vendor_server, model_dir, tmp_path):
+def test_a_lost_answer_never_applies_an_update_twice(vendor_server, tiny_model_dir, tmp_path):
     def train(url: str) -> tuple[torch.Tensor, torch.Tensor, ArcticRLClient]:
-        cfg = main_config(model_dir, url, tmp_path, micro=2, optim={"lr": 1e-3})
+        cfg = main_config(tiny_model_dir, url, tmp_path, micro=2, optim={"lr": 1e-3})
         client = ArcticRLClient.from_config(cfg)
         try:
             before = probe_logprobs(client)

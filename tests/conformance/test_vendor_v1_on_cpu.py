@@ -22,7 +22,6 @@ import pytest
 import requests
 import torch
 from _helpers_arctic import grpo_rows, hf_response_logprobs, legacy_batch, verl_main_config
-from server_process import tiny_model_dir
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -34,11 +33,6 @@ pytestmark = [pytest.mark.slow]
 N = 2  # rollout.n
 MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per mini-batch; a batch of 8 rows is 2 mini-batches
 R0 = 8  # max_response_length
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("v1_tiny") / "qwen3", "qwen3", seed=0)
 
 
 def v1_config(model_dir: Path, url: str, *, temperature: float = 1.0, defaults: bool = False, mini: int = MINI,
@@ -110,17 +104,17 @@ def client_factory(vendor_v1_server):
 # ------------------------------------------------------------------------------------------ jobs
 
 
-def test_default_config_creates_jobs_that_compute_right_log_probs(vendor_v1_server, model_dir):
+def test_default_config_creates_jobs_that_compute_right_log_probs(vendor_v1_server, tiny_model_dir):
     """Every remote_backend key at its default: the vendor creates the three jobs, answers log-probs that agree
     with transformers (packed rows kept apart), and destroy removes the jobs."""
-    client = ArcticRLClient.from_config(v1_config(model_dir, vendor_v1_server.url, defaults=True))
+    client = ArcticRLClient.from_config(v1_config(tiny_model_dir, vendor_v1_server.url, defaults=True))
     try:
         assert client.protocol == 1
         jobs = server_jobs(vendor_v1_server.url)
         assert sorted(info["job_type"] for info in jobs.values()) == ["log_prob", "sampling", "training"]
         assert {str(v) for v in client.job_ids.values()} == set(jobs)
         assert jobs[str(client.job_ids["log_prob"])]["engine"] == "deepspeed"
-        _logprobs_against_hf(client, model_dir)
+        _logprobs_against_hf(client, tiny_model_dir)
     finally:
         client.destroy()
     assert server_jobs(vendor_v1_server.url) == {}
@@ -140,16 +134,16 @@ def _logprobs_against_hf(client, model_dir, *, temperature: float = 1.0, atol: f
         assert err < atol, f"{compute.__name__}: max error {err:.3f} nats against transformers (T={temperature})"
 
 
-def test_log_probs_match_transformers(vendor_v1_server, model_dir, client_factory):
-    client = client_factory(v1_config(model_dir, vendor_v1_server.url))
+def test_log_probs_match_transformers(vendor_v1_server, tiny_model_dir, client_factory):
+    client = client_factory(v1_config(tiny_model_dir, vendor_v1_server.url))
     assert client.protocol == 1
-    _logprobs_against_hf(client, model_dir)
+    _logprobs_against_hf(client, tiny_model_dir)
 
 
-def test_log_probs_with_zorro_match_transformers(vendor_v1_server, model_dir, client_factory):
-    client = client_factory(v1_config(model_dir, vendor_v1_server.url, train={"zorro_train": {"enable": True}}))
+def test_log_probs_with_zorro_match_transformers(vendor_v1_server, tiny_model_dir, client_factory):
+    client = client_factory(v1_config(tiny_model_dir, vendor_v1_server.url, train={"zorro_train": {"enable": True}}))
     before = len(vendor_v1_server.trace_lines("/fwd-no-grad"))
-    _logprobs_against_hf(client, model_dir)
+    _logprobs_against_hf(client, tiny_model_dir)
     calls = vendor_v1_server.trace_lines("/fwd-no-grad")[before:]
     training = f"job_id={client.job_ids['training']}"
     on_training = [c for c in calls if c["query"] == training]
@@ -157,9 +151,9 @@ def test_log_probs_with_zorro_match_transformers(vendor_v1_server, model_dir, cl
         "ZoRRO was not active at the vendor: the test would not exercise its layout"
 
 
-def test_log_probs_use_the_sampling_temperature(vendor_v1_server, model_dir, client_factory):
-    client = client_factory(v1_config(model_dir, vendor_v1_server.url, temperature=0.7))
-    _logprobs_against_hf(client, model_dir, temperature=0.7)
+def test_log_probs_use_the_sampling_temperature(vendor_v1_server, tiny_model_dir, client_factory):
+    client = client_factory(v1_config(tiny_model_dir, vendor_v1_server.url, temperature=0.7))
+    _logprobs_against_hf(client, tiny_model_dir, temperature=0.7)
 
 
 # -------------------------------------------------------------------------------------- training
@@ -176,9 +170,9 @@ def _update_twice(vendor_v1_server, model_dir, client_factory, micro_batch_size:
 
 
 @pytest.mark.parametrize("micro_batch_size", [4, 2], ids=["gas1", "gas2"])
-def test_update_actor_steps_once_per_mini_batch_with_the_vendors_metrics(vendor_v1_server, model_dir, client_factory,
-                                                                          micro_batch_size):
-    client, metrics, calls = _update_twice(vendor_v1_server, model_dir, client_factory, micro_batch_size)
+def test_update_actor_steps_once_per_mini_batch_with_the_vendors_metrics(vendor_v1_server, tiny_model_dir,
+                                                                          client_factory, micro_batch_size):
+    client, metrics, calls = _update_twice(vendor_v1_server, tiny_model_dir, client_factory, micro_batch_size)
     assert client.step == 2
     assert step_count(vendor_v1_server) == 2, "the vendor's optimizer step count differs from the adapter's"
     assert len(calls) == 2 and all(c["status"] == 200 for c in calls), "one /fwd-bwd per mini-batch"
@@ -190,10 +184,10 @@ def test_update_actor_steps_once_per_mini_batch_with_the_vendors_metrics(vendor_
     assert all(g > 0 for g in metrics["grad_norm"]) and metrics["lr"] == [5e-3, 5e-3]
 
 
-def test_rollout_is_weights_reach_the_vendors_loss(vendor_v1_server, model_dir, client_factory):
+def test_rollout_is_weights_reach_the_vendors_loss(vendor_v1_server, tiny_model_dir, client_factory):
     """One mini-batch of all 8 rows (one /fwd-bwd, ratio 1 on a fresh policy): the vendor's token-mean pg_loss
     must be -sum(A * w * mask) / sum(mask) with the importance weights w, not the unweighted value."""
-    client = client_factory(v1_config(model_dir, vendor_v1_server.url, mini=4, train={"micro_batch_size": 8}))
+    client = client_factory(v1_config(tiny_model_dir, vendor_v1_server.url, mini=4, train={"micro_batch_size": 8}))
     _, _, data = grpo_batch()
     data["old_log_probs"] = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data).float()
     mask = data["response_mask"].float()
@@ -212,8 +206,8 @@ def test_rollout_is_weights_reach_the_vendors_loss(vendor_v1_server, model_dir, 
 # ----------------------------------------------------------------------------- control + destroy
 
 
-def test_control_calls_checkpoint_weight_sync_generate_and_destroy(vendor_v1_server, model_dir, client_factory):
-    cfg = v1_config(model_dir, vendor_v1_server.url, train={"micro_batch_size": 4})
+def test_control_calls_checkpoint_weight_sync_generate_and_destroy(vendor_v1_server, tiny_model_dir, client_factory):
+    cfg = v1_config(tiny_model_dir, vendor_v1_server.url, train={"micro_batch_size": 4})
     client = client_factory(cfg)
     saved = client.save_checkpoint()
     traced = vendor_v1_server.trace_lines("/save-checkpoint")
@@ -246,8 +240,8 @@ def test_control_calls_checkpoint_weight_sync_generate_and_destroy(vendor_v1_ser
     assert server_jobs(vendor_v1_server.url) == {}
 
 
-def test_unknown_job_on_fwd_no_grad_is_reported_as_gone(vendor_v1_server, model_dir, client_factory):
-    cfg = v1_config(model_dir, vendor_v1_server.url, train={"micro_batch_size": 4})
+def test_unknown_job_on_fwd_no_grad_is_reported_as_gone(vendor_v1_server, tiny_model_dir, client_factory):
+    cfg = v1_config(tiny_model_dir, vendor_v1_server.url, train={"micro_batch_size": 4})
     client = client_factory(cfg)
     attached = ArcticRLClient.from_config(cfg, handle=client.reconnect_handle())  # owns nothing
     client.destroy()

@@ -215,16 +215,15 @@ def test_invalid_values_raise_naming_the_field():
 
 # ------------------------------------------------------------------ the real server actor
 @pytest.mark.slow
-def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path):
+def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path, tiny_model_dir):
     import ray
     from _helpers_arctic import start_ray, verl_main_config
-    from server_process import running_server, tiny_model_dir
+    from server_process import running_server
 
     from verl.remote_backend.context import read_context
     from verl.remote_backend.lifecycle import BackendOwner
     from verl.remote_backend.workers.arctic_rl.replica import _RemoteServer
 
-    model = tiny_model_dir(tmp_path / "model")
     tokenizer_prompt = [1, 60, 70, 80, 2]  # any in-vocab ids
     with running_server(tmp_path / "srv") as srv:
         cfg = verl_main_config({
@@ -234,7 +233,7 @@ def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path):
                                   "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 2}},
             "remote_backend": {"server": {"url": srv.url}, "train": {"deepspeed": {"bf16": False}},
                                "rollout": {"max_batch_size": 4, "max_wait_ms": 200}},
-        }, model_path=str(model))
+        }, model_path=str(tiny_model_dir))
         with BackendOwner.create(cfg):
             context = read_context(cfg).to_dict()
             start_ray(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

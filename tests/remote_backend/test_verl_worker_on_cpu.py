@@ -98,10 +98,10 @@ def test_checkpoint_step_from_marker_or_path(tmp_path):
 
 # ------------------------------------------------------------------ the real thing
 @pytest.mark.slow
-def test_worker_group_forwards_every_call_unchanged(tmp_path):
+def test_worker_group_forwards_every_call_unchanged(tmp_path, tiny_model_dir):
     import ray
     from _helpers_arctic import grpo_rows, legacy_batch, start_ray, verl_main_config
-    from server_process import running_server, tiny_model_dir
+    from server_process import running_server
     from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
@@ -109,7 +109,6 @@ def test_worker_group_forwards_every_call_unchanged(tmp_path):
     from verl.remote_backend.lifecycle import BackendOwner
     from verl.remote_backend.trainer import CpuResourcePoolManager
 
-    model = tiny_model_dir(tmp_path / "model")
     with running_server(tmp_path / "srv") as srv:
         cfg = verl_main_config({
             "data": {"train_batch_size": 4, "max_prompt_length": 16, "max_response_length": 8},
@@ -120,7 +119,7 @@ def test_worker_group_forwards_every_call_unchanged(tmp_path):
                           "optim": {"lr": 5e-3}, "use_kl_loss": True, "kl_loss_coef": 0.01, "shuffle": False},
             },
             "remote_backend": {"server": {"url": srv.url}, "train": {"deepspeed": {"bf16": False}}},
-        }, model_path=str(model))
+        }, model_path=str(tiny_model_dir))
         prompts, responses = grpo_rows(0, [4, 7], n=N, interleave=True)
         data = legacy_batch(prompts, responses, p0=9, r0=8)
         tu.assign_non_tensor(data, calculate_entropy=True, temperature=1.0)

@@ -23,7 +23,7 @@ import pytest
 import requests
 import torch
 from _helpers_arctic import grpo_rows, hf_response_logprobs, legacy_batch, verl_main_config
-from server_process import running_server, tiny_model_dir
+from server_process import running_server
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
@@ -43,11 +43,6 @@ from verl.workers.remote_client.local_server import start_local_server
 
 N = 2  # rollout.n
 MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per optimizer step
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("arctic_tiny") / "qwen3", "qwen3", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +91,9 @@ def server_jobs(srv) -> dict:
 
 
 @pytest.mark.slow
-def test_full_cycle_v2(server, model_dir, monkeypatch):
+def test_full_cycle_v2(server, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
-    cfg = main_config(model_dir, server.url)
+    cfg = main_config(tiny_model_dir, server.url)
     client = RemoteBackendRegistry.create("arctic", cfg)
     try:
         assert isinstance(client, ArcticRLClient) and client.protocol == 2 and client.requires_single_forwarder()
@@ -113,7 +108,7 @@ def test_full_cycle_v2(server, model_dir, monkeypatch):
         out = client.compute_log_prob(data)
         assert torch.equal(out["log_probs"].offsets(), data["input_ids"].offsets())
         assert out["entropy"].is_nested and set(tu.get(out, "metrics")) == {"mfu"}
-        want = hf_response_logprobs(model_dir, prompts, responses)
+        want = hf_response_logprobs(tiny_model_dir, prompts, responses)
         got = no_padding_2_padding(out["log_probs"], data)
         mask = data["response_mask"].bool()
         torch.testing.assert_close(got[mask], want[mask], atol=2e-4, rtol=1e-4)
@@ -179,16 +174,16 @@ def test_full_cycle_v2(server, model_dir, monkeypatch):
 
 
 @pytest.mark.slow
-def test_destroy_touches_only_own_jobs_and_restart_is_detected(server, model_dir, monkeypatch):
+def test_destroy_touches_only_own_jobs_and_restart_is_detected(server, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
     # the server rejects the training job (created last): the two jobs made before it are cleaned up
-    bad = main_config(model_dir, server.url, train={"deepspeed": {"extra": {"optimizer": {"type": "Lamb"}}}})
+    bad = main_config(tiny_model_dir, server.url, train={"deepspeed": {"extra": {"optimizer": {"type": "Lamb"}}}})
     with pytest.raises(RemoteServerError) as err:
         ArcticRLClient.from_config(bad)
     assert err.value.status == 400 and "ds_config.optimizer.type" in str(err.value) and "Lamb" in str(err.value)
     assert server_jobs(server) == {}
 
-    cfg = main_config(model_dir, server.url)
+    cfg = main_config(tiny_model_dir, server.url)
     first = ArcticRLClient.from_config(cfg)
     first_ids = first.job_ids
     first.destroy()
@@ -220,11 +215,11 @@ time.sleep(600)
 
 
 @pytest.mark.slow
-def test_jobs_of_a_sigkilled_driver_are_reclaimed_only_when_abandoned(server, model_dir, tmp_path, monkeypatch):
+def test_jobs_of_a_sigkilled_driver_are_reclaimed_only_when_abandoned(server, tiny_model_dir, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
     monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
-    cfg = main_config(model_dir, server.url)
+    cfg = main_config(tiny_model_dir, server.url)
     (tmp_path / "cfg.yaml").write_text(OmegaConf.to_yaml(cfg))
     child = subprocess.Popen([sys.executable, "-c", _CHILD_DRIVER, str(tmp_path / "cfg.yaml")],
                              stdout=subprocess.PIPE, text=True)
@@ -239,12 +234,12 @@ def test_jobs_of_a_sigkilled_driver_are_reclaimed_only_when_abandoned(server, mo
         ArcticRLClient.from_config(cfg)
     assert err.value.status == 409 and "remote_backend.server.reclaim_idle_jobs_s" in str(err.value)
     with pytest.raises(RemoteServerError) as err:  # opted in, but the jobs have not been idle that long
-        ArcticRLClient.from_config(main_config(model_dir, server.url, server={"reclaim_idle_jobs_s": 3600}))
+        ArcticRLClient.from_config(main_config(tiny_model_dir, server.url, server={"reclaim_idle_jobs_s": 3600}))
     assert err.value.status == 409 and "not an abandoned job" in str(err.value)
     assert sorted(int(k) for k in server_jobs(server)) == sorted(abandoned.values())
 
     time.sleep(1.5)
-    reclaim = main_config(model_dir, server.url, server={"reclaim_idle_jobs_s": 1})
+    reclaim = main_config(tiny_model_dir, server.url, server={"reclaim_idle_jobs_s": 1})
     client = ArcticRLClient.from_config(reclaim)
     try:
         assert set(client.job_ids.values()).isdisjoint(abandoned.values())
@@ -254,7 +249,7 @@ def test_jobs_of_a_sigkilled_driver_are_reclaimed_only_when_abandoned(server, mo
         client.destroy()
 
     # a job without a client tag (another client's, e.g. the vendor's) is never reclaimed
-    body = {"model_name": str(model_dir), "job_type": "sampling", "checkpoint_path": "untagged"}
+    body = {"model_name": str(tiny_model_dir), "job_type": "sampling", "checkpoint_path": "untagged"}
     foreign = requests.post(server.url + "/initialize", json=body, headers=server.headers, timeout=300).json()["job_id"]
     try:
         time.sleep(1.5)
@@ -269,9 +264,10 @@ def test_jobs_of_a_sigkilled_driver_are_reclaimed_only_when_abandoned(server, mo
 
 
 @pytest.mark.slow
-def test_local_server_v1_and_zorro(model_dir, tmp_path, monkeypatch):
+def test_local_server_v1_and_zorro(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("ARCTIC_RL_TOKEN", raising=False)
-    cfg = main_config(model_dir, None, server={"protocol": "v1", "local": {"checkpoint_root": str(tmp_path / "srv")}},
+    root = {"checkpoint_root": str(tmp_path / "srv")}
+    cfg = main_config(tiny_model_dir, None, server={"protocol": "v1", "local": root},
                       train={"zorro_train": {"enable": True}})
     cfg.actor_rollout_ref.model.enable_gradient_checkpointing = False  # the reference server's ZoRRO needs it off
     client = ArcticRLClient.from_config(cfg)
@@ -284,7 +280,7 @@ def test_local_server_v1_and_zorro(model_dir, tmp_path, monkeypatch):
         tu.assign_non_tensor(data, calculate_entropy=True)
         got = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)  # ZoRRO: response-aligned
         mask = data["response_mask"].bool()
-        torch.testing.assert_close(got[mask], hf_response_logprobs(model_dir, prompts, responses)[mask], atol=2e-4,
+        torch.testing.assert_close(got[mask], hf_response_logprobs(tiny_model_dir, prompts, responses)[mask], atol=2e-4,
                                    rtol=1e-4)
         data = train_inputs(client, data)
         metrics = tu.get(client.update_actor(data), "metrics")

@@ -21,7 +21,6 @@ import pytest
 import requests
 import torch
 from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
-from server_process import running_server
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -34,12 +33,6 @@ MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per mini-batch, 2 mini-batches
 TEMPERATURE = 0.7
 #: metrics of GAS 1, 2 and 4 (filled by the GAS 1 run)
 _GAS1: dict[str, list[float]] = {}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("contract_srv")) as srv:
-        yield srv
 
 
 def main_config(model_dir, url: str, *, micro: int):
@@ -72,14 +65,14 @@ def train_data(client: ArcticRLClient, weights: float | None = None):
 
 
 @pytest.mark.parametrize("micro, gas", [(4, 1), (2, 2), (1, 4)])
-def test_one_call_per_mini_batch_and_its_token_means(server, tiny_model_dir, micro, gas):
-    client = ArcticRLClient.from_config(main_config(tiny_model_dir, server.url, micro=micro))
+def test_one_call_per_mini_batch_and_its_token_means(reference_server, tiny_model_dir, micro, gas):
+    client = ArcticRLClient.from_config(main_config(tiny_model_dir, reference_server.url, micro=micro))
     try:
         training = client.job_ids["training"]
-        info = requests.get(f"{server.url}/job/{training}", timeout=30).json()
+        info = requests.get(f"{reference_server.url}/job/{training}", timeout=30).json()
         assert info["gradient_accumulation_steps"] == gas
         metrics = tu.get(client.update_actor(train_data(client)), "metrics")
-        info = requests.get(f"{server.url}/job/{training}", timeout=30).json()
+        info = requests.get(f"{reference_server.url}/job/{training}", timeout=30).json()
         assert client.step == info["global_step"] == 2 and info["pending_forward_backward"] == 0
         assert all(abs(v) < 1e-5 for v in metrics["actor/ppo_kl"]), metrics["actor/ppo_kl"]
         assert all(v == 0.0 for v in metrics["actor/pg_clipfrac"])
@@ -96,4 +89,4 @@ def test_one_call_per_mini_batch_and_its_token_means(server, tiny_model_dir, mic
         assert client.save_checkpoint()["global_step"] == client.step == 6
     finally:
         client.destroy()
-    assert requests.get(server.url + "/status", timeout=30).json()["jobs"] == {}
+    assert requests.get(reference_server.url + "/status", timeout=30).json()["jobs"] == {}

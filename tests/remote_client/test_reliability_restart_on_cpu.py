@@ -23,19 +23,18 @@ import pytest
 import requests
 import torch
 from _helpers_reliability import DropProxy, Supervisor, client_config, final_logprobs, train_batch
-from server_process import running_server, tiny_model_dir
+from server_process import running_server
 
 from verl.workers.remote_client.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.journal import CheckpointRef, UpdateJournal
 
 
 @pytest.mark.slow
-def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, caplog):
+def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, tiny_model_dir, caplog):
     caplog.set_level(logging.INFO, logger="verl.workers.remote_client")
-    model = tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
     with running_server(tmp_path_factory.mktemp("server")) as srv, DropProxy(srv.port) as proxy:
         supervisor = Supervisor(srv)
-        cfg = client_config(model, proxy.url, recovery={"checkpoint_every_n_steps": 2, "watch_interval_s": 1.0,
+        cfg = client_config(tiny_model_dir, proxy.url, recovery={"checkpoint_every_n_steps": 2, "watch_interval_s": 1.0,
                                                         "wait_s": 600})
         client = ArcticRLClient.from_config(cfg)
         follower = None
@@ -52,7 +51,7 @@ def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, ca
             first_instance = client.reconnect_handle()["instance_id"]
 
             # 1) kill -9 between steps; the first caller is a generation-only client (a rollout replica)
-            follower = ArcticRLClient.from_config(client_config(model, srv.url),
+            follower = ArcticRLClient.from_config(client_config(tiny_model_dir, srv.url),
                                                   handle=dict(client.reconnect_handle(), url=srv.url))
             supervisor.kill_and_restart()
             results = follower.generate([[5, 6, 7]], {"max_tokens": 2, "temperature": 0.0})
@@ -102,19 +101,18 @@ def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, ca
 
 @pytest.mark.slow
 @pytest.mark.parametrize("answer_of_step", ["answered", "lost"])
-def test_kill9_right_after_a_step_before_the_recovery_checkpoint(tmp_path_factory, answer_of_step):
+def test_kill9_right_after_a_step_before_the_recovery_checkpoint(tmp_path_factory, tiny_model_dir, answer_of_step):
     """The server dies after ``/step`` 2 was applied, while the client reads ``GET /job`` -- the read
     that precedes a recovery checkpoint (``answered``), or the read that recovers the metrics of a
     ``/step`` whose answer was lost (``lost``). Neither read may end the run: the client restores,
     and the state equals the undisturbed run's."""
-    model = tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
     with running_server(tmp_path_factory.mktemp("server")) as srv, DropProxy(srv.port) as proxy:
         supervisor = Supervisor(srv)
         # no watcher: the failed call itself must notice the restart; no recovery.checkpoint_path, so
         # the directory comes from the job's own info (GET /job) at the first due checkpoint
         # a lost /step answer is settled by the job's counter only when ids are not replayed (vendor mode)
         retry = {"server_idempotency": "off"} if answer_of_step == "lost" else {}
-        cfg = client_config(model, proxy.url, recovery={"checkpoint_every_n_steps": 2, "watch_interval_s": 0,
+        cfg = client_config(tiny_model_dir, proxy.url, recovery={"checkpoint_every_n_steps": 2, "watch_interval_s": 0,
                                                         "wait_s": 600}, retry=retry)
         client = ArcticRLClient.from_config(cfg)
         try:

@@ -25,7 +25,7 @@ import pytest
 import requests
 import torch
 from _helpers_reliability import DropProxy, client_config, final_logprobs, train_batch
-from server_process import make_batch, running_server, tiny_model_dir
+from server_process import make_batch
 
 from arctic_rl import dssst1
 from verl.workers.remote_client.arctic_rl import ArcticRLClient
@@ -37,15 +37,13 @@ UPDATES = 2  # update_actor calls per run: 2 steps each, one /forward-backward p
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    model = tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-    with running_server(tmp_path_factory.mktemp("server")) as srv:
-        owner = ArcticRLClient.from_config(client_config(model, srv.url))
-        try:
-            start = owner.save_checkpoint(step=0, path="start")["path"]
-            yield srv, model, owner, start
-        finally:
-            owner.destroy()
+def setup(reference_server, tiny_model_dir):
+    owner = ArcticRLClient.from_config(client_config(tiny_model_dir, reference_server.url))
+    try:
+        start = owner.save_checkpoint(step=0, path="start")["path"]
+        yield reference_server, tiny_model_dir, owner, start
+    finally:
+        owner.destroy()
 
 
 def run(setup, url: str, proxy: DropProxy | None = None, **remote) -> tuple[torch.Tensor, ArcticRLClient]:
