@@ -33,6 +33,7 @@ def _verl_owned_files() -> set[str]:
     return {str(f).replace("\\", "/") for f in (dist.files or [])}
 
 
+@pytest.mark.slow  # builds the wheel
 def test_wheel_ships_no_file_that_verl_owns(wheel_files):
     owned = _verl_owned_files()
     assert "verl/__init__.py" in owned  # sanity: we are reading verl's RECORD
@@ -42,6 +43,7 @@ def test_wheel_ships_no_file_that_verl_owns(wheel_files):
         assert forbidden not in wheel_files
 
 
+@pytest.mark.slow  # builds the wheel
 def test_wheel_carries_both_halves_and_the_config_group(wheel_files):
     names = set(wheel_files)
     for required in (
@@ -92,6 +94,7 @@ def test_constraints_keep_verls_pins():
     assert "tensordict" in text and "<=0.10" in text
 
 
+@pytest.mark.slow  # a subprocess that imports every arctic_rl module (torch, transformers, deepspeed)
 def test_arctic_rl_never_imports_verl():
     code = (
         "import sys, importlib, pkgutil, arctic_rl\n"

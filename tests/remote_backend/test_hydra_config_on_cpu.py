@@ -156,6 +156,7 @@ def test_stock_command_line_check_names_each_problem():
 
 
 # ------------------------------------------------------------------ the entry point
+@pytest.mark.slow  # a subprocess that imports verl and ray: tens of seconds on two cores
 def test_cfg_job_of_our_entry_point_has_every_derived_value():
     proc = _run(["-m", "verl.remote_backend.main_ppo", *STOCK_GRPO, "remote_backend=arctic", "--cfg", "job"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -177,6 +178,7 @@ def test_cfg_job_of_our_entry_point_has_every_derived_value():
     assert "actor_rollout_ref.rollout.name=vllm replaced by actor_rollout_ref.rollout.name=arctic" in proc.stderr
 
 
+@pytest.mark.slow  # a subprocess that imports verl and ray: tens of seconds on two cores
 def test_our_entry_point_without_a_backend_fails_naming_the_option():
     proc = _run(["-m", "verl.remote_backend.main_ppo", *STOCK_GRPO])
     assert proc.returncode != 0

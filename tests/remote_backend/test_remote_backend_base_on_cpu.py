@@ -149,6 +149,7 @@ def test_worker_and_replica_loaders_are_lazy_and_cached(clean_registry):
         R.register_worker("toy", lambda: None)
 
 
+@pytest.mark.slow  # a subprocess that imports verl and ray: tens of seconds on two cores
 def test_importing_the_package_registers_no_backend_eagerly():
     import subprocess
     import sys

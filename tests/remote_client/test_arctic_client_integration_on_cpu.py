@@ -328,6 +328,7 @@ def test_local_server_that_never_answers_times_out_and_is_stopped(tmp_path):
         os.kill(int(pid_file.read_text()), 0)
 
 
+@pytest.mark.slow  # a driver process that imports verl, and a real server
 def test_local_server_outlives_no_sigkilled_driver(tmp_path):
     """A driver killed with SIGKILL runs no atexit hook; its private server must still go away."""
     info = tmp_path / "server.json"
