@@ -7,6 +7,7 @@
 #
 #   source "${SCRIPT_DIR}/../common/console.sh"
 #   console_init "${RUN_DIR}/run.log"          # the log file; VERBOSE=1 also turns on `set -x`
+#   console_header "title" "line" ...          # the run's header: a rule, the lines, a rule
 #   console_say "text"                         # always on the terminal (and in the log)
 #   console_run 'REGEX' cmd args...            # cmd's output -> log; lines matching REGEX -> terminal
 #
@@ -34,6 +35,13 @@ console_init() {
 
 console_say() {
     printf '%s\n' "$*" | tee -a "${CONSOLE_LOG:-/dev/null}"
+}
+
+console_header() {
+    local rule="================================================================================" line
+    console_say "${rule}"
+    for line in "$@"; do console_say "${line}"; done
+    console_say "${rule}"
 }
 
 # The terminal copy of a line: no colour codes, no "(Actor pid=N) " prefix.

@@ -32,37 +32,17 @@ RUN_DIR="${OUT_DIR}/${RUN_NAME}"
 PYTHON="${PYTHON:-python3}"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-case "${ZORRO}" in
-    true|false) ;;
-    *) echo "ZORRO: expected true or false, got '${ZORRO}'" >&2; exit 2 ;;
-esac
-
-# `--cfg job` / `--help` (Hydra) only print the composed config: no log file, nothing written.
-PRINT_ONLY=false
-for arg in "$@"; do
-    case "${arg}" in --cfg|--cfg=*|-c|--help|--hydra-help|--info|--info=*) PRINT_ONLY=true ;; esac
-done
-
-export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
-# verl's file logger (trainer.logger has "file") writes one JSON line of metrics per step here.
-export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-${RUN_DIR}/metrics.jsonl}"
-
-SERVER_URL="null"
-if [ -n "${ARCTIC_RL_URL}" ]; then SERVER_URL="'${ARCTIC_RL_URL}'"; fi
+source "${SCRIPT_DIR}/../common/gsm8k.sh"  # with recipe.sh and console.sh
+recipe_bool ZORRO "${ZORRO}"
+recipe_env
+PRINT_ONLY="$(recipe_print_only "$@")"
 
 ############################ Parameter groups ############################
 
-DATA=(
-    data.train_files="${DATA_DIR}/train.parquet"
-    data.val_files="${DATA_DIR}/test.parquet"
-    data.train_batch_size=16
-    data.max_prompt_length=512
-    data.max_response_length=1024
-    data.filter_overlong_prompts=True
-    data.truncation=error
-    data.shuffle=False
-    data.seed="${SEED}"
-)
+PROJECT_NAME=gsm8k_grpo_arl
+gsm8k_groups  # DATA ACTOR ALGO TRAINER: the GSM8K recipe of every backend
+DATA+=(data.train_batch_size=16 data.shuffle=False)
+TRAINER+=(trainer.save_freq=-1)
 
 MODEL=(
     actor_rollout_ref.model.path="${MODEL_DIR}"
@@ -70,14 +50,10 @@ MODEL=(
     actor_rollout_ref.model.enable_gradient_checkpointing=True
 )
 
-ACTOR=(
+ACTOR+=(
     actor_rollout_ref.actor.optim.lr=1e-6
     actor_rollout_ref.actor.ppo_mini_batch_size=16
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
-    actor_rollout_ref.actor.use_kl_loss=False
-    actor_rollout_ref.actor.entropy_coeff=0
-    actor_rollout_ref.actor.loss_agg_mode=token-mean
-    actor_rollout_ref.actor.data_loader_seed="${SEED}"
 )
 
 ROLLOUT=(
@@ -92,33 +68,13 @@ REF=(
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16
 )
 
-ALGO=(
-    algorithm.adv_estimator=grpo
-    algorithm.use_kl_in_reward=False
-)
-
 REWARD=(
     # data_source "openai/gsm8k" is scored by verl's built-in gsm8k rule reward: no custom function.
     reward.num_workers=1
 )
 
-TRAINER=(
-    trainer.logger=[console,file]
-    # verl's file logger runs in Ray's TaskRunner: on a running cluster (ray job submit) its workers do not
-    # inherit this shell's environment, so the path travels in the runtime_env verl passes to ray.init
-    +ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH="'${VERL_FILE_LOGGER_PATH}'"
-    trainer.project_name=gsm8k_grpo_arl
-    trainer.experiment_name="${RUN_NAME}"
-    trainer.total_training_steps="${STEPS}"
-    trainer.total_epochs=15
-    trainer.val_before_train=False
-    trainer.test_freq=-1
-    trainer.save_freq=-1
-    trainer.default_local_dir="${RUN_DIR}/checkpoints"
-)
-
 REMOTE_BACKEND=(
-    remote_backend.server.url="${SERVER_URL}"
+    remote_backend.server.url="$(recipe_hydra_str "${ARCTIC_RL_URL}")"
     remote_backend.server.local.device="${DEVICE}"
     remote_backend.train.zorro_train.enable="${ZORRO}"
     remote_backend.train.deepspeed.zero_stage=2
@@ -129,31 +85,15 @@ REMOTE_BACKEND=(
 
 ############################ Launch ############################
 
-LAUNCH=(
-    "${PYTHON}" -m verl.remote_backend.main_ppo
-    "${DATA[@]}"
-    "${MODEL[@]}"
-    "${ACTOR[@]}"
-    "${ROLLOUT[@]}"
-    "${REF[@]}"
-    "${ALGO[@]}"
-    "${REWARD[@]}"
-    "${TRAINER[@]}"
-    "${REMOTE_BACKEND[@]}"
-    remote_backend=arctic
-    hydra.run.dir="${RUN_DIR}/hydra"
-    "$@"
-)
+recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
-source "${SCRIPT_DIR}/../common/console.sh"
 mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
 console_init "${RUN_DIR}/run.log"
-console_say "================================================================================"
-console_say "GSM8K GRPO, ${MODEL_DIR}, ZoRRO ${ZORRO}, ${STEPS} steps, verl 0.9.1 + remote backend 'arctic'"
-console_say "  server:  ${ARCTIC_RL_URL:-none given: the reference server starts here on ${DEVICE}}"
-console_say "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)"
-console_say "  log:     ${RUN_DIR}/run.log (everything else; VERBOSE=1 prints it here)"
-console_say "================================================================================"
+console_header \
+    "GSM8K GRPO, ${MODEL_DIR}, ZoRRO ${ZORRO}, ${STEPS} steps, verl 0.9.1 + remote backend 'arctic'" \
+    "  server:  ${ARCTIC_RL_URL:-none given: the reference server starts here on ${DEVICE}}" \
+    "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)" \
+    "  log:     ${RUN_DIR}/run.log (everything else; VERBOSE=1 prints it here)"
 console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
 console_say "GSM8K GRPO finished: metrics in ${VERL_FILE_LOGGER_PATH}, full log in ${RUN_DIR}/run.log"

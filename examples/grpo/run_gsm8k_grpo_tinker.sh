@@ -28,51 +28,32 @@ RUN_DIR="${OUT_DIR}/${RUN_NAME}"
 PYTHON="${PYTHON:-python3}"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-PRINT_ONLY=false
-for arg in "$@"; do
-    case "${arg}" in --cfg|--cfg=*|-c|--help|--hydra-help|--info|--info=*) PRINT_ONLY=true ;; esac
-done
+source "${SCRIPT_DIR}/../common/gsm8k.sh"  # with recipe.sh and console.sh
+recipe_env
+PRINT_ONLY="$(recipe_print_only "$@")"
 if [ "${PRINT_ONLY}" = false ] && [ -z "${TINKER_API_KEY:-}" ]; then
     echo "TINKER_API_KEY is not set: export your Tinker API key first" >&2
     exit 2
 fi
 
-export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
-export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-${RUN_DIR}/metrics.jsonl}"
-
-SERVER_URL="null"
-if [ -n "${TINKER_URL}" ]; then SERVER_URL="'${TINKER_URL}'"; fi
-BASE="null"
-if [ -n "${BASE_MODEL}" ]; then BASE="'${BASE_MODEL}'"; fi
-
 ############################ Parameter groups ############################
 
-DATA=(
-    data.train_files="${DATA_DIR}/train.parquet"
-    data.val_files="${DATA_DIR}/test.parquet"
-    data.train_batch_size=32
-    data.max_prompt_length=512
-    data.max_response_length=1024
-    data.filter_overlong_prompts=True
-    data.truncation=error
-    data.seed="${SEED}"
-)
+PROJECT_NAME=gsm8k_grpo_tinker
+gsm8k_groups  # DATA ACTOR ALGO TRAINER: the GSM8K recipe of every backend
+DATA+=(data.train_batch_size=32)
+TRAINER+=(trainer.save_freq=20)
 
 MODEL_ARGS=(
     actor_rollout_ref.model.path="${MODEL}"
     actor_rollout_ref.model.lora_rank="${LORA_RANK}"
 )
 
-ACTOR=(
+ACTOR+=(
     # LoRA learning rates are ~10x full fine-tuning's
     actor_rollout_ref.actor.optim.lr=4e-5
     actor_rollout_ref.actor.optim.weight_decay=0.0
     actor_rollout_ref.actor.ppo_mini_batch_size=32
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
-    actor_rollout_ref.actor.use_kl_loss=False
-    actor_rollout_ref.actor.entropy_coeff=0
-    actor_rollout_ref.actor.loss_agg_mode=token-mean
-    actor_rollout_ref.actor.data_loader_seed="${SEED}"
 )
 
 ROLLOUT=(
@@ -82,26 +63,9 @@ ROLLOUT=(
     actor_rollout_ref.rollout.agent.num_workers=1
 )
 
-ALGO=(
-    algorithm.adv_estimator=grpo
-    algorithm.use_kl_in_reward=False
-)
-
-TRAINER=(
-    trainer.logger=[console,file]
-    trainer.project_name=gsm8k_grpo_tinker
-    trainer.experiment_name="${RUN_NAME}"
-    trainer.total_training_steps="${STEPS}"
-    trainer.total_epochs=15
-    trainer.val_before_train=False
-    trainer.test_freq=-1
-    trainer.save_freq=20
-    trainer.default_local_dir="${RUN_DIR}/checkpoints"
-)
-
 REMOTE_BACKEND=(
-    remote_backend.server.url="${SERVER_URL}"
-    remote_backend.server.base_model="${BASE}"
+    remote_backend.server.url="$(recipe_hydra_str "${TINKER_URL}")"
+    remote_backend.server.base_model="$(recipe_hydra_str "${BASE_MODEL}")"
     # all 32 prompts x 8 samples of a step at once: 32 sample calls with num_samples=8
     remote_backend.rollout.max_batch_size=256
     remote_backend.rollout.max_wait_ms=200
@@ -109,24 +73,15 @@ REMOTE_BACKEND=(
 
 ############################ Launch ############################
 
-LAUNCH=(
-    "${PYTHON}" -m verl.remote_backend.main_ppo
-    "${DATA[@]}" "${MODEL_ARGS[@]}" "${ACTOR[@]}" "${ROLLOUT[@]}" "${ALGO[@]}" "${TRAINER[@]}"
-    "${REMOTE_BACKEND[@]}"
-    remote_backend=tinker
-    hydra.run.dir="${RUN_DIR}/hydra"
-    "$@"
-)
+recipe_launch tinker DATA MODEL_ARGS ACTOR ROLLOUT ALGO TRAINER REMOTE_BACKEND -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
-source "${SCRIPT_DIR}/../common/console.sh"
 mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
 console_init "${RUN_DIR}/run.log"
-console_say "================================================================================"
-console_say "GSM8K GRPO, ${MODEL} + LoRA rank ${LORA_RANK}, ${STEPS} steps, verl 0.9.1 + remote backend 'tinker'"
-console_say "  service: ${TINKER_URL:-the default of the SDK (hosted Tinker)}"
-console_say "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)"
-console_say "  log:     ${RUN_DIR}/run.log"
-console_say "================================================================================"
+console_header \
+    "GSM8K GRPO, ${MODEL} + LoRA rank ${LORA_RANK}, ${STEPS} steps, verl 0.9.1 + remote backend 'tinker'" \
+    "  service: ${TINKER_URL:-the default of the SDK (hosted Tinker)}" \
+    "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)" \
+    "  log:     ${RUN_DIR}/run.log (everything else; VERBOSE=1 prints it here)"
 console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
 console_say "GSM8K GRPO finished: metrics in ${VERL_FILE_LOGGER_PATH}, full log in ${RUN_DIR}/run.log"

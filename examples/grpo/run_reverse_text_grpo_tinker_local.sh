@@ -37,41 +37,20 @@ TINKER_PEER_KIT="${TINKER_PEER_KIT:-${REPO_DIR}/../shared/peers/tinker}"
 TINKER_URL="${TINKER_URL:-}"
 PEER_PORT="${PEER_PORT:-8765}"
 
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0
-export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 TQ_NUM_THREADS="${TQ_NUM_THREADS:-1}"
+source "${SCRIPT_DIR}/../common/reverse_text.sh"  # with recipe.sh and console.sh
+recipe_local_env
 # The SDK insists on a key of the hosted service's shape; a local server checks nothing.
 export TINKER_API_KEY="${TINKER_API_KEY:-tml-local-peer}"
-
-PRINT_ONLY=false
-for arg in "$@"; do
-    case "${arg}" in --cfg|--cfg=*|-c|--help|--hydra-help|--info|--info=*) PRINT_ONLY=true ;; esac
-done
+PRINT_ONLY="$(recipe_print_only "$@")"
 
 if [ "${PRINT_ONLY}" = false ]; then
-    source "${SCRIPT_DIR}/../common/console.sh"
     console_init "${RUN_DIR}/run.log"
-    console_say "================================================================================"
-    console_say "reverse-text GRPO through Tinker: a tiny Qwen3 + LoRA rank ${LORA_RANK}; ${STEPS} steps, seed ${SEED}"
-    console_say "  stock verl 0.9.1 + remote backend 'tinker': ${TINKER_URL:-the SkyRL Tinker server, started on 127.0.0.1:${PEER_PORT}}"
-    console_say "  results: ${RUN_DIR}"
-    console_say "  log:     ${RUN_DIR}/run.log"
-    console_say "================================================================================"
-fi
-
-############################ Model, warm start, data (cached) ############################
-
-if [ "${PRINT_ONLY}" = false ] && [ ! -f "${MODEL_DIR}/warm_start.json" ]; then
-    if [ ! -f "${INIT_MODEL_DIR}/config.json" ]; then
-        console_run '^\[make_model\]' "${PYTHON}" "${TASK_DIR}/make_model.py" --out "${INIT_MODEL_DIR}" --seed "${SEED}"
-    fi
-    console_say "[warm_start] supervised warm start until sampled reward ${WARM_TARGET} (about a minute) ..."
-    console_run '^\[warm_start\] (reached|did NOT reach)' "${PYTHON}" "${TASK_DIR}/warm_start.py" \
-        --model "${INIT_MODEL_DIR}" --out "${MODEL_DIR}" --target "${WARM_TARGET}" --seed "${SEED}"
-fi
-if [ "${PRINT_ONLY}" = false ] && { [ ! -f "${DATA_DIR}/train.parquet" ] || [ ! -f "${DATA_DIR}/val.parquet" ]; }; then
-    console_run '^\[make_data\]' "${PYTHON}" "${TASK_DIR}/make_data.py" --out "${DATA_DIR}" --n-train 4096 --n-val 128 \
-        --seed "${SEED}"
+    console_header \
+        "reverse-text GRPO through Tinker: a tiny Qwen3 + LoRA rank ${LORA_RANK}; ${STEPS} steps, seed ${SEED}" \
+        "  stock verl 0.9.1 + remote backend 'tinker': ${TINKER_URL:-the SkyRL Tinker server, started on 127.0.0.1:${PEER_PORT}}" \
+        "  results: ${RUN_DIR}" \
+        "  log:     ${RUN_DIR}/run.log (Ray, verl, the Tinker server's start-up; VERBOSE=1 prints it here)"
+    reverse_text_prepare
 fi
 
 ############################ The Tinker server ############################
@@ -85,79 +64,19 @@ if [ "${PRINT_ONLY}" = false ] && [ -z "${TINKER_URL}" ]; then
     trap 'bash "${TINKER_PEER_KIT}/stop.sh" "${PEER_STATE}" >/dev/null 2>&1 || true' EXIT
     TINKER_URL="http://127.0.0.1:${PEER_PORT}"
 fi
+# the server's base model is the directory's absolute path: the same string goes to verl
 MODEL_ABS="$(cd "${MODEL_DIR}" 2>/dev/null && pwd || echo "${MODEL_DIR}")"
-
-export VERL_FILE_LOGGER_PATH="${RUN_DIR}/metrics.jsonl"
-if [ "${PRINT_ONLY}" = false ]; then mkdir -p "${RUN_DIR}" && rm -f "${VERL_FILE_LOGGER_PATH}"; fi
 
 ############################ Parameter groups ############################
 
-DATA=(
-    data.train_files="${DATA_DIR}/train.parquet"
-    data.val_files="${DATA_DIR}/val.parquet"
-    data.train_batch_size=32
-    data.max_prompt_length=64
-    data.max_response_length=10
-    data.truncation=error
-    data.filter_overlong_prompts=False
-    data.shuffle=True
-    data.seed="${SEED}"
-    data.dataloader_num_workers=0
-)
+LR=2e-3
+PROJECT_NAME=reverse_text_grpo_tinker
+reverse_text_groups  # DATA ACTOR ROLLOUT ALGO REWARD TRAINER: the recipe both backends run
 
 MODEL=(
     actor_rollout_ref.model.path="${MODEL_ABS}"
     actor_rollout_ref.model.lora_rank="${LORA_RANK}"
     actor_rollout_ref.model.use_remove_padding=False
-)
-
-ACTOR=(
-    actor_rollout_ref.actor.optim.lr=2e-3
-    actor_rollout_ref.actor.optim.betas=[0.9,0.99]
-    actor_rollout_ref.actor.optim.weight_decay=0.0
-    actor_rollout_ref.actor.optim.clip_grad=1.0
-    actor_rollout_ref.actor.ppo_mini_batch_size=32
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=256
-    actor_rollout_ref.actor.ppo_epochs=1
-    actor_rollout_ref.actor.clip_ratio=0.2
-    actor_rollout_ref.actor.loss_agg_mode=token-mean
-    actor_rollout_ref.actor.use_kl_loss=False
-    actor_rollout_ref.actor.entropy_coeff=0
-    actor_rollout_ref.actor.data_loader_seed="${SEED}"
-)
-
-ROLLOUT=(
-    actor_rollout_ref.rollout.n=8
-    actor_rollout_ref.rollout.temperature=1.0
-    actor_rollout_ref.rollout.top_p=1.0
-    actor_rollout_ref.rollout.top_k=-1
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=256
-    actor_rollout_ref.rollout.agent.num_workers=1
-    actor_rollout_ref.rollout.seed="${SEED}"
-)
-
-ALGO=(
-    algorithm.adv_estimator=grpo
-    algorithm.norm_adv_by_std_in_grpo=True
-    algorithm.use_kl_in_reward=False
-)
-
-REWARD=(
-    reward.custom_reward_function.path="${TASK_DIR}/reward.py"
-    reward.custom_reward_function.name=compute_score
-    reward.num_workers=1
-)
-
-TRAINER=(
-    trainer.logger=[console,file]
-    trainer.project_name=reverse_text_grpo_tinker
-    trainer.experiment_name="${RUN_NAME}"
-    trainer.total_training_steps="${STEPS}"
-    trainer.total_epochs=1000
-    trainer.val_before_train=False
-    trainer.test_freq=-1
-    trainer.save_freq=-1
-    trainer.default_local_dir="${RUN_DIR}/checkpoints"
 )
 
 REMOTE_BACKEND=(
@@ -169,21 +88,9 @@ REMOTE_BACKEND=(
 
 ############################ Launch ############################
 
-LAUNCH=(
-    "${PYTHON}" -m verl.remote_backend.main_ppo
-    "${DATA[@]}" "${MODEL[@]}" "${ACTOR[@]}" "${ROLLOUT[@]}" "${ALGO[@]}" "${REWARD[@]}" "${TRAINER[@]}"
-    "${REMOTE_BACKEND[@]}"
-    remote_backend=tinker
-    hydra.run.dir="${RUN_DIR}/hydra"
-    "$@"
-)
+recipe_launch tinker DATA MODEL ACTOR ROLLOUT ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
 console_say "[grpo] starting verl and Ray (about a minute before step 1) ..."
 console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
-console_run '^\[plot\]' "${PYTHON}" "${TASK_DIR}/plot.py" "${VERL_FILE_LOGGER_PATH}" --out-dir "${RUN_DIR}"
-
-console_say "================================================================================"
-console_say "reverse-text GRPO through Tinker finished. Results in ${RUN_DIR}:"
-console_say "  metrics.jsonl, metrics.csv, reward_curve.png, summary.json, run.log"
-console_say "================================================================================"
+reverse_text_finish "reverse-text GRPO through Tinker finished."

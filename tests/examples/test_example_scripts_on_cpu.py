@@ -205,3 +205,87 @@ def test_console_shows_progress_lines_as_they_come(tmp_path):
         proc.kill()
     assert rest == "[p] step 2\n"  # the repeated line once, no noise
     assert "noise" in (tmp_path / "run.log").read_text()
+
+
+# ---- the Tinker scripts (examples/grpo/*tinker*.sh): the same recipes, remote_backend=tinker ----
+
+_TINKER_KNOBS = {"TINKER_URL": "", "TINKER_API_KEY": "", "LORA_RANK": "", "BASE_MODEL": "", "MODEL": "",
+                 "PEER_PORT": ""}
+
+
+def _shared_recipe(cfg: dict) -> dict:
+    """The reverse-text recipe's keys that do not depend on the backend (examples/common/reverse_text.sh)."""
+    drop = {"actor_rollout_ref.actor.optim.lr", "trainer.project_name", "trainer.experiment_name",
+            "trainer.default_local_dir", "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH"}
+    keys = [f"{group}.{k}" for group in ("data", "algorithm", "trainer") for k in cfg[group] if k != "v1"]
+    keys += [f"actor_rollout_ref.{group}.{k}" for group in ("actor", "rollout") for k in
+             ("optim", "ppo_mini_batch_size", "ppo_epochs", "clip_ratio", "loss_agg_mode", "use_kl_loss",
+              "entropy_coeff", "data_loader_seed", "n", "temperature", "top_p", "top_k", "seed")
+             if k in cfg["actor_rollout_ref"][group]]
+    keys += ["reward.custom_reward_function", "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH"]
+    out = {key: _get(cfg, key) for key in keys if key not in drop}
+    out["actor_rollout_ref.actor.optim"] = {k: v for k, v in out["actor_rollout_ref.actor.optim"].items() if k != "lr"}
+    return out
+
+
+def test_reverse_text_tinker_script_runs_the_arctic_recipe_through_tinker(tmp_path):
+    common = {"OUT_DIR": str(tmp_path / "rt"), "STEPS": "12", "SEED": "0", "RUN_NAME": "same"}
+    tinker, output = _compose("run_reverse_text_grpo_tinker_local.sh",
+                              {**_TINKER_KNOBS, **common, "LORA_RANK": "16", "PEER_PORT": "8799"}, tmp_path)
+    arctic, _ = _compose("run_reverse_text_grpo_arl_local.sh", common, tmp_path)
+    assert not (tmp_path / "rt").exists()  # --cfg job builds, starts and deletes nothing
+    expected = {
+        "remote_backend.name": "tinker",
+        "actor_rollout_ref.rollout.name": "tinker",  # derived by the entry point
+        "trainer.v1.trainer_mode": "remote_backend",
+        "actor_rollout_ref.model.lora_rank": 16,
+        "actor_rollout_ref.actor.optim.lr": 2e-3,
+        "remote_backend.server.url": "http://127.0.0.1:8799",  # the peer the script starts
+        "remote_backend.server.base_model": None,  # = the model path
+        "remote_backend.rollout.max_batch_size": 256,
+        "trainer.total_training_steps": 12,
+        "trainer.project_name": "reverse_text_grpo_tinker",
+        "actor_rollout_ref.model.path": str(tmp_path / "rt" / "model_warm_seed0"),
+    }
+    assert {key: _get(tinker, key) for key in expected} == expected
+    # one recipe (examples/common/reverse_text.sh), two backends: the learning rate is the only recipe difference
+    assert _shared_recipe(tinker) == _shared_recipe(arctic)
+    assert _get(arctic, "actor_rollout_ref.actor.optim.lr") == 1e-3
+    metrics = tmp_path / "rt" / "runs" / "same" / "metrics.jsonl"
+    assert _get(tinker, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH") == str(metrics)
+    assert "tml-local-peer" not in output
+
+
+def test_gsm8k_tinker_script_selects_the_service_and_keeps_the_key_out(tmp_path):
+    env = {**_TINKER_KNOBS, "TINKER_API_KEY": SECRET, "TINKER_URL": "https://tinker.example:443",
+           "BASE_MODEL": "Qwen/Qwen3-8B", "MODEL": "/models/qwen3-8b", "DATA_DIR": "/data/gsm8k",
+           "OUT_DIR": str(tmp_path / "out")}
+    cfg, output = _compose("run_gsm8k_grpo_tinker.sh", env, tmp_path)
+    expected = {
+        "remote_backend.name": "tinker",
+        "actor_rollout_ref.rollout.name": "tinker",
+        "remote_backend.server.url": "https://tinker.example:443",
+        "remote_backend.server.base_model": "Qwen/Qwen3-8B",
+        "actor_rollout_ref.model.path": "/models/qwen3-8b",
+        "actor_rollout_ref.model.lora_rank": 32,
+        "data.train_files": "/data/gsm8k/train.parquet",
+        "data.val_files": "/data/gsm8k/test.parquet",
+        "data.train_batch_size": 32,
+        "algorithm.adv_estimator": "grpo",
+        "actor_rollout_ref.actor.use_kl_loss": False,
+        "trainer.save_freq": 20,
+    }
+    assert {key: _get(cfg, key) for key in expected} == expected
+    assert SECRET not in output  # read by the SDK from the environment; never in the config or on a command line
+    assert not (tmp_path / "out").exists()
+    default, _ = _compose("run_gsm8k_grpo_tinker.sh", {**_TINKER_KNOBS, "TINKER_API_KEY": SECRET}, tmp_path)
+    assert _get(default, "remote_backend.server.url") is None  # the SDK's default: the hosted service
+    assert _get(default, "remote_backend.server.base_model") is None
+
+
+def test_gsm8k_tinker_script_without_an_api_key_says_so(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
+    proc = subprocess.run(["bash", str(GRPO_DIR / "run_gsm8k_grpo_tinker.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert "TINKER_API_KEY is not set" in proc.stderr

@@ -1,0 +1,85 @@
+# Helpers shared by the GRPO example scripts of every backend (examples/grpo/*.sh), sourced by the task
+# files (gsm8k.sh, reverse_text.sh); it sources console.sh (bash only; not run on its own).
+#
+#   source "${SCRIPT_DIR}/../common/recipe.sh"  # or a task file, which sources this
+#   PRINT_ONLY=$(recipe_print_only "$@")    # "true" when Hydra is only asked to print (--cfg job, --help, ...)
+#   X=$(recipe_hydra_str "${VALUE}")        # a Hydra override value: null when VALUE is empty, else 'VALUE'
+#   recipe_env                              # unbuffered Python, full Hydra errors, every Ray worker's lines
+#   recipe_local_env                        # recipe_env, plus one thread per process and an offline hub
+#   recipe_bool NAME "${VALUE}"             # exits 2 unless VALUE is true or false, naming NAME
+#   recipe_trainer_group PROJECT           # TRAINER=(verl's trainer options every example sets; a file logger)
+#   recipe_launch BACKEND GROUP... -- "$@"  # LAUNCH=(verl's entry point, the groups' overrides, remote_backend=BACKEND,
+#                                           #         hydra.run.dir=RUN_DIR/hydra, the user's overrides)
+
+source "$(dirname "${BASH_SOURCE[0]}")/console.sh"
+
+# `--cfg job` / `--help` (Hydra) only print the composed config: nothing to build, start, run or plot.
+recipe_print_only() {
+    local arg
+    for arg in "$@"; do
+        case "${arg}" in
+            --cfg|--cfg=*|-c|--help|--hydra-help|--info|--info=*) echo true; return ;;
+        esac
+    done
+    echo false
+}
+
+# A string for a Hydra override that may be absent: `null` for "", else single-quoted (URLs hold ':' and '/').
+recipe_hydra_str() {
+    if [ -n "$1" ]; then printf "'%s'\n" "$1"; else echo null; fi
+}
+
+recipe_bool() {
+    case "$2" in
+        true|false) ;;
+        *) echo "$1: expected true or false, got '$2'" >&2; exit 2 ;;
+    esac
+}
+
+recipe_env() {
+    export PYTHONUNBUFFERED=1 HYDRA_FULL_ERROR=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+}
+
+recipe_local_env() {
+    recipe_env
+    # One torch thread per process: a server, Ray's workers and the driver share the cores.
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+    # verl's TransferQueue asks torch for 8 threads per operation (and warns on every call on a 2-core machine).
+    export TQ_NUM_THREADS="${TQ_NUM_THREADS:-1}"
+}
+
+# The groups are the names of arrays of Hydra overrides, in order; the user's own overrides come last, so they win.
+recipe_launch() {
+    local backend="$1"
+    shift
+    LAUNCH=("${PYTHON}" -m verl.remote_backend.main_ppo)
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do
+        local -n _recipe_group="$1"
+        LAUNCH+=("${_recipe_group[@]}")
+        unset -n _recipe_group
+        shift
+    done
+    [ "${1:-}" = -- ] || { echo "recipe_launch: expected -- before the user's overrides" >&2; exit 2; }
+    shift
+    LAUNCH+=(remote_backend="${backend}" hydra.run.dir="${RUN_DIR}/hydra" "$@")
+}
+
+# The trainer options of every example: console and file logger, no validation, no test runs, checkpoints under
+# RUN_DIR. Reads RUN_NAME, RUN_DIR and STEPS; exports VERL_FILE_LOGGER_PATH (default RUN_DIR/metrics.jsonl),
+# where verl's file logger writes one JSON line of metrics per step. Callers add total_epochs and save_freq.
+recipe_trainer_group() {
+    export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-${RUN_DIR}/metrics.jsonl}"
+    TRAINER=(
+        trainer.logger=[console,file]
+        # verl's file logger runs in Ray's TaskRunner: on a running cluster (ray job submit) its workers do not
+        # inherit this shell's environment, so the path travels in the runtime_env verl passes to ray.init
+        +ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH="'${VERL_FILE_LOGGER_PATH}'"
+        trainer.project_name="$1"
+        trainer.experiment_name="${RUN_NAME}"
+        trainer.total_training_steps="${STEPS}"
+        trainer.val_before_train=False
+        trainer.test_freq=-1
+        trainer.default_local_dir="${RUN_DIR}/checkpoints"
+    )
+}
