@@ -1,20 +1,31 @@
 """Unit tests of the Tinker adapter: config, verl options, batch conversion, SDK records.
 
 Hand-computed values throughout; no server. The SDK-record tests need the ``tinker`` SDK (the
-``test`` extra installs 0.24.1 on Python >= 3.11; the same tests pass with the newest SDK).
+``test`` extra installs 0.24.1 on Python >= 3.11, the version the open peer speaks); the last test
+reruns this module with the newest SDK on PyPI, the one hosted-service users get.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from _helpers_tinker import REPO, skip_or_fail
 from omegaconf import OmegaConf
 
-from verl.remote_backend.errors import RemoteBackendConfigError, RemoteConnectionError, RemoteProtocolError
+from verl.remote_backend.errors import (
+    RemoteBackendConfigError,
+    RemoteConnectionError,
+    RemoteProtocolError,
+    RemoteServerError,
+    RemoteTimeoutError,
+)
 from verl.workers.remote_client.tinker import batch as tb
 from verl.workers.remote_client.tinker.config import TinkerConfig
 from verl.workers.remote_client.tinker.options import learning_rate, plan_run
@@ -234,3 +245,50 @@ def test_sdk_errors_map_into_our_error_tree():
     assert isinstance(map_error(tinker.APIConnectionError(request=request), "forward"), RemoteConnectionError)
     err = map_error(ValueError("Error: 400 - {'detail': 'LoRA rank 64 must be between 1 and 32'}"), "create")
     assert getattr(err, "status", None) == 400 and "LoRA rank 64" in str(err)
+    timeout = map_error(tinker.APITimeoutError(request=request), "forward")
+    assert isinstance(timeout, RemoteTimeoutError) and timeout.endpoint == "forward"
+    for status, cls in ((401, tinker.AuthenticationError), (429, tinker.RateLimitError),
+                        (500, tinker.InternalServerError)):
+        response = httpx.Response(status, request=request, json={"detail": "x"})
+        err = map_error(cls("refused", response=response, body=None), "forward_backward")
+        assert isinstance(err, RemoteServerError) and err.status == status, (cls, err)
+        assert err.retryable == (status == 429)
+    categories = {c.value: c for c in tinker.types.RequestErrorCategory}
+    user = map_error(tinker.RequestFailedError("bad datum", "req-1", categories["user"]), "forward_backward")
+    assert isinstance(user, RemoteServerError) and user.status == 400
+    assert user.detail == {"request_id": "req-1", "category": "user"}
+    server = map_error(tinker.RequestFailedError("engine died", "req-2", categories["server"]), "optim_step")
+    assert isinstance(server, RemoteServerError) and server.status == 500 and "engine died" in str(server)
+    assert isinstance(map_error(RuntimeError("odd"), "sample"), RemoteProtocolError)
+
+
+#: set in the rerun of this module with the newest SDK (so that it does not rerun itself)
+_NEWEST_SDK_RUN = "VERL_TINKER_NEWEST_SDK_RUN"
+
+
+@pytest.mark.slow
+def test_this_module_passes_with_the_newest_sdk_on_pypi(tmp_path):
+    """The suite's venv has tinker 0.24.1 (the last SDK the open peer speaks); users of the hosted service get
+    the newest. Rerun the tests above in a subprocess with the newest ``tinker`` on PyPI installed into an
+    overlay directory ahead of the venv's site-packages. Its dependencies stay the venv's: a release that needs
+    a new one fails here, naming it."""
+    if os.environ.get(_NEWEST_SDK_RUN):
+        pytest.skip("this is the rerun with the newest SDK")
+    overlay = tmp_path / "newest-sdk"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                          "--no-deps", "--target", str(overlay), "tinker"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    if pip.returncode != 0:
+        skip_or_fail(f"could not install the newest tinker SDK from PyPI:\n{pip.stderr[-2000:]}")
+    env = {**os.environ, _NEWEST_SDK_RUN: "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(overlay), os.environ.get("PYTHONPATH")) if p)}
+    probe = subprocess.run([sys.executable, "-c", "import tinker; print(tinker.__version__, tinker.__file__)"],
+                           env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert probe.returncode == 0, f"the newest tinker SDK does not import here:\n{probe.stderr[-3000:]}"
+    version, where = probe.stdout.split()
+    assert Path(where).is_relative_to(overlay), f"imported tinker {version} from {where}, not from the overlay"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                          str(Path(__file__).resolve())], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert run.returncode == 0, f"with tinker {version}:\n{run.stdout[-5000:]}\n{run.stderr[-2000:]}"
+    print(f"tinker {version}: {run.stdout.strip().splitlines()[-1]}")

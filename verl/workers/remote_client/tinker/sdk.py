@@ -79,6 +79,10 @@ def map_error(exc: BaseException, what: str) -> RemoteBackendError:
         return RemoteConnectionError(what, message)
     if isinstance(status, int):
         return RemoteServerError(what, status, message)
+    if "RequestFailedError" in names:  # a request the service accepted, then failed; its category says whose fault
+        category = str(getattr(getattr(exc, "category", None), "value", getattr(exc, "category", "unknown")))
+        detail = {"request_id": getattr(exc, "request_id", None), "category": category}
+        return RemoteServerError(what, 400 if category == "user" else 500, message, detail=detail)
     if "ValueError" in names and "400" in message:  # 0.24.1 raises ValueError(... 400 - {...}) for create calls
         return RemoteServerError(what, 400, message)
     return RemoteProtocolError(what, f"{type(exc).__name__}: {message}")
