@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from verl.utils import tensordict_utils as tu
-from verl.workers.utils.padding import left_right_2_no_padding
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
 ARCTIC_YAML = Path(__file__).resolve().parents[1] / "verl/trainer/config/remote_backend/arctic.yaml"
 
@@ -75,6 +75,31 @@ def legacy_batch(prompts: list[list[int]], responses: list[list[int]], p0: int =
         "ref_log_prob": -torch.rand((b, r0), generator=g) * rmask,
     })
     return left_right_2_no_padding(td)
+
+
+def grpo_batch(seed: int = 0, *, n: int = 2, interleave: bool = True, r0: int = 8):
+    """The adapter tests' GRPO batch: 4 prompts (4, 7, 5 and 3 tokens) x ``n`` samples, groups interleaved as
+    verl's ``_balance_batch`` may leave them (or adjacent), in the legacy layout (prompt width 9, response
+    width ``r0``). Returns ``prompts, responses, data``."""
+    prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=n, interleave=interleave)
+    return prompts, responses, legacy_batch(prompts, responses, p0=9, r0=r0)
+
+
+def update_batch(client, *, temperature: float, mini_rows: int, seed: int = 0, weights: float | None = None):
+    """:func:`grpo_batch` as verl hands it to ``update_actor``: old log-probs from ``client``'s training job at
+    the sampling ``temperature``, advantages of mixed signs, mini-batches of ``mini_rows`` rows, and
+    ``rollout_is_weights`` of the value ``weights`` when given."""
+    _, _, data = grpo_batch(seed)
+    tu.assign_non_tensor(data, temperature=temperature)
+    old = client.compute_log_prob(data)
+    data["old_log_probs"] = no_padding_2_padding(old["log_probs"], data).float()
+    gen = torch.Generator().manual_seed(seed)
+    data["advantages"] = torch.randn(data["response_mask"].shape, generator=gen) * data["response_mask"]
+    if weights is not None:
+        data["rollout_is_weights"] = torch.full(data["response_mask"].shape, weights)
+    tu.assign_non_tensor(data, global_batch_size=mini_rows, mini_batch_size=mini_rows, epochs=1, seed=1,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
+    return data
 
 
 def hf_response_logprobs(model_dir: str | Path, prompts: list[list[int]], responses: list[list[int]], *,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from _helpers_arctic import grpo_batch, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -238,8 +238,7 @@ def client_config(model_dir, url: str, **remote):
 
 def train_batch(seed: int):
     """8 rows (4 prompts x n=2) in verl's layout, with fixed old log-probs and advantages."""
-    prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=N, interleave=False)
-    data = legacy_batch(prompts, responses, p0=9, r0=8)
+    _, _, data = grpo_batch(seed, interleave=False)
     tu.assign_non_tensor(data, global_batch_size=MINI * N, mini_batch_size=MINI * N, epochs=1, seed=1,
                          dataloader_kwargs={"shuffle": False}, calculate_entropy=False, temperature=1.0)
     return data

@@ -32,6 +32,7 @@ __all__ = [
     "ServerProcess",
     "decode",
     "free_port",
+    "good_body",
     "make_batch",
     "post_frame",
     "running_server",
@@ -109,6 +110,17 @@ def make_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[in
         "responses": response_ids,
         "response_mask": response_mask,
     }
+
+
+def good_body(**processing) -> dict:
+    """A valid ``/forward-backward`` body of two rows (GRPO loss, advantages 1, old log-probs -4) to spoil
+    one field at a time; ``processing`` adds to or replaces its ``processing`` keys."""
+    import torch
+
+    batch = make_batch([[5, 6, 7], [8, 9]], [[10, 11, 12], [13]])
+    batch["advantages"] = torch.ones(batch["input_ids"].shape) * batch["response_mask"]
+    batch["old_log_probs"] = torch.full(batch["input_ids"].shape, -4.0) * batch["response_mask"]
+    return {"batch": batch, "meta": {"temperature": 1.0}, "processing": {"loss_fn": "grpo", **processing}}
 
 
 def post_frame(server: ServerProcess, path: str, obj, *, headers: dict | None = None, timeout: float = 300.0):

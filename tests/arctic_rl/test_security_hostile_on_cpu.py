@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
-from server_process import REPO_ROOT, decode, free_port, make_batch, post_frame, running_server
+from server_process import REPO_ROOT, decode, free_port, good_body, post_frame, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +43,6 @@ JSON = {"Content-Type": "application/json"}
 DOTTED = ["os.system", "builtins.eval", "builtins.exec", "__import__", "subprocess.Popen",
           "verl.trainer.ppo.core_algos.compute_policy_loss", "arctic_rl.server.losses.compute_loss", "grpo\x00",
           "", "GRPO"]
-
-
-def good_body(**processing):
-    batch = make_batch([[5, 6, 7], [8, 9]], [[10, 11, 12], [13]])
-    batch["advantages"] = torch.ones(batch["input_ids"].shape) * batch["response_mask"]
-    batch["old_log_probs"] = torch.full(batch["input_ids"].shape, -4.0) * batch["response_mask"]
-    return {"batch": batch, "meta": {"temperature": 1.0}, "processing": {"loss_fn": "grpo", **processing}}
 
 
 def frame(header: dict, data: bytes, *, header_len: int | None = None) -> bytes:

@@ -14,7 +14,7 @@ import sys
 import pytest
 import requests
 import torch
-from server_process import REPO_ROOT, decode, free_port, make_batch, post_frame, running_server
+from server_process import REPO_ROOT, decode, free_port, good_body, make_batch, post_frame, running_server
 
 from arctic_rl import dssst1
 from arctic_rl.protocol import LOSS_NAMES, POST_PROCESSORS
@@ -31,13 +31,6 @@ def srv(reference_server, tiny_model_dir):
         ids[job_type] = decode(requests.post(reference_server.url + "/initialize", json=config, timeout=300))["job_id"]
     reference_server.ids = ids
     return reference_server
-
-
-def good_body():
-    batch = make_batch([[5, 6, 7], [8, 9]], [[10, 11, 12], [13]])
-    batch["advantages"] = torch.ones(batch["input_ids"].shape) * batch["response_mask"]
-    batch["old_log_probs"] = torch.full(batch["input_ids"].shape, -4.0) * batch["response_mask"]
-    return {"batch": batch, "meta": {"temperature": 1.0}, "processing": {"loss_fn": "grpo"}}
 
 
 def with_token(token):

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from _helpers_arctic import grpo_batch, update_batch, verl_main_config
 from _helpers_reliability import DropProxy
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
@@ -70,18 +70,8 @@ def main_config(model_dir: Path, url: str, workdir: Path, *, micro: int, **actor
 
 
 def train_data(client: ArcticRLClient, seed: int = 0):
-    """8 rows (4 prompts x n=2) as verl hands them to update_actor: old log-probs from the training job at
-    the sampling temperature, advantages of mixed signs."""
-    prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=N, interleave=True)
-    data = legacy_batch(prompts, responses, p0=9, r0=8)
-    tu.assign_non_tensor(data, temperature=TEMPERATURE)
-    old = client.compute_log_prob(data)
-    data["old_log_probs"] = no_padding_2_padding(old["log_probs"], data).float()
-    gen = torch.Generator().manual_seed(seed)
-    data["advantages"] = torch.randn(data["response_mask"].shape, generator=gen) * data["response_mask"]
-    tu.assign_non_tensor(data, global_batch_size=MINI * N, mini_batch_size=MINI * N, epochs=1, seed=1,
-                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
-    return data
+    """8 rows (4 prompts x n=2) as verl hands them to update_actor (two mini-batches)."""
+    return update_batch(client, temperature=TEMPERATURE, mini_rows=MINI * N, seed=seed)
 
 
 def vendor_calls(vendor_server, since: int, expect: int = 0) -> list[dict]:
@@ -162,8 +152,7 @@ def test_settings_the_vendor_ignores_are_named_at_start_up(vendor_server, tiny_m
 
 
 def probe_logprobs(client: ArcticRLClient) -> torch.Tensor:
-    prompts, responses = grpo_rows(99, [4, 7, 5, 3], n=N, interleave=False)
-    data = legacy_batch(prompts, responses, p0=9, r0=8)
+    _, _, data = grpo_batch(99, interleave=False)
     tu.assign_non_tensor(data, temperature=TEMPERATURE)
     return no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data) * data["response_mask"]
 

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import pytest
 import requests
-import torch
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
+from _helpers_arctic import update_batch, verl_main_config
 from verl.utils import tensordict_utils as tu
-from verl.workers.utils.padding import no_padding_2_padding
 
 from verl.workers.remote_client.arctic_rl import ArcticRLClient
 
@@ -50,18 +48,8 @@ def main_config(model_dir, url: str, *, micro: int):
 
 
 def train_data(client: ArcticRLClient, weights: float | None = None):
-    prompts, responses = grpo_rows(0, [4, 7, 5, 3], n=N, interleave=True)
-    data = legacy_batch(prompts, responses, p0=9, r0=8)
-    tu.assign_non_tensor(data, temperature=TEMPERATURE)
-    old = client.compute_log_prob(data)
-    data["old_log_probs"] = no_padding_2_padding(old["log_probs"], data).float()
-    gen = torch.Generator().manual_seed(0)
-    data["advantages"] = torch.randn(data["response_mask"].shape, generator=gen) * data["response_mask"]
-    if weights is not None:
-        data["rollout_is_weights"] = torch.full(data["response_mask"].shape, weights)
-    tu.assign_non_tensor(data, global_batch_size=MINI * N, mini_batch_size=MINI * N, epochs=1, seed=1,
-                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
-    return data
+    """8 rows (4 prompts x n=2) as verl hands them to update_actor (two mini-batches)."""
+    return update_batch(client, temperature=TEMPERATURE, mini_rows=MINI * N, weights=weights)
 
 
 @pytest.mark.parametrize("micro, gas", [(4, 1), (2, 2), (1, 4)])
