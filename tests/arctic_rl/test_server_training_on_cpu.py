@@ -159,63 +159,95 @@ def test_forward_the_vendor_way_temperature_and_optional_tensors(reference_serve
     assert torch.allclose(out["batch"]["logprobs"][:, :-1][real], lp_ref[real], atol=1e-5)
 
 
-def test_zorro_on_off_agree_and_the_mini_batch_token_mean(reference_server, tiny_model_dir):
+class TestOneForwardBackwardPerMiniBatch:
     """One /forward-backward per mini-batch: the server splits it into GAS micro-batches (the vendor's
     contract), the gradient is that of the mini-batch's token mean whatever GAS is, and the metrics are
-    the call's token means. ``meta.batch_num_tokens`` (the vendor's field) beats ``loss_scale_tokens``."""
-    # GRPO layout: each prompt sampled twice, rows of a group adjacent
-    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10]]
-    responses = [[20, 21, 22], [23, 24], [25, 26, 27, 28], [29]]
-    batch = rl_batch(prompts, responses)
-    p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    resp_mask = batch["response_mask"][:, p:].bool()
-    n_tokens = float(resp_mask.sum())
+    the call's token means. ``meta.batch_num_tokens`` (the vendor's field) beats ``loss_scale_tokens``.
 
-    def one_step(jid, zorro=False, config=None, meta=None):
-        body = grpo_body(batch, zorro=zorro, config=config)
-        body["meta"].update(meta or {})
-        metrics = decode(fwd_bwd(reference_server, jid, body))["metrics"]
-        return metrics, decode(step(reference_server, jid))["metrics"]["grad_norm"]
+    The class's fixture runs every call once (lr 0: the weights never change, so every step sees the same
+    gradient); each test checks one outcome."""
 
-    # lr 0: the weights never change, so every step sees the same gradient
-    with job(reference_server, tiny_model_dir, gas=2, lr=0.0) as jid:
-        off = forward(reference_server, jid, grpo_body(batch))
-        on = forward(reference_server, jid, grpo_body(batch, zorro=True))
-        assert (
-            on["metrics"]["unique_prompts"] == 2
-            and on["metrics"]["tokens_computed"] < off["metrics"]["tokens_computed"]
-        )
-        lp_off = to_response(off["batch"]["logprobs"], p, r)
-        lp_on = on["batch"]["logprobs"][:, -r:]  # ZoRRO: response-aligned columns
-        assert torch.allclose(lp_on[resp_mask], lp_off[resp_mask], atol=1e-5)
-        batch["old_log_probs"] = torch.cat([torch.zeros(4, p), lp_off.detach()], dim=1)  # ratio 1
-        m_off, g_off = one_step(jid)
-        m_on, g_on = one_step(jid, zorro=True)
-        _, g_scaled = one_step(jid, config={"loss_scale_tokens": 2 * n_tokens})
-        _, g_meta = one_step(jid, config={"loss_scale_tokens": n_tokens}, meta={"batch_num_tokens": 2 * n_tokens})
-        _, g_weighted = one_step(jid, meta={"rollout_is_weights": torch.full(batch["input_ids"].shape, 2.0)})
-        m_zero, g_zero = one_step(jid, meta={"rollout_is_weights": 0.0})
-        in_batch = grpo_body({**batch, "rollout_is_weights": torch.ones(batch["input_ids"].shape)})
-        refused = fwd_bwd(reference_server, jid, in_batch)
-        info = requests.get(f"{reference_server.url}/job/{jid}", timeout=30).json()
-    with job(reference_server, tiny_model_dir, gas=1, lr=0.0) as jid:
-        m_gas1, g_gas1 = one_step(jid)
-    assert refused.status_code == 400 and refused.json()["detail"]["field"] == "batch.rollout_is_weights"
-    assert info["global_step"] == 6 and info["pending_forward_backward"] == 0
-    assert m_off["micro_batches"] == 2 and m_off["num_rows"] == 4 and m_off["num_tokens"] == n_tokens
-    advantages = batch["advantages"][:, p:][resp_mask]
-    assert m_off["actor/pg_loss"] == pytest.approx(-float(advantages.sum()) / n_tokens, abs=1e-5)  # the call's token mean
-    assert m_off["actor/pg_loss"] == pytest.approx(m_gas1["actor/pg_loss"], abs=1e-5)
-    assert m_off["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-5)
-    assert m_on["loss"] == pytest.approx(m_off["loss"], abs=1e-5)
-    assert m_on["actor/pg_loss"] == pytest.approx(m_off["actor/pg_loss"], abs=1e-5)
-    assert m_on["tokens_computed"] < m_off["tokens_computed"]
-    assert g_off > 0 and g_on == pytest.approx(g_off, rel=1e-4)
-    assert g_gas1 == pytest.approx(g_off, rel=1e-4)  # splitting into micro-batches changes nothing
-    assert g_scaled == pytest.approx(g_off / 2, rel=1e-4)  # sum / (2N): half the gradient
-    assert g_meta == pytest.approx(g_off / 2, rel=1e-4)  # meta.batch_num_tokens wins
-    assert g_weighted == pytest.approx(2 * g_off, rel=1e-4)  # meta.rollout_is_weights multiply the token losses
-    assert m_zero["actor/pg_loss"] == 0.0 and not g_zero
+    @pytest.fixture(scope="class")
+    def run(self, reference_server, tiny_model_dir) -> dict:
+        # GRPO layout: each prompt sampled twice, rows of a group adjacent
+        prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10]]
+        responses = [[20, 21, 22], [23, 24], [25, 26, 27, 28], [29]]
+        batch = rl_batch(prompts, responses)
+        p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
+        resp_mask = batch["response_mask"][:, p:].bool()
+        out = {"batch": batch, "p": p, "resp_mask": resp_mask, "n_tokens": float(resp_mask.sum())}
+
+        def one_step(jid, zorro=False, config=None, meta=None):
+            body = grpo_body(batch, zorro=zorro, config=config)
+            body["meta"].update(meta or {})
+            metrics = decode(fwd_bwd(reference_server, jid, body))["metrics"]
+            return metrics, decode(step(reference_server, jid))["metrics"]["grad_norm"]
+
+        n_tokens = out["n_tokens"]
+        with job(reference_server, tiny_model_dir, gas=2, lr=0.0) as jid:
+            out["fwd_off"] = forward(reference_server, jid, grpo_body(batch))
+            out["fwd_on"] = forward(reference_server, jid, grpo_body(batch, zorro=True))
+            lp_off = to_response(out["fwd_off"]["batch"]["logprobs"], p, r)
+            out["lp_off"], out["lp_on"] = lp_off, out["fwd_on"]["batch"]["logprobs"][:, -r:]  # ZoRRO: response-aligned
+            batch["old_log_probs"] = torch.cat([torch.zeros(4, p), lp_off.detach()], dim=1)  # ratio 1
+            out["off"] = one_step(jid)
+            out["on"] = one_step(jid, zorro=True)
+            out["scaled"] = one_step(jid, config={"loss_scale_tokens": 2 * n_tokens})
+            out["meta"] = one_step(jid, config={"loss_scale_tokens": n_tokens}, meta={"batch_num_tokens": 2 * n_tokens})
+            out["weighted"] = one_step(jid, meta={"rollout_is_weights": torch.full(batch["input_ids"].shape, 2.0)})
+            out["zero"] = one_step(jid, meta={"rollout_is_weights": 0.0})
+            in_batch = grpo_body({**batch, "rollout_is_weights": torch.ones(batch["input_ids"].shape)})
+            out["refused"] = fwd_bwd(reference_server, jid, in_batch)
+            out["info"] = requests.get(f"{reference_server.url}/job/{jid}", timeout=30).json()
+        with job(reference_server, tiny_model_dir, gas=1, lr=0.0) as jid:
+            out["gas1"] = one_step(jid)
+        return out
+
+    def test_zorro_forward_computes_fewer_tokens_with_the_same_log_probs(self, run):
+        on, off = run["fwd_on"]["metrics"], run["fwd_off"]["metrics"]
+        assert on["unique_prompts"] == 2 and on["tokens_computed"] < off["tokens_computed"]
+        mask = run["resp_mask"]
+        assert torch.allclose(run["lp_on"][mask], run["lp_off"][mask], atol=1e-5)
+
+    def test_the_server_splits_the_call_into_gas_micro_batches(self, run):
+        metrics, _ = run["off"]
+        assert metrics["micro_batches"] == 2 and metrics["num_rows"] == 4 and metrics["num_tokens"] == run["n_tokens"]
+
+    def test_pg_loss_is_the_calls_token_mean(self, run):
+        metrics, _ = run["off"]
+        advantages = run["batch"]["advantages"][:, run["p"]:][run["resp_mask"]]
+        assert metrics["actor/pg_loss"] == pytest.approx(-float(advantages.sum()) / run["n_tokens"], abs=1e-5)
+        assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-5)
+
+    def test_gas_1_and_gas_2_give_the_same_loss_and_gradient(self, run):
+        (m_off, g_off), (m_gas1, g_gas1) = run["off"], run["gas1"]
+        assert m_off["actor/pg_loss"] == pytest.approx(m_gas1["actor/pg_loss"], abs=1e-5)
+        assert g_off > 0 and g_gas1 == pytest.approx(g_off, rel=1e-4)  # micro-batches change nothing
+
+    def test_zorro_gives_the_same_loss_and_gradient_with_fewer_tokens(self, run):
+        (m_off, g_off), (m_on, g_on) = run["off"], run["on"]
+        assert m_on["loss"] == pytest.approx(m_off["loss"], abs=1e-5)
+        assert m_on["actor/pg_loss"] == pytest.approx(m_off["actor/pg_loss"], abs=1e-5)
+        assert m_on["tokens_computed"] < m_off["tokens_computed"]
+        assert g_off > 0 and g_on == pytest.approx(g_off, rel=1e-4)
+
+    def test_loss_scale_tokens_divides_the_summed_loss(self, run):
+        assert run["scaled"][1] == pytest.approx(run["off"][1] / 2, rel=1e-4)  # sum / (2N): half the gradient
+
+    def test_meta_batch_num_tokens_beats_loss_scale_tokens(self, run):
+        assert run["meta"][1] == pytest.approx(run["off"][1] / 2, rel=1e-4)
+
+    def test_meta_rollout_is_weights_multiply_the_token_losses(self, run):
+        assert run["weighted"][1] == pytest.approx(2 * run["off"][1], rel=1e-4)
+        m_zero, g_zero = run["zero"]
+        assert m_zero["actor/pg_loss"] == 0.0 and not g_zero
+
+    def test_rollout_is_weights_in_the_batch_are_refused(self, run):
+        refused = run["refused"]
+        assert refused.status_code == 400 and refused.json()["detail"]["field"] == "batch.rollout_is_weights"
+
+    def test_every_call_was_stepped(self, run):
+        assert run["info"]["global_step"] == 6 and run["info"]["pending_forward_backward"] == 0
 
 
 def test_job_level_zorro_answers_response_aligned(reference_server, tiny_model_dir):

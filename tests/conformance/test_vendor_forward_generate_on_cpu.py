@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _helpers_arctic import grpo_rows, hf_response_logprobs, legacy_batch, verl_main_config
+from _helpers_arctic import grpo_batch, hf_response_logprobs, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -66,12 +66,6 @@ def main_config(model_dir: Path, url: str, workdir: Path, *, zorro: bool, recove
     }, model_path=str(model_dir))
 
 
-def grpo_batch(seed: int = 0):
-    """8 rows = 4 prompts x n=2, groups interleaved as verl's ``_balance_batch`` may leave them."""
-    prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=N, interleave=True)
-    return prompts, responses, legacy_batch(prompts, responses, p0=9, r0=8)
-
-
 
 def check_logprobs(client: ArcticRLClient, model_dir: Path, *, ref: bool = False) -> float:
     prompts, responses, data = grpo_batch()
@@ -99,23 +93,34 @@ def wait_for_trace(server, done, timeout_s: float = 10.0) -> list[dict]:
         time.sleep(0.1)
 
 
-def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server, tiny_model_dir, tmp_path):
-    cfg = main_config(tiny_model_dir, vendor_server.url, tmp_path, zorro=False)
-    client = ArcticRLClient.from_config(cfg)
-    try:
-        assert set(client.job_ids) == {"sampling", "log_prob", "training"}
-        check_logprobs(client, tiny_model_dir)  # training job
-        check_logprobs(client, tiny_model_dir, ref=True)  # log_prob job
+class TestZorroOff:
+    """One adapter (ZoRRO off) for the class; its jobs are destroyed by the last test, or at the class's end."""
 
-        # generate with log-probs: the sampled tokens' values, as transformers gives them (T=1, fp32 sampler)
+    @pytest.fixture(scope="class")
+    def client(self, vendor_server, tiny_model_dir, tmp_path_factory):
+        client = ArcticRLClient.from_config(main_config(tiny_model_dir, vendor_server.url,
+                                                        tmp_path_factory.mktemp("zorro_off"), zorro=False))
+        yield client
+        client.destroy()  # idempotent
+
+    def test_the_three_jobs_are_created(self, client):
+        assert set(client.job_ids) == {"sampling", "log_prob", "training"}
+
+    def test_log_probs_of_the_training_job_match_transformers(self, client, tiny_model_dir):
+        check_logprobs(client, tiny_model_dir)
+
+    def test_log_probs_of_the_log_prob_job_match_transformers(self, client, tiny_model_dir):
+        check_logprobs(client, tiny_model_dir, ref=True)
+
+    def test_generate_answers_the_sampled_tokens_log_probs(self, client, tiny_model_dir):
+        """The sampled tokens' values, as transformers gives them (T=1, fp32 sampler)."""
+        from transformers import AutoModelForCausalLM
+
         tok = client.tokenizer
-        prompt_ids = [tok("hello world", add_special_tokens=False)["input_ids"], tok("abc", add_special_tokens=False)
-                      ["input_ids"]]
+        prompt_ids = [tok(text, add_special_tokens=False)["input_ids"] for text in ("hello world", "abc")]
         results = client.generate(prompt_ids, {"temperature": 1.0, "max_tokens": 4, "logprobs": True,
                                                "ignore_eos": True, "seed": 3})
         assert len(results) == 2
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
         for ids, res in zip(prompt_ids, results):
             assert res.prompt_len == len(ids) and len(res.token_ids) == 4
@@ -125,23 +130,26 @@ def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server
             want = [float(lp[len(ids) - 1 + j, t]) for j, t in enumerate(res.token_ids)]
             assert max(abs(a - b) for a, b in zip(res.logprobs, want)) < 1e-3
 
-        # weight sync, then the sampler's prefix cache is reset (the vendor's own client does the same)
+    def test_weight_sync_is_followed_by_a_prefix_cache_reset_of_the_sampler(self, client, vendor_server):
+        """As the vendor's own client does after a sync."""
         before = len(vendor_server.trace_lines())
         client.update_weights()
-        traced = wait_for_trace(vendor_server, lambda rows: any(r["path"] == "/reset-prefix-cache" for r in rows[before:]))
+        traced = wait_for_trace(vendor_server,
+                                lambda rows: any(r["path"] == "/reset-prefix-cache" for r in rows[before:]))
         routes = [(r["path"], r.get("query", "")) for r in traced[before:]]
         paths = [p for p, _ in routes]
         assert paths.index("/weight-sync") < paths.index("/reset-prefix-cache"), routes
         reset_query = routes[paths.index("/reset-prefix-cache")][1]
         assert f"job_id={client.job_ids['sampling']}" in str(reset_query), routes
 
-        # save / load
+    def test_save_and_load_a_checkpoint(self, client):
         saved = client.save_checkpoint()
         assert saved["path"] and saved["global_step"] == 0
         loaded = client.load_checkpoint(path=saved["path"])
         assert loaded["global_step"] == 0 and client.step == 0
 
-        # an unknown job on /forward is a plain 500 at the vendor: still RemoteJobNotFoundError here
+    def test_an_unknown_job_on_forward_is_job_not_found(self, client, vendor_server, tiny_model_dir, tmp_path):
+        """The vendor answers a plain 500 (it indexes its job table first); the adapter asks ``/job/<id>``."""
         handle = client.reconnect_handle()
         handle["job_ids"] = {**handle["job_ids"], "training": 987}
         stray = ArcticRLClient.from_config(main_config(tiny_model_dir, vendor_server.url, tmp_path, zorro=False,
@@ -155,12 +163,14 @@ def test_forward_generate_errors_checkpoints_weight_sync_zorro_off(vendor_server
         traced = wait_for_trace(vendor_server, lambda rows: any(r["path"] == "/job/987" for r in rows))
         assert [r["status"] for r in traced if r["path"] == "/forward"][-1] == 500
         assert [r["status"] for r in traced if r["path"] == "/job/987"][-1] == 404
-    finally:
+
+    def test_destroy_removes_the_jobs_at_the_vendor(self, client, vendor_server):
+        """Last in the class: the vendor holds one job per type, and the next test creates its own."""
         ids = dict(client.job_ids)
         client.destroy()
-    status = requests.get(f"{vendor_server.url}/status", timeout=30).json()
-    assert not set(map(str, ids.values())) & set(map(str, status["jobs"])), status
-    assert len([r for r in vendor_server.trace_lines("/destroy") if r["status"] == 200]) >= 3
+        status = requests.get(f"{vendor_server.url}/status", timeout=30).json()
+        assert not set(map(str, ids.values())) & set(map(str, status["jobs"])), status
+        assert len([r for r in vendor_server.trace_lines("/destroy") if r["status"] == 200]) >= 3
 
 
 def test_forward_zorro_on_reads_the_vendor_layout(vendor_server, tiny_model_dir, tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from _helpers_arctic import grpo_rows, hf_response_logprobs, legacy_batch, verl_main_config
+from _helpers_arctic import grpo_batch, hf_response_logprobs, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -59,12 +59,6 @@ def v1_config(model_dir: Path, url: str, *, temperature: float = 1.0, defaults: 
     }, model_path=str(model_dir))
 
 
-def grpo_batch(seed: int = 0):
-    """8 rows = 4 prompts x n=2, groups interleaved, verl's legacy layout."""
-    prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=N, interleave=True)
-    return prompts, responses, legacy_batch(prompts, responses, p0=9, r0=R0)
-
-
 
 def server_jobs(url: str) -> dict:
     return requests.get(f"{url}/status", timeout=30).json()["jobs"]
@@ -93,11 +87,16 @@ def client_factory(vendor_v1_server):
         return client
 
     yield make
-    for client in made:
+    destroy_and_expect_no_jobs(vendor_v1_server, made)
+
+
+def destroy_and_expect_no_jobs(server, clients: list[ArcticRLClient]) -> None:
+    """Destroy ``clients`` (idempotent), then fail if the vendor still holds a job (after clearing them)."""
+    for client in clients:
         client.destroy()
-    leftover = server_jobs(vendor_v1_server.url)
+    leftover = server_jobs(server.url)
     if leftover:
-        vendor_v1_server.destroy_all_jobs()
+        server.destroy_all_jobs()
     assert leftover == {}, f"jobs left on the vendor server: {leftover}"
 
 
@@ -124,7 +123,7 @@ def test_default_config_creates_jobs_that_compute_right_log_probs(vendor_v1_serv
 
 
 def _logprobs_against_hf(client, model_dir, *, temperature: float = 1.0, atol: float = 0.05):
-    prompts, responses, data = grpo_batch()
+    prompts, responses, data = grpo_batch(r0=R0)
     tu.assign_non_tensor(data, temperature=temperature)
     want = hf_response_logprobs(model_dir, prompts, responses, r0=R0, temperature=temperature)
     mask = data["response_mask"].bool()
@@ -161,7 +160,7 @@ def test_log_probs_use_the_sampling_temperature(vendor_v1_server, tiny_model_dir
 
 def _update_twice(vendor_v1_server, model_dir, client_factory, micro_batch_size: int):
     client = client_factory(v1_config(model_dir, vendor_v1_server.url, train={"micro_batch_size": micro_batch_size}))
-    _, _, data = grpo_batch()
+    _, _, data = grpo_batch(r0=R0)
     data["old_log_probs"] = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data).float()
     before = len(vendor_v1_server.trace_lines("/fwd-bwd"))
     metrics = tu.get(client.update_actor(train_inputs(data)), "metrics")
@@ -188,7 +187,7 @@ def test_rollout_is_weights_reach_the_vendors_loss(vendor_v1_server, tiny_model_
     """One mini-batch of all 8 rows (one /fwd-bwd, ratio 1 on a fresh policy): the vendor's token-mean pg_loss
     must be -sum(A * w * mask) / sum(mask) with the importance weights w, not the unweighted value."""
     client = client_factory(v1_config(tiny_model_dir, vendor_v1_server.url, mini=4, train={"micro_batch_size": 8}))
-    _, _, data = grpo_batch()
+    _, _, data = grpo_batch(r0=R0)
     data["old_log_probs"] = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data).float()
     mask = data["response_mask"].float()
     weights = (0.2 + 1.6 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(5))) * mask
@@ -206,38 +205,50 @@ def test_rollout_is_weights_reach_the_vendors_loss(vendor_v1_server, tiny_model_
 # ----------------------------------------------------------------------------- control + destroy
 
 
-def test_control_calls_checkpoint_weight_sync_generate_and_destroy(vendor_v1_server, tiny_model_dir, client_factory):
-    cfg = v1_config(tiny_model_dir, vendor_v1_server.url, train={"micro_batch_size": 4})
-    client = client_factory(cfg)
-    saved = client.save_checkpoint()
-    traced = vendor_v1_server.trace_lines("/save-checkpoint")
-    assert traced and traced[-1]["status"] == 200
-    answered = traced[-1]["answer"]["path"]
-    assert saved.get("path") == answered
-    # a relative checkpoint_path (verl's default_local_dir) is resolved by the vendor against its own cwd
-    ckpt_dir = Path(answered) if Path(answered).is_absolute() else vendor_v1_server.log.parent / answered
-    assert (ckpt_dir / "latest").is_file(), f"the vendor wrote no DeepSpeed checkpoint under {ckpt_dir}"
+class TestControlCalls:
+    """One adapter for the class; its jobs are destroyed by the last test, or at the class's end."""
 
-    sync = client.update_weights()
-    synced = vendor_v1_server.trace_lines("/sync-weights")
-    assert synced and synced[-1]["status"] == 200 and sync.get("status") == "ok"
-    # then the sampler's prefix cache is dropped, as the vendor's own client does after a sync
-    reset = vendor_v1_server.trace_lines("/reset-prefix-cache")
-    assert reset and reset[-1]["status"] == 200
-    assert reset[-1]["query"] == f"job_id={client.job_ids['sampling']}"
+    @pytest.fixture(scope="class")
+    def client(self, vendor_v1_server, tiny_model_dir):
+        client = ArcticRLClient.from_config(v1_config(tiny_model_dir, vendor_v1_server.url,
+                                                      train={"micro_batch_size": 4}))
+        yield client
+        destroy_and_expect_no_jobs(vendor_v1_server, [client])
 
-    # the vendor keeps one output per prompt (n is not honoured): the adapter expands n=2 itself
-    results = client.generate([[5, 6, 7], [8, 9]], {"n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 3})
-    assert vendor_v1_server.trace_lines("/generate")[-1]["status"] == 200
-    assert [(r.prompt_index, r.sample_index) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(1 <= len(r.token_ids) <= 3 for r in results)
+    def test_save_checkpoint_writes_a_deepspeed_checkpoint_at_the_vendor(self, client, vendor_v1_server):
+        saved = client.save_checkpoint()
+        traced = vendor_v1_server.trace_lines("/save-checkpoint")
+        assert traced and traced[-1]["status"] == 200
+        answered = traced[-1]["answer"]["path"]
+        assert saved.get("path") == answered
+        # a relative checkpoint_path (verl's default_local_dir) is resolved by the vendor against its own cwd
+        ckpt_dir = Path(answered) if Path(answered).is_absolute() else vendor_v1_server.log.parent / answered
+        assert (ckpt_dir / "latest").is_file(), f"the vendor wrote no DeepSpeed checkpoint under {ckpt_dir}"
 
-    ids = dict(client.job_ids)
-    client.destroy()
-    destroys = vendor_v1_server.trace_lines("/destroy")[-3:]
-    assert sorted(int(d["query"].split("=")[1]) for d in destroys) == sorted(ids.values())
-    assert all(d["status"] == 200 for d in destroys)
-    assert server_jobs(vendor_v1_server.url) == {}
+    def test_weight_sync_is_followed_by_a_prefix_cache_reset_of_the_sampler(self, client, vendor_v1_server):
+        """As the vendor's own client does after a sync."""
+        sync = client.update_weights()
+        synced = vendor_v1_server.trace_lines("/sync-weights")
+        assert synced and synced[-1]["status"] == 200 and sync.get("status") == "ok"
+        reset = vendor_v1_server.trace_lines("/reset-prefix-cache")
+        assert reset and reset[-1]["status"] == 200
+        assert reset[-1]["query"] == f"job_id={client.job_ids['sampling']}"
+
+    def test_generate_expands_n_itself(self, client, vendor_v1_server):
+        """The vendor keeps one output per prompt (n is not honoured): the adapter expands n=2 itself."""
+        results = client.generate([[5, 6, 7], [8, 9]], {"n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 3})
+        assert vendor_v1_server.trace_lines("/generate")[-1]["status"] == 200
+        assert [(r.prompt_index, r.sample_index) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(1 <= len(r.token_ids) <= 3 for r in results)
+
+    def test_destroy_destroys_each_job_at_the_vendor(self, client, vendor_v1_server):
+        """Last in the class: the vendor holds one job per type, and the next test creates its own."""
+        ids = dict(client.job_ids)
+        client.destroy()
+        destroys = vendor_v1_server.trace_lines("/destroy")[-3:]
+        assert sorted(int(d["query"].split("=")[1]) for d in destroys) == sorted(ids.values())
+        assert all(d["status"] == 200 for d in destroys)
+        assert server_jobs(vendor_v1_server.url) == {}
 
 
 def test_unknown_job_on_fwd_no_grad_is_reported_as_gone(vendor_v1_server, tiny_model_dir, client_factory):
@@ -245,7 +256,7 @@ def test_unknown_job_on_fwd_no_grad_is_reported_as_gone(vendor_v1_server, tiny_m
     client = client_factory(cfg)
     attached = ArcticRLClient.from_config(cfg, handle=client.reconnect_handle())  # owns nothing
     client.destroy()
-    _, _, data = grpo_batch()
+    _, _, data = grpo_batch(r0=R0)
     # the vendor indexes its job table before checking the id: an unknown job is a plain 500 there
     with pytest.raises(RemoteJobNotFoundError):
         try:

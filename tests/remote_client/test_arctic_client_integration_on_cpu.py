@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from _helpers_arctic import grpo_rows, hf_response_logprobs, legacy_batch, verl_main_config
+from _helpers_arctic import grpo_batch, hf_response_logprobs, verl_main_config
 from server_process import running_server
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import reduce_metrics
@@ -67,13 +67,6 @@ def main_config(model_dir, url: str | None, **arctic):
     }, model_path=str(model_dir))
 
 
-def grpo_batch(seed: int = 0, vocab: int = 90):
-    """8 rows = 4 prompts x n=2, groups interleaved (not adjacent), verl's legacy layout."""
-    prompts, responses = grpo_rows(seed, [4, 7, 5, 3], n=N, interleave=True)
-    data = legacy_batch(prompts, responses, p0=9, r0=8)
-    return prompts, responses, data
-
-
 
 def train_inputs(client, data):
     """What verl's trainer adds before update_actor: old/ref log-probs, advantages, meta."""
@@ -90,19 +83,39 @@ def server_jobs(srv) -> dict:
     return requests.get(srv.url + "/status", headers=srv.headers, timeout=10).json()["jobs"]
 
 
+def policy_logprobs(client, data) -> torch.Tensor:
+    """The training job's log-probs of ``data``, dense ``[B, R]``."""
+    return no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)
+
+
 @pytest.mark.slow
-def test_full_cycle_v2(server, tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
-    cfg = main_config(tiny_model_dir, server.url)
-    client = RemoteBackendRegistry.create("arctic", cfg)
-    try:
+class TestFullCycleV2:
+    """One adapter (protocol v2) through a run's calls. Tests that need the initial weights come before the
+    first update; the last test destroys the jobs."""
+
+    @pytest.fixture(scope="class")
+    def cfg(self, server, tiny_model_dir):
+        return main_config(tiny_model_dir, server.url)
+
+    @pytest.fixture(scope="class")
+    def client(self, cfg):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ARCTIC_RL_TOKEN", "t0ken")
+            client = RemoteBackendRegistry.create("arctic", cfg)
+            yield client
+            client.destroy()  # idempotent
+
+    def test_the_backend_is_the_arctic_adapter_owning_three_jobs(self, client):
         assert isinstance(client, ArcticRLClient) and client.protocol == 2 and client.requires_single_forwarder()
         assert set(client.job_ids) == {"sampling", "log_prob", "training"} == set(client.owned_job_ids)
+
+    def test_the_reconnect_handle_is_json_without_the_token(self, client, server):
         handle = json.loads(json.dumps(client.reconnect_handle()))
         assert handle["url"] == server.url and handle["protocol"] == 2 and handle["step"] == 0
         assert handle["instance_id"] and "t0ken" not in json.dumps(handle)
 
-        # log-probs: same values as the model run locally, in verl's nested layout and row order
+    def test_log_probs_and_entropy_match_transformers(self, client, tiny_model_dir):
+        """Same values as the model run locally, in verl's nested layout and row order."""
         prompts, responses, data = grpo_batch()
         tu.assign_non_tensor(data, calculate_entropy=True)
         out = client.compute_log_prob(data)
@@ -114,18 +127,31 @@ def test_full_cycle_v2(server, tiny_model_dir, monkeypatch):
         torch.testing.assert_close(got[mask], want[mask], atol=2e-4, rtol=1e-4)
         ent = no_padding_2_padding(out["entropy"], data)[mask]
         assert (ent > 0).all() and (ent <= torch.log(torch.tensor(float(110)))).all()
-        ref = client.compute_ref_log_prob(data)  # the log_prob job holds the same initial weights
-        torch.testing.assert_close(no_padding_2_padding(ref["log_probs"], data)[mask], got[mask], atol=2e-4, rtol=1e-4)
 
-        # a re-attached client (another process would do the same) computes the same, owns nothing
-        attached = ArcticRLClient.from_config(cfg, handle=handle)
+    def test_ref_log_probs_are_the_initial_policys(self, client, tiny_model_dir):
+        """The log_prob job holds the initial weights."""
+        prompts, responses, data = grpo_batch()
+        ref = no_padding_2_padding(client.compute_ref_log_prob(data)["log_probs"], data)
+        mask = data["response_mask"].bool()
+        want = hf_response_logprobs(tiny_model_dir, prompts, responses)
+        torch.testing.assert_close(ref[mask], want[mask], atol=2e-4, rtol=1e-4)
+
+    def test_a_reattached_client_computes_the_same_and_owns_nothing(self, client, cfg, server):
+        """Another process would attach the same way; destroying it leaves every job."""
+        attached = ArcticRLClient.from_config(cfg, handle=json.loads(json.dumps(client.reconnect_handle())))
         assert attached.owned_job_ids == {} and attached.job_ids == client.job_ids
-        again = no_padding_2_padding(attached.compute_log_prob(data)["log_probs"], data)
-        torch.testing.assert_close(again[mask], got[mask])
+        _, _, data = grpo_batch()
+        mask = data["response_mask"].bool()
+        torch.testing.assert_close(policy_logprobs(attached, data)[mask], policy_logprobs(client, data)[mask])
+        attached.destroy()
+        assert len(server_jobs(server)) == 3
 
-        # one GRPO update: 8 rows = 2 mini-batches of 4 rows, one /forward-backward each (2 micro-batches)
-        data = train_inputs(client, data)
-        metrics = tu.get(client.update_actor(data), "metrics")
+    def test_one_update_is_two_mini_batches_with_verls_metrics(self, client):
+        """8 rows = 2 mini-batches of 4 rows, one /forward-backward each (2 micro-batches)."""
+        _, _, data = grpo_batch()
+        mask = data["response_mask"].bool()
+        before, step = policy_logprobs(client, data), client.step
+        metrics = tu.get(client.update_actor(train_inputs(client, data)), "metrics")
         for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy_loss", "grad_norm", "lr",
                      "loss", "kl_loss", "mfu"):
             assert len(metrics[name]) == 2, name
@@ -136,11 +162,11 @@ def test_full_cycle_v2(server, tiny_model_dir, monkeypatch):
         assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/loss",
                 "actor/kl_loss", "actor/entropy_loss", "perf/mfu/actor"} <= set(logged)
         assert metrics["loss"][0] != metrics["loss"][1]
-        assert client.step == 2 and client.reconnect_handle()["step"] == 2
-        after = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)
-        assert (after[mask] - got[mask]).abs().max() > 1e-3  # the weights moved
+        assert client.step == step + 2 and client.reconnect_handle()["step"] == step + 2
+        assert (policy_logprobs(client, data)[mask] - before[mask]).abs().max() > 1e-3  # the weights moved
 
-        # generation with token prompts, n=2 per prompt, in prompt order; weight sync
+    def test_generate_after_a_weight_sync(self, client):
+        """Token prompts, n=2 per prompt, answered in prompt order; unknown sampling keys are not sent."""
         sync = client.update_weights()
         assert sync["synced"] == [client.job_ids["sampling"]]
         results = client.generate([[5, 6, 7], [8, 9]], {"n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 3,
@@ -150,27 +176,29 @@ def test_full_cycle_v2(server, tiny_model_dir, monkeypatch):
         assert [r.prompt_len for r in results] == [3, 3, 2, 2]
         assert all(1 <= len(r.token_ids) <= 4 for r in results)
 
-        # checkpoint: save at step 2, train on, load it back -> the log-probs of step 2 again
+    def test_a_loaded_checkpoint_brings_back_its_log_probs(self, client, server):
+        """Save, train on, load the saved step: the log-probs of the saved step again."""
+        _, _, data = grpo_batch()
+        mask = data["response_mask"].bool()
+        step, at_save = client.step, policy_logprobs(client, data)
         saved = client.save_checkpoint()
-        assert saved["global_step"] == 2 and saved["path"].endswith("checkpoint-2")
+        assert saved["global_step"] == step and saved["path"].endswith(f"checkpoint-{step}")
         assert server.checkpoint_root.resolve() in Path(saved["path"]).parents
-        client.update_actor(data)
-        assert client.step == 4
-        moved = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)
-        assert (moved[mask] - after[mask]).abs().max() > 1e-4
-        loaded = client.load_checkpoint(step=2)
-        assert loaded["global_step"] == 2 and client.step == 2
-        restored = no_padding_2_padding(client.compute_log_prob(data)["log_probs"], data)
-        torch.testing.assert_close(restored[mask], after[mask])
+        client.update_actor(train_inputs(client, data))
+        assert client.step == step + 2
+        assert (policy_logprobs(client, data)[mask] - at_save[mask]).abs().max() > 1e-4
+        loaded = client.load_checkpoint(step=step)
+        assert loaded["global_step"] == step and client.step == step
+        torch.testing.assert_close(policy_logprobs(client, data)[mask], at_save[mask])
 
-        attached.destroy()  # owns nothing: every job survives
-        assert len(server_jobs(server)) == 3
-    finally:
+    def test_destroy_removes_the_jobs_and_is_idempotent(self, client, cfg, server):
+        """Last in the class. A client attached before the destroy finds its jobs gone."""
+        attached = ArcticRLClient.from_config(cfg, handle=client.reconnect_handle())
         client.destroy()
-    assert server_jobs(server) == {}
-    client.destroy()  # idempotent
-    with pytest.raises(RemoteJobNotFoundError):
-        attached.compute_log_prob(data)
+        assert server_jobs(server) == {}
+        client.destroy()
+        with pytest.raises(RemoteJobNotFoundError):
+            attached.compute_log_prob(grpo_batch()[2])
 
 
 @pytest.mark.slow
