@@ -29,7 +29,7 @@ from verl.remote_backend.errors import (
 from verl.workers.remote_client.tinker import batch as tb
 from verl.workers.remote_client.tinker.config import TinkerConfig
 from verl.workers.remote_client.tinker.options import learning_rate, plan_run
-from verl.workers.remote_client.tinker.sampling import tinker_sampling_params
+from verl.workers.remote_client.tinker.sampling import eos_token_ids, tinker_sampling_params
 from verl.workers.remote_client.tinker.sdk import full_length_logprobs, make_datum, map_error
 
 YAML = Path(__file__).resolve().parents[2] / "verl/trainer/config/remote_backend/tinker.yaml"
@@ -214,6 +214,20 @@ def test_sampling_params_are_validated_and_mapped():
         with pytest.raises(RemoteBackendConfigError) as info:
             tinker_sampling_params(bad)
         assert info.value.field == f"sampling_params.{field}"
+
+
+def test_samples_stop_at_the_models_end_of_sequence_like_verls_vllm_rollout(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(str(tiny_model_dir)).eos_token_id
+    assert eos is not None and eos_token_ids(str(tiny_model_dir)) == [eos]
+    base = {"max_tokens": 8}
+    assert tinker_sampling_params(base, [eos])[0]["stop"] == [eos]  # verl sends no stop: the EOS id ends a sample
+    assert tinker_sampling_params({**base, "stop": [3, eos]}, [eos])[0]["stop"] == [3, eos]
+    assert tinker_sampling_params({**base, "stop": [3]}, [eos, 9])[0]["stop"] == [3, eos, 9]
+    assert tinker_sampling_params({**base, "stop": ["\n"]}, [eos])[0]["stop"] == ["\n"]  # strings or ids, not both
+    assert tinker_sampling_params({**base, "ignore_eos": True}, [eos])[0]["stop"] is None
+    assert tinker_sampling_params(base)[0]["stop"] is None
 
 
 def test_compute_logprobs_lengths_are_normalised():

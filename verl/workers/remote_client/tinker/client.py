@@ -62,7 +62,7 @@ class TinkerClient(RemoteBackend):
         self.session = session
         self.handle = handle
         self.index = index
-        self.sampler = SamplerSide(session, run.base_model)
+        self.sampler = SamplerSide(session, run.base_model, eos_from=run.model_path)
         self._tc: Any = None
         self._reference: Any = None
         self._lock = threading.RLock()

@@ -59,6 +59,8 @@ class TinkerRun:
     lr_schedule: str
     adam_eps: float
     max_response_length: int
+    #: verl's actor_rollout_ref.model.path (the tokenizer and generation config verl uses)
+    model_path: str = ""
 
 
 def _refuse(ok: bool, key: str, message: str, allowed: object, received: object) -> None:
@@ -109,7 +111,7 @@ def plan_run(main_config: object, tinker: TinkerConfig) -> TinkerRun:
         mini_batch_rows=int(verl.ppo_mini_batch_size) * int(verl.rollout_n), epochs=int(verl.ppo_epochs),
         shuffle=bool(verl.shuffle), data_seed=int(verl.data_loader_seed), optim=verl.optim,
         lr_schedule=tinker.train.lr_schedule, adam_eps=tinker.train.adam_eps,
-        max_response_length=int(verl.max_response_length),
+        max_response_length=int(verl.max_response_length), model_path=str(verl.model_path),
     )
     learning_rate(run, 0)  # an unknown schedule fails now, not at the first update
     return run
