@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="directory for the JSON results and the server log")
     p.add_argument("--report", nargs="+", type=Path, help="print the table of these JSON files and exit")
-    p.add_argument("--zorro", default="off", help="off, on or off,on (one server per setting)")
+    p.add_argument("--zorro", default="off", help="off, on, off,on (one server per setting) or none (--bare only)")
     p.add_argument("--bare", action="store_true", help="also time the bare components (after the loop)")
     p.add_argument("--steps", type=int, default=8, help="timed GRPO steps (default 8)")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (compilation; default 1)")
@@ -77,10 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.prompts, args.n, args.prompt_len, args.response_len, args.micro = 4, 2, 16, 16, 4
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     args.device, args.sampler = ("cpu", "transformers") if args.cpu_smoke else ("cuda", "vllm")
-    args.zorro_modes = [z.strip() for z in args.zorro.split(",") if z.strip()]
+    args.zorro_modes = [z.strip() for z in args.zorro.split(",") if z.strip() and z.strip() != "none"]
     bad = [z for z in args.zorro_modes if z not in ("off", "on")]
-    if bad or not args.zorro_modes:
-        p.error(f"--zorro: expected off, on or off,on, got {args.zorro!r}")
+    if bad or not (args.zorro_modes or args.bare):
+        p.error(f"--zorro: expected off, on, off,on or none (with --bare), got {args.zorro!r}")
     for name in ("steps", "prompts", "n", "prompt_len", "response_len", "micro", "bare_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")

@@ -112,7 +112,7 @@ def bare_train(args: Any, model_dir: Path, prompts: list[list[int]], loop_config
     from verl.workers.remote_client.builders import build_ds_config
     from verl.workers.remote_client.verl_settings import VerlSettings
 
-    device = torch.device("cuda" if not args.cpu_smoke else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if not args.cpu_smoke else torch.device("cpu")
     client_ds = build_ds_config(VerlSettings.from_main_config(loop_config), ArcticConfig.from_main_config(loop_config))
     ds_config, _ = build_training_ds_config(client_ds, device=device.type, bf16_supported=device.type == "cuda")
     deepspeed = _import_deepspeed(device)
