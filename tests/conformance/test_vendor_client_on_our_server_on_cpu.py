@@ -84,45 +84,65 @@ def test_vendor_verl_client_runs_grpo_steps_on_our_server(reference_server, tiny
     assert requests.get(reference_server.url + "/status", timeout=10).json()["jobs"] == {}
 
 
-def test_vendor_control_routes_and_their_errors(reference_server, tiny_model_dir):
+class TestVendorControlRoutes:
     """The routes the vendor's client does not reach in a run: /weight-norm, /empty-training-cache,
-    /sleep-log-prob, /wake-log-prob, /reset-prefix-cache, /operation's unknown type; and 404/400 answers."""
-    url = reference_server.url
+    /sleep-log-prob, /wake-log-prob, /reset-prefix-cache, /wake-inference; and their 404/400 answers.
+    One job of each type for the class, destroyed at its end."""
 
-    def init(job_type: str, **extra) -> int:
-        body = {"model_name": str(tiny_model_dir), "job_type": job_type, **extra}
-        return decode(requests.post(url + "/initialize", json=body, timeout=300))["job_id"]
+    @pytest.fixture(scope="class")
+    def jobs(self, reference_server, tiny_model_dir) -> dict[str, int]:
+        url = reference_server.url
 
-    sampling = init("sampling")
-    log_prob = init("log_prob")
-    training = init("training", checkpoint_path="t", ds_config={"train_batch_size": 1,
-                                                                 "train_micro_batch_size_per_gpu": 1})
-    try:
-        norms = requests.post(url + "/weight-norm", json={"training_job_id": training, "sampling_job_id": sampling},
-                              timeout=60).json()
+        def init(job_type: str, **extra) -> int:
+            body = {"model_name": str(tiny_model_dir), "job_type": job_type, **extra}
+            return decode(requests.post(url + "/initialize", json=body, timeout=300))["job_id"]
+
+        made: dict[str, int] = {}
+        try:
+            made["sampling"] = init("sampling")
+            made["log_prob"] = init("log_prob")
+            made["training"] = init("training", checkpoint_path="t",
+                                    ds_config={"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1})
+            yield made
+        finally:
+            for job_id in made.values():
+                requests.post(f"{url}/destroy?job_id={job_id}", timeout=120)
+
+    def test_weight_norm_of_the_training_job_equals_the_samplers(self, reference_server, jobs):
+        norms = requests.post(reference_server.url + "/weight-norm", timeout=60,
+                              json={"training_job_id": jobs["training"], "sampling_job_id": jobs["sampling"]}).json()
         assert norms["training_norm"] == pytest.approx(norms["sampling_norm"], rel=1e-6)
         assert norms["training_num_params"] == norms["sampling_num_params"] > 0
-        assert "gpu_mb" in requests.post(f"{url}/empty-training-cache?job_id={training}", timeout=60).json()["workers"][0]
+
+    def test_empty_training_cache_reports_each_workers_memory(self, reference_server, jobs):
+        url = f"{reference_server.url}/empty-training-cache?job_id={jobs['training']}"
+        assert "gpu_mb" in requests.post(url, timeout=60).json()["workers"][0]
+
+    def test_the_log_prob_job_sleeps_and_wakes(self, reference_server, jobs):
+        url, log_prob = reference_server.url, jobs["log_prob"]
         assert requests.post(f"{url}/sleep-log-prob?job_id={log_prob}", timeout=60).json()["job_id"] == log_prob
         assert requests.post(f"{url}/wake-log-prob?job_id={log_prob}", timeout=60).json()["job_id"] == log_prob
-        reset = requests.post(f"{url}/reset-prefix-cache?job_id={sampling}", json={}, timeout=60).json()
-        assert reset["sampling"]["prefix_cache_resets"] >= 1
-        wake = requests.post(f"{url}/wake-inference?job_id={sampling}", json={"tags": ["weights"]}, timeout=60).json()
+
+    def test_reset_prefix_cache_counts_the_reset(self, reference_server, jobs):
+        url = f"{reference_server.url}/reset-prefix-cache?job_id={jobs['sampling']}"
+        assert requests.post(url, json={}, timeout=60).json()["sampling"]["prefix_cache_resets"] >= 1
+
+    def test_wake_inference_of_the_weights(self, reference_server, jobs):
+        url = f"{reference_server.url}/wake-inference?job_id={jobs['sampling']}"
+        wake = requests.post(url, json={"tags": ["weights"]}, timeout=60).json()
         assert wake["sampling"]["status"] in ("awake", "partly_awake")
 
-        def error(resp, status: int, field: str) -> None:
-            assert resp.status_code == status, resp.text
-            assert resp.json()["detail"]["field"] == field, resp.text
-
-        error(requests.post(f"{url}/operation?job_id={sampling}", json={"operation_type": "explode"}, timeout=60), 400,
-              "operation_type")
-        error(requests.post(f"{url}/sleep-inference?job_id={training}", json={"level": 1}, timeout=60), 400, "job_id")
-        error(requests.post(f"{url}/sleep-inference?job_id=999", json={"level": 1}, timeout=60), 404, "job_id")
-        error(requests.post(f"{url}/sleep-training?job_id={training}", json={"mode": "deep"}, timeout=60), 400, "mode")
-        error(requests.post(f"{url}/wake-inference?job_id={sampling}", json={"tags": ["brain"]}, timeout=60), 400,
-              "tags")
-        error(requests.post(f"{url}/log-probs?job_id={log_prob}", json={"prompts": ["a"], "completions": ["b", "c"]},
-                            timeout=60), 400, "completions")
-    finally:
-        for job_id in (training, log_prob, sampling):
-            requests.post(f"{url}/destroy?job_id={job_id}", timeout=120)
+    @pytest.mark.parametrize("route, job, body, status, field", [
+        ("/operation", "sampling", {"operation_type": "explode"}, 400, "operation_type"),
+        ("/sleep-inference", "training", {"level": 1}, 400, "job_id"),
+        ("/sleep-inference", None, {"level": 1}, 404, "job_id"),
+        ("/sleep-training", "training", {"mode": "deep"}, 400, "mode"),
+        ("/wake-inference", "sampling", {"tags": ["brain"]}, 400, "tags"),
+        ("/log-probs", "log_prob", {"prompts": ["a"], "completions": ["b", "c"]}, 400, "completions"),
+    ], ids=["unknown-operation", "sleep-a-trainer", "sleep-no-job", "unknown-sleep-mode", "unknown-wake-tag",
+            "completions-not-per-prompt"])
+    def test_bad_requests_name_the_field(self, reference_server, jobs, route, job, body, status, field):
+        job_id = jobs[job] if job else 999
+        resp = requests.post(f"{reference_server.url}{route}?job_id={job_id}", json=body, timeout=60)
+        assert resp.status_code == status, resp.text
+        assert resp.json()["detail"]["field"] == field, resp.text
