@@ -1,15 +1,24 @@
-"""Helpers for the end-to-end GRPO runs in ``tests/special_e2e/``: a tiny task and verl's console metrics.
+"""Helpers for the end-to-end GRPO runs (``tests/special_e2e/``, the vendor e2e in ``tests/conformance/``).
 
 :func:`build_task` writes what a stock verl GRPO command needs for the ``a+b=`` task: a char-level
 Qwen3 built on the spot, train/val parquet files in verl's RL format and a reward-function file
-(``reward.custom_reward_function``). :func:`parse_console_metrics` reads the per-step lines of
-verl's console logger back.
+(``reward.custom_reward_function``). :func:`tiny_grpo_overrides` is the shrunk stock GRPO recipe the
+runs share, :func:`entry_point_env` the environment they run in, :func:`run_in_own_session` runs a
+command and stops all it started on a timeout, and :func:`parse_console_metrics` reads the per-step
+lines of verl's console logger back.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+
+import pytest
 
 REWARD_FN = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -60,3 +69,69 @@ def parse_console_metrics(text: str) -> dict[int, dict[str, float]]:
                 metrics[key.strip()] = float(number.group(0))
         steps[int(match.group(1))] = metrics
     return steps
+
+
+def tiny_grpo_overrides(task: dict[str, Path], out: Path, *, steps: int = 2, response_length: int = 8,
+                        lr: float = 1e-3, micro_batch: int = 2, save_freq: int = -1) -> list[str]:
+    """A stock verl GRPO recipe shrunk to the tiny task: 2 prompts x n=2 per step, one mini-batch of 4
+    rows (``micro_batch`` rows per micro-batch), the KL loss on, console metrics, outputs under ``out``."""
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={task['train']}",
+        f"data.val_files={task['val']}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=32",
+        f"data.max_response_length={response_length}",
+        f"actor_rollout_ref.model.path={task['model']}",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch}",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        f"reward.custom_reward_function.path={task['reward']}",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.save_freq={save_freq}",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"hydra.run.dir={out / 'hydra'}",
+    ]
+
+
+def entry_point_command(overrides: Sequence[str]) -> list[str]:
+    """``python -m verl.remote_backend.main_ppo <overrides>`` with this interpreter."""
+    return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
+
+
+def entry_point_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a run: one thread per process (the cores are shared), Ray's
+    log lines not deduplicated (tests read them), and no inherited setting that changes what runs."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1")
+    for name in ("VERL_USE_EXTERNAL_MODULES", "ARCTIC_RL_TOKEN"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def run_in_own_session(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` in a session of its own and return its exit status and output (stderr folded in).
+    On a timeout the whole session -- the trainer, Ray, a server it started -- gets SIGTERM (the entry
+    point destroys its backend on it), then SIGKILL, and the test fails with the output's tail."""
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:4])} ... did not finish in {timeout} s:\n{output[-6000:]}")

@@ -26,7 +26,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,11 +33,14 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
-
-from _helpers_e2e import build_task, parse_console_metrics
+from _helpers_e2e import (
+    build_task,
+    entry_point_command,
+    entry_point_env,
+    parse_console_metrics,
+    run_in_own_session,
+    tiny_grpo_overrides,
+)
 from server_process import running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -48,33 +50,11 @@ FAULT_SEED = 1234
 
 
 def command(task: dict[str, Path], out: Path, url: str, steps: int) -> list[str]:
-    overrides = [
-        "algorithm.adv_estimator=grpo",
-        f"data.train_files={task['train']}",
-        f"data.val_files={task['val']}",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=32",
-        "data.max_response_length=6",
+    return entry_point_command([
+        *tiny_grpo_overrides(task, out, steps=steps, response_length=6, lr=1e-2, save_freq=steps),
         "data.shuffle=False",
-        f"actor_rollout_ref.model.path={task['model']}",
-        "actor_rollout_ref.actor.optim.lr=1e-2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.use_kl_loss=True",
-        "actor_rollout_ref.actor.kl_loss_coef=0.001",
-        "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.full_determinism=True",
         "actor_rollout_ref.rollout.seed=7",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-        f"reward.custom_reward_function.path={task['reward']}",
-        "trainer.logger=[console]",
-        "trainer.val_before_train=False",
-        f"trainer.total_training_steps={steps}",
-        f"trainer.save_freq={steps}",
-        "trainer.test_freq=-1",
-        f"trainer.default_local_dir={out / 'checkpoints'}",
-        f"hydra.run.dir={out / 'hydra'}",
         "remote_backend=arctic",
         f"remote_backend.server.url={url}",
         "remote_backend.train.deepspeed.bf16=false",
@@ -84,16 +64,7 @@ def command(task: dict[str, Path], out: Path, url: str, steps: int) -> list[str]
         "remote_backend.recovery.watch_interval_s=1",
         "remote_backend.recovery.wait_s=600",
         "remote_backend.rollout.max_batch_size=1",
-    ]
-    return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
-
-
-def environment() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1")
-    env.pop("VERL_USE_EXTERNAL_MODULES", None)
-    env.pop("ARCTIC_RL_TOKEN", None)
-    return env
+    ])
 
 
 def final_weights(server_root: Path, run_dir: Path, step: int, *,
@@ -110,12 +81,10 @@ def final_weights(server_root: Path, run_dir: Path, step: int, *,
 def run(cmd: list[str], cwd: Path, log: Path, timeout: float = 1800) -> str:
     print("running:", " ".join(cmd), flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=cwd, env=environment(), capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    output = proc.stdout + proc.stderr
+    returncode, output = run_in_own_session(cmd, cwd=cwd, env=entry_point_env(), timeout=timeout)
     log.write_text(output)
-    print(f"exit {proc.returncode} after {time.monotonic() - t0:.0f} s; log {log}", flush=True)
-    assert proc.returncode == 0, output[-6000:]
+    print(f"exit {returncode} after {time.monotonic() - t0:.0f} s; log {log}", flush=True)
+    assert returncode == 0, output[-6000:]
     return output
 
 
@@ -201,7 +170,7 @@ def test_ctrl_c_destroys_the_jobs_and_the_next_run_starts(tmp_path):
         log = open(tmp_path / "interrupted.log", "w")  # noqa: SIM115 - closed in the finally below
         # a terminal's foreground job: SIGINT at its default. Started from a background job, pytest (and
         # every child) inherits an *ignored* SIGINT, and the run would rightly not stop on Ctrl-C.
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=environment(), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=entry_point_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=_default_sigint)  # noqa: PLW1509 - only resets SIGINT
         try:
             deadline = time.monotonic() + 900

@@ -17,49 +17,31 @@ Run by hand (prints the command it runs)::
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import build_task, parse_console_metrics
+from _helpers_e2e import (
+    build_task,
+    entry_point_command,
+    entry_point_env,
+    parse_console_metrics,
+    run_in_own_session,
+    tiny_grpo_overrides,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def grpo_command(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str]:
     overrides = [
-        # a stock GRPO recipe, shrunk
-        "algorithm.adv_estimator=grpo",
-        f"data.train_files={task['train']}",
-        f"data.val_files={task['val']}",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=32",
-        "data.max_response_length=8",
-        f"actor_rollout_ref.model.path={task['model']}",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.actor.use_kl_loss=True",
-        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        *tiny_grpo_overrides(task, out, micro_batch=4),
+        # settings of a stock GPU recipe the remote backend must take in its stride
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-        f"reward.custom_reward_function.path={task['reward']}",
-        "trainer.logger=[console]",
         "trainer.n_gpus_per_node=8",
-        "trainer.val_before_train=False",
-        "trainer.total_training_steps=2",
-        "trainer.save_freq=-1",
-        "trainer.test_freq=-1",
-        f"trainer.default_local_dir={out / 'checkpoints'}",
-        f"hydra.run.dir={out / 'hydra'}",
         # the remote backend
         "remote_backend=arctic",
         f"remote_backend.train.zorro_train.enable={str(zorro).lower()}",
@@ -67,7 +49,7 @@ def grpo_command(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str]:
     ]
     if zorro:  # checkpointed layers re-run without ZoRRO's shared prompt keys: ZoRRO needs it off
         overrides.append("actor_rollout_ref.model.enable_gradient_checkpointing=False")
-    return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
+    return entry_point_command(overrides)
 
 
 @pytest.mark.parametrize("zorro", [False, True], ids=["zorro_off", "zorro_on"])
@@ -75,16 +57,12 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
     task = build_task(tmp_path / "task")
     cmd = grpo_command(task, tmp_path / "run", zorro=zorro)
     print("running:", " ".join(cmd), flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0")
-    env.pop("VERL_USE_EXTERNAL_MODULES", None)
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
-                          check=False)
+    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(), timeout=1500)
     wall = time.monotonic() - start
-    output = proc.stdout + proc.stderr
     (tmp_path / "run.log").write_text(output)
     print(f"wall time {wall:.0f} s, log {tmp_path / 'run.log'}", flush=True)
-    assert proc.returncode == 0, output[-6000:]
+    assert returncode == 0, output[-6000:]
 
     steps = parse_console_metrics(output)
     assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"

@@ -29,8 +29,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from server_process import free_port, running_server
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]

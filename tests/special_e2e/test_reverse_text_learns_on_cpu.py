@@ -21,11 +21,10 @@ import importlib.util
 import json
 import os
 import pathlib
-import signal
-import subprocess
 import sys
 
 import pytest
+from _helpers_e2e import run_in_own_session
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "examples" / "grpo" / "run_reverse_text_grpo_arl_local.sh"
@@ -37,23 +36,6 @@ MIN_GAIN = 0.08
 RUN_TIMEOUT_S = 1500
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def _run(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
-    """Run ``cmd`` in its own session; on timeout stop the whole session (the trainer, Ray, the server)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, output
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the entry point destroys its backend on SIGTERM
-        try:
-            output, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(f"the example did not finish in {timeout} s:\n{output[-6000:]}")
 
 
 def _plot_module():
@@ -78,7 +60,7 @@ def test_reverse_text_grpo_learns(out_dir: pathlib.Path, zorro: str):
     env = {k: v for k, v in os.environ.items() if k not in inherited}
     env.update(OUT_DIR=str(out_dir), STEPS=str(STEPS), ZORRO=zorro, SEED="0", RUN_NAME=run_name,
                PYTHON=sys.executable, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    returncode, output = _run(["bash", str(SCRIPT)], cwd=out_dir, env=env, timeout=RUN_TIMEOUT_S)
+    returncode, output = run_in_own_session(["bash", str(SCRIPT)], cwd=out_dir, env=env, timeout=RUN_TIMEOUT_S)
     (out_dir / f"{run_name}.log").write_text(output)
     assert returncode == 0, output[-6000:]
 
