@@ -55,6 +55,7 @@ def gsm8k_configs(tmp_path_factory):
     return yes, no, yes_out + no_out
 
 
+@pytest.mark.slow  # the script composes verl's config in a Python process that imports verl: ~20 s and more
 def test_gsm8k_scripts_select_the_arctic_backend(gsm8k_configs):
     for cfg in gsm8k_configs[:2]:
         assert _get(cfg, "remote_backend.name") == "arctic"
@@ -83,6 +84,7 @@ def test_gsm8k_zorro_must_be_true_or_false(tmp_path):
     assert "ZORRO: expected true or false, got 'yes'" in proc.stderr
 
 
+@pytest.mark.slow  # the script composes verl's config in a Python process that imports verl: ~20 s and more
 def test_gsm8k_zorro_flag_is_the_only_difference(gsm8k_configs):
     yes, no, _ = gsm8k_configs
     assert _get(yes, "remote_backend.train.zorro_train.enable") is True
@@ -102,6 +104,7 @@ def test_gsm8k_zorro_flag_is_the_only_difference(gsm8k_configs):
     assert normalised(yes) == normalised(no)
 
 
+@pytest.mark.slow  # the script composes verl's config in a Python process that imports verl: ~20 s and more
 def test_gsm8k_server_url_comes_from_the_environment(gsm8k_configs):
     yes, no, output = gsm8k_configs
     assert _get(yes, "remote_backend.server.url") == "http://10.1.2.3:7000"
@@ -112,6 +115,7 @@ def test_gsm8k_server_url_comes_from_the_environment(gsm8k_configs):
     assert SECRET not in output
 
 
+@pytest.mark.slow  # the script composes verl's config in a Python process that imports verl: ~20 s and more
 def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
     cfg, _output = _compose("run_reverse_text_grpo_arl_local.sh", {"OUT_DIR": str(tmp_path / "rt"), "ZORRO": "true",
                                                                  "STEPS": "12", "SEED": "0"}, tmp_path)
@@ -157,6 +161,7 @@ def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
         assert _get(cfg, "trainer.device") == "cpu"  # derived by the entry point
 
 
+@pytest.mark.slow  # the script composes verl's config in a Python process that imports verl: ~20 s and more
 def test_reverse_text_failure_reaches_the_terminal_with_the_log_path(tmp_path):
     """Quiet by default: a failing run prints its header, the failing command's last lines and the log path."""
     model, data = tmp_path / "model", tmp_path / "data"
@@ -181,6 +186,7 @@ def test_reverse_text_failure_reaches_the_terminal_with_the_log_path(tmp_path):
     assert "no_such_key" in log.read_text() and "+ console_run" in log.read_text()  # the trace went to the log
 
 
+@pytest.mark.slow  # the command under test sleeps 20 s between its two progress lines
 def test_console_shows_progress_lines_as_they_come(tmp_path):
     """examples/common/console.sh: matching lines reach the terminal at once (not at the end), once each,
     without Ray's "(Actor pid=N)" prefix; the rest only reaches the log."""
@@ -228,6 +234,7 @@ def _shared_recipe(cfg: dict) -> dict:
     return out
 
 
+@pytest.mark.slow  # the script composes verl's config in a Python process that imports verl: ~20 s and more
 def test_reverse_text_tinker_script_runs_the_arctic_recipe_through_tinker(tmp_path):
     common = {"OUT_DIR": str(tmp_path / "rt"), "STEPS": "12", "SEED": "0", "RUN_NAME": "same"}
     tinker, output = _compose("run_reverse_text_grpo_tinker_local.sh",
@@ -256,6 +263,7 @@ def test_reverse_text_tinker_script_runs_the_arctic_recipe_through_tinker(tmp_pa
     assert "tml-local-peer" not in output
 
 
+@pytest.mark.slow  # the script composes verl's config in a Python process that imports verl: ~20 s and more
 def test_gsm8k_tinker_script_selects_the_service_and_keeps_the_key_out(tmp_path):
     env = {**_TINKER_KNOBS, "TINKER_API_KEY": SECRET, "TINKER_URL": "https://tinker.example:443",
            "BASE_MODEL": "Qwen/Qwen3-8B", "MODEL": "/models/qwen3-8b", "DATA_DIR": "/data/gsm8k",
