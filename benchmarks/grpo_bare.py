@@ -71,7 +71,7 @@ def bare_generate(args: Any, model: Path, prompts: list[list[int]], params: dict
               logprobs_mode="processed_logprobs", max_logprobs=MAX_LOGPROBS,
               max_model_len=args.prompt_len + args.response_len, **args.vllm_config)
     init_s = time.perf_counter() - t0
-    # no seed, as the loop sends none (a per-request seed puts vLLM's sampler on a slower path)
+    # the loop's client sends no seed either (the server then draws one per request)
     sp = SamplingParams(n=params["n"], max_tokens=params["max_tokens"], temperature=params["temperature"],
                         ignore_eos=params["ignore_eos"], seed=params.get("seed"), detokenize=False)
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
