@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
-from _helpers_e2e import parse_console_metrics
+from _helpers_e2e import (
+    entry_point_command,
+    entry_point_env,
+    parse_console_metrics,
+    run_in_own_session,
+    tiny_grpo_overrides,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -60,31 +62,11 @@ def task(tmp_path_factory) -> dict[str, Path]:
 
 def grpo_command(task: dict[str, Path], out: Path, url: str, *, zorro: bool) -> list[str]:
     overrides = [
-        "algorithm.adv_estimator=grpo",
-        f"data.train_files={task['train']}",
-        f"data.val_files={task['val']}",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=32",
-        "data.max_response_length=8",
-        f"actor_rollout_ref.model.path={task['model']}",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # 2 prompts x n=2: one mini-batch of 4 rows per step
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # 2 micro-batches of 2 rows: GAS 2
-        "actor_rollout_ref.actor.use_kl_loss=True",
-        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        # 2 prompts x n=2: one mini-batch of 4 rows per step, 2 micro-batches of 2 rows (GAS 2); a checkpoint
+        # at the last step, so that the vendor's /save answers its global_step
+        *tiny_grpo_overrides(task, out, micro_batch=2, save_freq=2),
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-        f"reward.custom_reward_function.path={task['reward']}",
-        "trainer.logger=[console]",
-        "trainer.val_before_train=False",
-        "trainer.total_training_steps=2",
-        "trainer.save_freq=2",  # a checkpoint at the last step: the vendor's /save answers its global_step
-        "trainer.test_freq=-1",
-        f"trainer.default_local_dir={out / 'checkpoints'}",
-        f"hydra.run.dir={out / 'hydra'}",
         "remote_backend=arctic",
         f"remote_backend.server.url={url}",
         f"remote_backend.train.zorro_train.enable={str(zorro).lower()}",
@@ -93,23 +75,7 @@ def grpo_command(task: dict[str, Path], out: Path, url: str, *, zorro: bool) -> 
     ]
     if zorro:  # checkpointed layers re-run without ZoRRO's shared prompt keys: ZoRRO needs it off
         overrides.append("actor_rollout_ref.model.enable_gradient_checkpointing=False")
-    return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
-
-
-def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-        return proc.returncode, output
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the entry point destroys its backend on SIGTERM
-        try:
-            output, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(f"the run did not finish in {RUN_TIMEOUT_S} s:\n{output[-6000:]}")
+    return entry_point_command(overrides)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 180)
@@ -118,11 +84,8 @@ def test_two_grpo_steps_against_the_vendor_server(vendor_server, task, tmp_path,
     traced_before = len(vendor_server.trace_lines())
     cmd = grpo_command(task, tmp_path / "run", vendor_server.url, zorro=zorro)
     print("running:", " ".join(cmd), flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0")
-    env.pop("VERL_USE_EXTERNAL_MODULES", None)
-    env.pop("ARCTIC_RL_TOKEN", None)  # the vendor server has no authentication
-    start = time.monotonic()
-    returncode, output = _run(cmd, tmp_path, env)
+    start = time.monotonic()  # the vendor server has no authentication: entry_point_env drops ARCTIC_RL_TOKEN
+    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(), timeout=RUN_TIMEOUT_S)
     wall = time.monotonic() - start
     (tmp_path / "run.log").write_text(output)
     print(f"wall time {wall:.0f} s, log {tmp_path / 'run.log'}", flush=True)
