@@ -72,5 +72,5 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "httpx", "matplotlib", "schemathesis", "ruff==0.17.6",
                  'tinker==0.24.1; python_version >= "3.11"'],
     },
-    classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
+    classifiers=["Programming Language :: Python :: 3"],  # the licence is the SPDX expression above
 )
