@@ -137,7 +137,12 @@ def _start_head(temp_dir: str) -> tuple[subprocess.Popen, pathlib.Path, str]:
                                              "dashboard-agent-grpc-port", "ray-client-server-port",
                                              "node-manager-port", "object-manager-port", "metrics-export-port",
                                              "runtime-env-agent-port")}
-    worker_base = random.Random().randrange(30000, 59000, 100)
+    # the workers' 100 ports: below Linux's ephemeral range (32768+, where free_port()'s come from) when it is
+    # the default, and never over a port picked above (Ray refuses to start on such an overlap)
+    rng = random.Random()
+    worker_base = rng.randrange(20000, 32600, 100)
+    while any(worker_base <= port <= worker_base + 99 for port in ports.values()):
+        worker_base = rng.randrange(20000, 32600, 100)
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
            "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--num-cpus={HEAD_CPUS}", "--num-gpus=0",
            f"--temp-dir={temp_dir}", f"--min-worker-port={worker_base}", f"--max-worker-port={worker_base + 99}",
@@ -157,10 +162,12 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 
     temp_dir = tempfile.mkdtemp(prefix="rayt", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
     kept_logs = tmp_path_factory.mktemp("ray_head_logs")  # Ray's logs outlive the temp dir, for a failure
-    # Ray gives its node a fixed 30 s to register; on a loaded machine `ray start` then gives up: try again.
+    # Ray gives its node a fixed 30 s to register (on a loaded machine `ray start` then gives up), and a port
+    # picked free can be taken before Ray binds it: try again, on fresh ports.
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         proc, log, url = _start_head(temp_dir)
-        if proc.poll() is None or "timed out during startup" not in log.read_text() or attempt == RAY_START_ATTEMPTS:
+        retry = ("timed out during startup", "used by other components")  # a loaded machine; a port taken meanwhile
+        if proc.poll() is None or not any(r in log.read_text() for r in retry) or attempt == RAY_START_ATTEMPTS:
             break
         _stop_tree(proc)
         shutil.copy(log, kept_logs / f"head-attempt{attempt}.log")
