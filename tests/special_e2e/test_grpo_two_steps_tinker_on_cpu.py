@@ -18,14 +18,11 @@ Run by hand::
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import build_task, parse_console_metrics
+from _helpers_e2e import build_task, entry_point_command, entry_point_env, parse_console_metrics, run_in_own_session
 from _helpers_tinker import PEER_API_KEY, PEER_SHAPES
 
 # the peer compiles one XLA program per new shape (sample, forward, forward_backward, compute_logprobs):
@@ -64,7 +61,7 @@ def grpo_command(task: dict[str, Path], out: Path, url: str) -> list[str]:
         "remote_backend=tinker",
         f"remote_backend.server.url={url}",
     ]
-    return [sys.executable, "-m", "verl.remote_backend.main_ppo", *overrides]
+    return entry_point_command(overrides)
 
 
 def test_two_grpo_steps_through_tinker(tmp_path, tinker_peer):
@@ -72,15 +69,12 @@ def test_two_grpo_steps_through_tinker(tmp_path, tinker_peer):
     task = {**build_task(tmp_path / "task"), "model": tinker_peer.model}
     cmd = grpo_command(task, tmp_path / "run", tinker_peer.url)
     print("running:", " ".join(cmd), flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               RAY_DEDUP_LOGS="0", TINKER_API_KEY=PEER_API_KEY)
-    env.pop("VERL_USE_EXTERNAL_MODULES", None)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2100, check=False)
-    output = proc.stdout + proc.stderr
+    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(TINKER_API_KEY=PEER_API_KEY),
+                                            timeout=2100)
     (tmp_path / "run.log").write_text(output)
     print(f"wall time {time.monotonic() - t0:.0f} s, log {tmp_path / 'run.log'}", flush=True)
-    assert proc.returncode == 0, output[-6000:]
+    assert returncode == 0, output[-6000:]
     steps = parse_console_metrics(output)
     assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
     for step, metrics in steps.items():
