@@ -180,7 +180,7 @@ def grpo_step(client: Any, args: argparse.Namespace, seed: int) -> dict[str, flo
 
 def run_loop(args: argparse.Namespace, model: Path, zorro: bool, workdir: Path, record: dict[str, Any]) -> None:
     """The loop of one ZoRRO setting; ``record`` is filled and written to ``--out`` after every step."""
-    from verl.workers.remote_client.arctic_rl import ArcticRLClient
+    from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
     path = args.out / f"loop_zorro_{'on' if zorro else 'off'}.json"
     workdir.mkdir(parents=True, exist_ok=True)

@@ -109,9 +109,9 @@ def bare_train(args: Any, model_dir: Path, prompts: list[list[int]], loop_config
     from arctic_rl.server.engines.common import compile_model, ensure_process_group, load_model
     from arctic_rl.server.engines.config import build_training_ds_config
     from arctic_rl.server.engines.training import _import_deepspeed
-    from verl.workers.remote_client.arctic_config import ArcticConfig
-    from verl.workers.remote_client.builders import build_ds_config
-    from verl.workers.remote_client.verl_settings import VerlSettings
+    from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
+    from verl.workers.remote_client.arctic.builders import build_ds_config
+    from verl.workers.remote_client.common.verl_settings import VerlSettings
 
     device = torch.device("cuda", torch.cuda.current_device()) if not args.cpu_smoke else torch.device("cpu")
     client_ds = build_ds_config(VerlSettings.from_main_config(loop_config), ArcticConfig.from_main_config(loop_config))

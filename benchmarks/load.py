@@ -60,7 +60,7 @@ def rss_mib(pid: int) -> float:
 
 def run_load(model_dir: Path, url: str, server_pid: int, *, clients: int, seconds: float) -> dict[str, Any]:
     """Drive the server at ``url`` as the module docstring says; returns the measurements."""
-    from verl.workers.remote_client.arctic_rl import ArcticRLClient
+    from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
     owner = ArcticRLClient.from_config(client_config(model_dir, url, recovery={"checkpoint_every_n_steps": 0}))
     latencies: dict[str, list[float]] = defaultdict(list)

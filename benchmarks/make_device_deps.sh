@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build .arl/arl_deps.txz: what `import verl.workers.remote_client.arctic_rl` needs on the H200 image
+# Build .arl/arl_deps.txz: what `import verl.workers.remote_client.arctic.arctic_rl` needs on the H200 image
 # beyond the image and the vLLM bundle (shared/tools/vllm-device), small enough to travel with the
 # bundle's third part (see benchmarks/RESULTS.md §2c). Run from the repo root, with the project's venv:
 #     bash benchmarks/make_device_deps.sh [VENV]         # VENV defaults to .venv

@@ -67,7 +67,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 from arctic_rl import dssst1
 from arctic_rl.protocol import Paths
 
-CLIENT_MOD = "verl.workers.remote_client.arctic_rl"
+CLIENT_MOD = "verl.workers.remote_client.arctic.arctic_rl"
 LAYOUT_FNS = ("plan_layout", "dense_batch", "nested_from_server")
 
 
@@ -312,7 +312,7 @@ def part_b(args, client, cfg) -> list[str]:
     from omegaconf import OmegaConf
 
     from verl.remote_backend.context import install_context
-    from verl.remote_backend.workers.arctic_rl.replica import ArcticRLRolloutServer
+    from verl.workers.remote_client.arctic.replica import ArcticRLRolloutServer
 
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     ctx = install_context(cfg, name="arctic", handle=client.reconnect_handle())

@@ -74,10 +74,10 @@ class _Server:
     """The few calls this script makes, on the adapter's HTTP session (auth, retries, timeouts)."""
 
     def __init__(self, url: str, token: str | None):
-        from verl.workers.remote_client.arctic_config import RetryConfig, TimeoutsConfig
-        from verl.workers.remote_client.http import ArcticHttp
-        from verl.workers.remote_client.jobs import read_health
-        from verl.workers.remote_client.wire import detect_protocol
+        from verl.workers.remote_client.arctic.arctic_config import RetryConfig, TimeoutsConfig
+        from verl.workers.remote_client.arctic.http import ArcticHttp
+        from verl.workers.remote_client.arctic.jobs import read_health
+        from verl.workers.remote_client.arctic.wire import detect_protocol
 
         self.http = ArcticHttp(url, timeouts=TimeoutsConfig(), retry=RetryConfig(), token=token)
         if detect_protocol(self.http) is not ProtocolVersion.V2:
@@ -86,7 +86,7 @@ class _Server:
         self.jobs: dict[JobType, int] = {}
 
     def create(self, job_type: JobType, config: JobConfig) -> int:
-        from verl.workers.remote_client.jobs import create_job
+        from verl.workers.remote_client.arctic.jobs import create_job
 
         self.jobs[job_type] = create_job(self.http, job_type, config.model_dump(mode="json", exclude_none=True))
         return self.jobs[job_type]
@@ -102,7 +102,7 @@ class _Server:
         return self.http.post_json(path, body, params={"job_id": self.jobs[job_type]}, op=op).json()
 
     def close(self) -> None:
-        from verl.workers.remote_client.jobs import destroy_jobs
+        from verl.workers.remote_client.arctic.jobs import destroy_jobs
 
         try:
             destroy_jobs(self.http, {job_type.value: job_id for job_type, job_id in self.jobs.items()})
@@ -139,8 +139,8 @@ def warm_start_via_server(model_dir: str | Path, out_dir: str | Path, *, url: st
     out.mkdir(parents=True, exist_ok=True)
     local = None
     if url is None:
-        from verl.workers.remote_client.arctic_config import LocalServerConfig
-        from verl.workers.remote_client.local_server import start_local_server
+        from verl.workers.remote_client.arctic.arctic_config import LocalServerConfig
+        from verl.workers.remote_client.arctic.local_server import start_local_server
 
         local = start_local_server(LocalServerConfig(), token=token)  # checkpoints in a temporary directory
         url = local.url

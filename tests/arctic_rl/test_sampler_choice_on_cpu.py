@@ -127,7 +127,7 @@ def test_stop_strings_after_generation_cut_like_the_step_loop():
 
 def test_local_server_sampler_is_validated():
     from verl.remote_backend.errors import RemoteBackendConfigError
-    from verl.workers.remote_client.arctic_config import ArcticConfig
+    from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
 
     assert ArcticConfig.from_dict({}).server.local.sampler == "auto"
     assert ArcticConfig.from_dict({"server": {"local": {"sampler": "vllm"}}}).server.local.sampler == "vllm"

@@ -476,8 +476,8 @@ def test_nothing_accepted_was_lost(srv):
 
 def test_client_sends_the_token_and_never_leaks_it(tmp_path, caplog, monkeypatch):
     from verl.remote_backend.errors import RemoteServerError
-    from verl.workers.remote_client.arctic_config import RetryConfig, TimeoutsConfig
-    from verl.workers.remote_client.http import TOKEN_ENV, ArcticHttp
+    from verl.workers.remote_client.arctic.arctic_config import RetryConfig, TimeoutsConfig
+    from verl.workers.remote_client.arctic.http import TOKEN_ENV, ArcticHttp
 
     caplog.set_level(logging.DEBUG)
     token = "tok-" + os.urandom(8).hex()

@@ -37,7 +37,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl.remote_backend.errors import RemoteJobNotFoundError
-from verl.workers.remote_client.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
 pytestmark = pytest.mark.slow
 

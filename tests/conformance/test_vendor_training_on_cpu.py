@@ -44,7 +44,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.workers.remote_client.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ def test_update_actor_follows_the_vendors_accumulation_contract(vendor_server, t
 
 def test_settings_the_vendor_ignores_are_named_at_start_up(vendor_server, tiny_model_dir, tmp_path, caplog):
     cfg = main_config(tiny_model_dir, vendor_server.url, tmp_path, micro=4, clip_ratio_high=0.28)
-    with caplog.at_level(logging.WARNING, logger="verl.workers.remote_client.arctic_rl"):
+    with caplog.at_level(logging.WARNING, logger="verl.workers.remote_client.arctic.arctic_rl"):
         client = ArcticRLClient.from_config(cfg)
     client.destroy()
     text = caplog.text

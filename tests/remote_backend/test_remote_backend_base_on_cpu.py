@@ -154,7 +154,7 @@ def test_importing_the_package_registers_no_backend_eagerly():
     import subprocess
     import sys
 
-    code = "import sys, verl.remote_backend as rb; print(rb.RemoteBackendRegistry.list()); print('verl.workers.remote_client.arctic_rl' in sys.modules)"
+    code = "import sys, verl.remote_backend as rb; print(rb.RemoteBackendRegistry.list()); print('verl.workers.remote_client.arctic.arctic_rl' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.split() == ["[]", "False"]
 

@@ -58,8 +58,8 @@ def test_worker_and_replica_are_the_generic_ones_or_subclasses(name):
 
 
 def test_arctic_keeps_its_documented_entry_points():
-    from verl.remote_backend.workers.arctic_rl.replica import ArcticRLRolloutReplica
-    from verl.remote_backend.workers.arctic_rl.worker import ArcticRLActorRolloutRefWorker
+    from verl.workers.remote_client.arctic.replica import ArcticRLRolloutReplica
+    from verl.workers.remote_client.arctic.worker import ArcticRLActorRolloutRefWorker
 
     assert RemoteBackendRegistry.get_worker("arctic") is ArcticRLActorRolloutRefWorker
     assert RemoteBackendRegistry.get_replica("arctic") is ArcticRLRolloutReplica

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from verl.remote_backend.workers.arctic_rl.coalescer import RequestAborted, RequestCoalescer, params_key
-from verl.remote_backend.workers.arctic_rl.replica import to_protocol_sampling_params
+from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer, params_key
+from verl.workers.remote_client.arctic.replica import to_protocol_sampling_params
 
 
 class _Recorder:
@@ -222,7 +222,7 @@ def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path, tiny_mo
 
     from verl.remote_backend.context import read_context
     from verl.remote_backend.lifecycle import BackendOwner
-    from verl.remote_backend.workers.arctic_rl.replica import _RemoteServer
+    from verl.workers.remote_client.arctic.replica import _RemoteServer
 
     tokenizer_prompt = [1, 60, 70, 80, 2]  # any in-vocab ids
     with running_server(tmp_path / "srv") as srv:

@@ -16,12 +16,8 @@ from omegaconf import OmegaConf
 
 from verl.remote_backend.context import BackendContext, install_context, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.workers.arctic_rl.worker import (
-    CHECKPOINT_MARKER,
-    ArcticRLActorRolloutRefWorker,
-    attach_rollout_server,
-    checkpoint_step,
-)
+from verl.remote_backend.workers.worker import CHECKPOINT_MARKER, attach_rollout_server, checkpoint_step
+from verl.workers.remote_client.arctic.worker import ArcticRLActorRolloutRefWorker
 
 N = 2  # rollout.n
 MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per optimizer step

@@ -20,8 +20,8 @@ from _helpers_arctic import ARCTIC_YAML, verl_main_config
 from arctic_rl.protocol import DsWorkerConfig, JobConfig, LossConfig
 from verl.remote_backend import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.workers.remote_client.arctic_config import ArcticConfig
-from verl.workers.remote_client.builders import (
+from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
+from verl.workers.remote_client.arctic.builders import (
     build_ds_config,
     build_ds_worker_config,
     build_job_config,
@@ -30,8 +30,8 @@ from verl.workers.remote_client.builders import (
     build_meta,
     plan_batches,
 )
-from verl.workers.remote_client.metrics import FlopsEstimator, mini_batch_metrics
-from verl.workers.remote_client.verl_settings import VerlSettings
+from verl.workers.remote_client.arctic.metrics import FlopsEstimator, mini_batch_metrics
+from verl.workers.remote_client.common.verl_settings import VerlSettings
 
 
 def settings(overrides: dict | None = None, arctic: dict | None = None) -> tuple[VerlSettings, ArcticConfig]:
@@ -425,7 +425,7 @@ def test_mfu_from_the_parameter_count(tiny_model_dir):
 
 
 def test_registered_as_arctic_and_concrete():
-    from verl.workers.remote_client.arctic_rl import ArcticRLClient
+    from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
     assert RemoteBackendRegistry.get("arctic") is ArcticRLClient
     assert issubclass(ArcticRLClient, RemoteBackend) and not inspect.isabstract(ArcticRLClient)
@@ -433,7 +433,7 @@ def test_registered_as_arctic_and_concrete():
 
 
 def test_reconnect_handle_validation():
-    from verl.workers.remote_client.jobs import check_handle
+    from verl.workers.remote_client.arctic.jobs import check_handle
 
     good = {"backend": "arctic", "handle_version": 1, "url": "http://10.0.0.5:7000", "protocol": 2,
             "job_ids": {"sampling": 1, "log_prob": 2, "training": 3}, "step": 4, "instance_id": "abc"}
@@ -455,7 +455,7 @@ def test_reconnect_handle_validation():
 
 
 def test_settings_the_vendor_ignores_are_listed():
-    from verl.workers.remote_client.builders import vendor_ignored_settings
+    from verl.workers.remote_client.arctic.builders import vendor_ignored_settings
 
     v, _ = settings(GRPO)
     assert vendor_ignored_settings(v) == []  # verl's defaults are the vendor's constants
@@ -473,7 +473,7 @@ def test_folding_is_weights_into_advantages_is_exact_under_the_clipped_loss():
     from arctic_rl.protocol import LossConfig
     from arctic_rl.server.logprobs import TokenLogprobs
     from arctic_rl.server.losses import ppo_clip_loss
-    from verl.workers.remote_client.layout import fold_is_weights
+    from verl.workers.remote_client.arctic.layout import fold_is_weights
 
     g = torch.Generator().manual_seed(0)
     shape = (6, 9)

@@ -37,9 +37,9 @@ from verl.remote_backend.errors import (
     RemoteServerError,
     RemoteTimeoutError,
 )
-from verl.workers.remote_client.arctic_config import LocalServerConfig
-from verl.workers.remote_client.arctic_rl import ArcticRLClient
-from verl.workers.remote_client.local_server import start_local_server
+from verl.workers.remote_client.arctic.arctic_config import LocalServerConfig
+from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.arctic.local_server import start_local_server
 
 N = 2  # rollout.n
 MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per optimizer step
@@ -235,7 +235,7 @@ def test_destroy_touches_only_own_jobs_and_restart_is_detected(server, tiny_mode
 _CHILD_DRIVER = """
 import json, sys, time
 from omegaconf import OmegaConf
-from verl.workers.remote_client.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 client = ArcticRLClient.from_config(OmegaConf.load(sys.argv[1]))
 print(json.dumps(client.job_ids), flush=True)
 time.sleep(600)
@@ -362,8 +362,8 @@ def test_local_server_outlives_no_sigkilled_driver(tmp_path):
     info = tmp_path / "server.json"
     driver = subprocess.Popen([sys.executable, "-c", (
         "import json, sys, time\n"
-        "from verl.workers.remote_client.arctic_config import LocalServerConfig\n"
-        "from verl.workers.remote_client.local_server import start_local_server\n"
+        "from verl.workers.remote_client.arctic.arctic_config import LocalServerConfig\n"
+        "from verl.workers.remote_client.arctic.local_server import start_local_server\n"
         f"s = start_local_server(LocalServerConfig(checkpoint_root={str(tmp_path / 'root')!r}, startup_timeout_s=240))\n"
         f"open({str(info)!r}, 'w').write(json.dumps({{'pid': s.proc.pid, 'url': s.url}}))\n"
         "time.sleep(600)\n")], cwd=str(tmp_path))

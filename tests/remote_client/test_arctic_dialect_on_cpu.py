@@ -27,8 +27,8 @@ from arctic_rl.protocol import (
 )
 from arctic_rl.v1compat import torch_load_safe
 from verl.remote_backend.errors import RemoteProtocolError
-from verl.workers.remote_client.dialect import Dialect, DialectV1, DialectV2, dialect_for
-from verl.workers.remote_client.session import parse_answer
+from verl.workers.remote_client.arctic.dialect import Dialect, DialectV1, DialectV2, dialect_for
+from verl.workers.remote_client.arctic.session import parse_answer
 
 V1, V2 = dialect_for(1), dialect_for(ProtocolVersion.V2)
 
@@ -116,10 +116,10 @@ def test_forward_backward_body_is_what_the_models_produce():
     from _helpers_arctic import verl_main_config
 
     from arctic_rl.protocol import BatchMeta, Processing
-    from verl.workers.remote_client.arctic_config import ArcticConfig
-    from verl.workers.remote_client.builders import build_loss_config, build_meta
-    from verl.workers.remote_client.training import TRAIN_POST, forward_body
-    from verl.workers.remote_client.verl_settings import VerlSettings
+    from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
+    from verl.workers.remote_client.arctic.builders import build_loss_config, build_meta
+    from verl.workers.remote_client.arctic.training import TRAIN_POST, forward_body
+    from verl.workers.remote_client.common.verl_settings import VerlSettings
 
     cfg = verl_main_config(None)
     v, a = VerlSettings.from_main_config(cfg), ArcticConfig.from_main_config(cfg)

@@ -1,4 +1,4 @@
-"""The Arctic adapter's HTTP layer (verl/workers/remote_client/http.py, wire.py).
+"""The Arctic adapter's HTTP layer (verl/workers/remote_client/arctic/http.py, wire.py).
 
 A tiny scripted HTTP server runs in a thread (stdlib ``http.server``): each test queues the
 answers it needs -- error bodies in the shapes servers really send, 503 bursts, dropped
@@ -31,9 +31,9 @@ from verl.remote_backend.errors import (
     RemoteServerError,
     RemoteTimeoutError,
 )
-from verl.workers.remote_client.arctic_config import RetryConfig, TimeoutsConfig
-from verl.workers.remote_client.http import TOKEN_ENV, ArcticHttp
-from verl.workers.remote_client.wire import decode_response, detect_protocol, encode_body
+from verl.workers.remote_client.arctic.arctic_config import RetryConfig, TimeoutsConfig
+from verl.workers.remote_client.arctic.http import TOKEN_ENV, ArcticHttp
+from verl.workers.remote_client.arctic.wire import decode_response, detect_protocol, encode_body
 
 
 class Stub:
@@ -152,7 +152,7 @@ def test_404_for_a_job_is_job_not_found_but_unknown_route_is_not(stub):
 
 def test_idempotent_call_retries_transient_statuses_with_the_same_request_id(stub, caplog):
     stub.on("/forward", js(503, {"detail": "busy"}), js(502, {"detail": "gateway"}), js(200, {"ok": 1}))
-    caplog.set_level(logging.WARNING, logger="verl.workers.remote_client.http")
+    caplog.set_level(logging.WARNING, logger="verl.workers.remote_client.arctic.http")
     resp = make_http(stub.url).request("POST", "/forward", params={"job_id": 1}, data=b"abc", idempotent=True,
                                        op="forward")
     assert resp.json() == {"ok": 1}
@@ -190,7 +190,7 @@ def test_refused_connection_is_retried_for_any_call_then_reported(caplog):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    caplog.set_level(logging.WARNING, logger="verl.workers.remote_client.http")
+    caplog.set_level(logging.WARNING, logger="verl.workers.remote_client.arctic.http")
     http = make_http(f"http://127.0.0.1:{port}", attempts=3)
     with pytest.raises(RemoteConnectionError) as err:
         http.post_json("/step", {}, params={"job_id": 1})  # never reached the server: safe to retry

@@ -1,4 +1,4 @@
-"""ZoRRO/verl batch layout conversions of the Arctic adapter (verl/workers/remote_client/layout.py).
+"""ZoRRO/verl batch layout conversions of the Arctic adapter (verl/workers/remote_client/arctic/layout.py).
 
 Batches are built the way verl 0.9.1 builds them: a left/right-padded DataProto-style TensorDict
 (``tu.get_tensordict``) turned nested by verl's own ``left_right_2_no_padding`` (legacy trainer),
@@ -15,7 +15,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding, response_from_nested
 
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
-from verl.workers.remote_client.layout import (
+from verl.workers.remote_client.arctic.layout import (
     dense_batch,
     group_spans,
     nested_from_server,

@@ -22,7 +22,7 @@ import requests
 from _helpers_arctic import update_batch, verl_main_config
 from verl.utils import tensordict_utils as tu
 
-from verl.workers.remote_client.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
 pytestmark = pytest.mark.slow
 

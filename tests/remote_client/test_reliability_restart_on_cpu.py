@@ -25,8 +25,8 @@ import torch
 from _helpers_reliability import DropProxy, Supervisor, client_config, final_logprobs, train_batch
 from server_process import running_server
 
-from verl.workers.remote_client.arctic_rl import ArcticRLClient
-from verl.workers.remote_client.journal import CheckpointRef, UpdateJournal
+from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.arctic.journal import CheckpointRef, UpdateJournal
 
 
 @pytest.mark.slow
@@ -180,7 +180,7 @@ def test_a_client_attached_mid_run_cannot_restore_until_it_checkpoints():
 
 
 def test_derived_sampling_seeds_repeat_across_runs_and_differ_across_samples():
-    from verl.workers.remote_client.generation import SeedDeriver
+    from verl.workers.remote_client.arctic.generation import SeedDeriver
 
     first, second = SeedDeriver(7), SeedDeriver(7)
     run1 = [first([[5, 6]]), first([[5, 6]]), first([[9]])]

@@ -28,8 +28,8 @@ from _helpers_reliability import DropProxy, client_config, final_logprobs, train
 from server_process import make_batch
 
 from arctic_rl import dssst1
-from verl.workers.remote_client.arctic_rl import ArcticRLClient
-from verl.workers.remote_client.http import AmbiguousCallError
+from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.arctic.http import AmbiguousCallError
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Register the built-in remote backends (``arctic``, ``tinker``) in every registry that needs them.
 
-* the adapter class: importing its module (``verl.workers.remote_client.arctic_rl``, ...) runs its
+* the adapter class: importing its module (``verl.workers.remote_client.arctic.arctic_rl``, ...) runs its
   ``@RemoteBackendRegistry.register("<name>")``; an adapter module imports its vendor SDK only
   when the backend is created, so registering costs no optional dependency;
 * the Ray worker and the rollout replica: lazy loaders in ``RemoteBackendRegistry``
@@ -24,9 +24,9 @@ __all__ = ["BUILTIN_BACKENDS", "register_builtin_backends"]
 #: backend name -> (adapter module, worker "module:Class", replica "module:Class")
 BUILTIN_BACKENDS: dict[str, tuple[str, str, str]] = {
     "arctic": (
-        "verl.workers.remote_client.arctic_rl",
-        "verl.remote_backend.workers.arctic_rl.worker:ArcticRLActorRolloutRefWorker",
-        "verl.remote_backend.workers.arctic_rl.replica:ArcticRLRolloutReplica",
+        "verl.workers.remote_client.arctic.arctic_rl",
+        "verl.workers.remote_client.arctic.worker:ArcticRLActorRolloutRefWorker",
+        "verl.workers.remote_client.arctic.replica:ArcticRLRolloutReplica",
     ),
     "tinker": (
         "verl.workers.remote_client.tinker",

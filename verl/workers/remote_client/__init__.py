@@ -1,21 +1,13 @@
-"""verl.workers.remote_client: client adapters that drive a remote backend over HTTP.
+"""verl.workers.remote_client: the vendors' adapters that drive a remote backend, one folder per vendor.
 
-``arctic_rl.ArcticRLClient`` (registered as ``"arctic"`` in ``RemoteBackendRegistry``) speaks the
-Arctic RL protocol: it is the session (jobs, handle, destroy) and delegates the rest by role. One
-concept per module:
+* ``arctic/`` -- ``remote_backend=arctic``: ``ArcticRLClient``, the HTTP client of an Arctic RL
+  server (reference server ``arctic_rl.server`` or the vendor's v1/v2), with its forwarder worker
+  ``ArcticRLActorRolloutRefWorker`` and its ``arctic`` rollout replica;
+* ``tinker/`` -- ``remote_backend=tinker``: ``TinkerClient`` on the official ``tinker`` SDK (generic
+  worker and replica);
+* ``common/`` -- what both use and names no vendor: the verl fields an adapter reads
+  (``verl_settings``) and strict config mirrors (``strict_config``).
 
-* ``arctic_config`` -- ``config.remote_backend`` as typed, validated dataclasses (mirrors arctic.yaml);
-* ``verl_settings`` -- the standard verl fields the adapter reads;
-* ``builders`` -- ds_config / ds_worker_config / JobConfig / loss config / call meta (pure functions);
-* ``dialect`` -- what differs between wire v1 and v2 (paths, codec, bodies), one object per version;
-* ``session`` -- the run's shared state (job ids, step, instance id, owned jobs) and calls to its jobs;
-* ``training`` -- ``update_actor`` and ``/step``; ``log_probs`` -- ``compute_(ref_)log_prob``;
-* ``generation`` -- ``/generate``; ``checkpoints`` -- weight sync, save, load;
-* ``layout`` -- verl's nested batches <-> the server's ``[left-padded prompt | response]`` layout;
-* ``http`` -- session, time limits, retries, error mapping; ``wire`` -- protocol detection;
-* ``jobs`` -- health, job creation/destruction, handles; ``recovery``/``journal`` -- lost answers, restarts;
-* ``metrics`` -- verl metric names and MFU; ``local_server`` -- a local reference server process.
-
-Importing this package imports none of them: ``import verl.workers.remote_client.arctic_rl``
-registers the adapter.
+Each vendor package registers its adapter in ``RemoteBackendRegistry`` when imported (see
+``verl.remote_backend.builtin``); importing this package imports no vendor.
 """

@@ -37,13 +37,13 @@ from tensordict import TensorDict
 from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.protocols import SAMPLER_UPDATE_KEY
+from verl.workers.remote_client.common.verl_settings import select
 from verl.workers.remote_client.tinker import batch as tb
 from verl.workers.remote_client.tinker.checkpoints import StateIndex
 from verl.workers.remote_client.tinker.config import TinkerConfig
 from verl.workers.remote_client.tinker.options import TinkerRun, learning_rate, plan_run
 from verl.workers.remote_client.tinker.sampling import SamplerSide
 from verl.workers.remote_client.tinker.sdk import TinkerSession, full_length_logprobs, wait
-from verl.workers.remote_client.verl_settings import select
 
 __all__ = ["TinkerClient"]
 

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..strict_config import build as _build
-from ..strict_config import require as _require
-from ..strict_config import to_plain as _to_plain
+from ..common.strict_config import build as _build
+from ..common.strict_config import require as _require
+from ..common.strict_config import to_plain as _to_plain
 
 __all__ = [
     "API_KEY_ENV",

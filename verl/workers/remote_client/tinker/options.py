@@ -29,9 +29,9 @@ import math
 from dataclasses import dataclass
 
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.workers.remote_client.common.verl_settings import OptimSettings, VerlSettings, select
 from verl.workers.remote_client.tinker.batch import LOSS_AGG_MODES
 from verl.workers.remote_client.tinker.config import TinkerConfig
-from verl.workers.remote_client.verl_settings import OptimSettings, VerlSettings, select
 
 __all__ = ["TinkerRun", "learning_rate", "plan_run"]
 

@@ -8,14 +8,9 @@ the documented entry point of the Arctic backend). Every call is forwarded, unch
 
 from __future__ import annotations
 
-from verl.remote_backend.workers.worker import (
-    CHECKPOINT_MARKER,
-    RemoteActorRolloutRefWorker,
-    attach_rollout_server,
-    checkpoint_step,
-)
+from verl.remote_backend.workers.worker import RemoteActorRolloutRefWorker
 
-__all__ = ["CHECKPOINT_MARKER", "ArcticRLActorRolloutRefWorker", "attach_rollout_server", "checkpoint_step"]
+__all__ = ["ArcticRLActorRolloutRefWorker"]
 
 
 class ArcticRLActorRolloutRefWorker(RemoteActorRolloutRefWorker):

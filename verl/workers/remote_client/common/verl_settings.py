@@ -1,12 +1,13 @@
-"""The verl configuration fields the Arctic adapter reads, gathered in one typed record.
+"""The verl configuration fields a remote adapter reads, gathered in one typed record (both vendors use it).
 
-The adapter reads ``config.remote_backend`` (:class:`.arctic_config.ArcticConfig`) plus a handful
-of standard verl fields -- ``data.*``, ``trainer.*``, ``actor_rollout_ref.{model,actor,rollout}.*``.
-:func:`VerlSettings.from_main_config` collects those, with verl 0.9.1's defaults and field
-aliases (``optim.clip_grad`` / ``actor.grad_clip``, ``optim.warmup_style``), so the builders in
-:mod:`.builders` are pure functions of two small records and can be tested with golden dicts.
+An adapter reads its own ``config.remote_backend`` (Arctic: :class:`..arctic.arctic_config.ArcticConfig`,
+Tinker: :class:`..tinker.config.TinkerConfig`) plus a handful of standard verl fields -- ``data.*``,
+``trainer.*``, ``actor_rollout_ref.{model,actor,rollout}.*``. :func:`VerlSettings.from_main_config`
+collects those, with verl 0.9.1's defaults and field aliases (``optim.clip_grad`` / ``actor.grad_clip``,
+``optim.warmup_style``), so Arctic's builders (:mod:`..arctic.builders`) and Tinker's run plan
+(:mod:`..tinker.options`) are pure functions of small records and can be tested with golden dicts.
 
-What is not here: validation of batch shapes (:mod:`.layout`) or of the arctic yaml.
+What is not here: validation of batch shapes (a vendor's layout module) or of any vendor's yaml.
 """
 
 from __future__ import annotations

@@ -23,13 +23,13 @@ from verl.utils import tensordict_utils as tu
 from arctic_rl.protocol import BatchMeta, ForwardBackwardResponse, JobType, Paths, Processing, StepResponse
 from verl.remote_backend.errors import RemoteBackendConfigError
 
+from ..common.verl_settings import VerlSettings
 from .arctic_config import ArcticConfig
 from .builders import BatchPlan, build_loss_config, build_meta
 from .layout import RESPONSE_KEYS, dense_batch, fold_is_weights, plan_layout, shuffled_rows, split_rows
 from .metrics import FlopsEstimator, mini_batch_metrics
 from .recovery import APPLIED
 from .session import JobCalls, ModelTokens, parse_answer
-from .verl_settings import VerlSettings
 
 __all__ = ["TRAIN_POST", "Trainer", "sampling_temperature"]
 

@@ -6,7 +6,7 @@ unknown key, a value of the wrong type or out of range raises
 :class:`~verl.remote_backend.errors.RemoteBackendConfigError` naming the dotted key
 (``remote_backend.train.logits.optimization``), the allowed values and the value received.
 
-What is not here: the verl fields the adapter reads (:mod:`.verl_settings`) and what is built from
+What is not here: the verl fields the adapter reads (:mod:`..common.verl_settings`) and what is built from
 both (:mod:`.builders`).
 """
 
@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 from verl.remote_backend.errors import RemoteBackendConfigError
 
-from .strict_config import build as _build
-from .strict_config import require as _require
-from .strict_config import to_plain as _to_plain
+from ..common.strict_config import build as _build
+from ..common.strict_config import require as _require
+from ..common.strict_config import to_plain as _to_plain
 
 __all__ = [
     "ArcticConfig",

@@ -1,7 +1,7 @@
 """Keeping a run going when the Arctic server fails: unanswered calls, restarts, the update journal.
 
 A GRPO run lasts days and its server is across a network. Two things go wrong, and this module
-handles both for :class:`~verl.workers.remote_client.arctic_rl.ArcticRLClient`, on the run's shared
+handles both for :class:`~verl.workers.remote_client.arctic.arctic_rl.ArcticRLClient`, on the run's shared
 :class:`~.session.RunState`:
 
 **An unanswered mutating call** (:class:`~.http.AmbiguousCallError`: sent, then the connection

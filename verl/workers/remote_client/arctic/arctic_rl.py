@@ -46,6 +46,7 @@ from arctic_rl.protocol import Features, GenerateResult, HealthResponse, JobType
 from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import RemoteBackendError, RemoteJobNotFoundError
 
+from ..common.verl_settings import VerlSettings
 from .arctic_config import ArcticConfig
 from .builders import build_job_config, plan_batches, vendor_ignored_settings
 from .checkpoints import Checkpoints
@@ -59,7 +60,6 @@ from .metrics import FlopsEstimator
 from .recovery import Recovery
 from .session import JobCalls, ModelTokens, RunState
 from .training import Trainer
-from .verl_settings import VerlSettings
 from .wire import detect_protocol
 
 __all__ = ["ArcticRLClient"]

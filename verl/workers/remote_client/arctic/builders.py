@@ -1,7 +1,7 @@
 """Pure builders of what the Arctic server is told: ``ds_config``, ``ds_worker_config``, ``JobConfig``,
 the loss config and the per-call ``meta`` of forward/backward bodies.
 
-Every function here is a pure function of :class:`.verl_settings.VerlSettings` (what verl's config
+Every function here is a pure function of :class:`..common.verl_settings.VerlSettings` (what verl's config
 says) and :class:`.arctic_config.ArcticConfig` (``config.remote_backend``); the golden-dict tests
 in ``tests/remote_client/test_arctic_builders_on_cpu.py`` pin their output.
 
@@ -24,8 +24,8 @@ from typing import Any
 from arctic_rl.protocol import DsWorkerConfig, JobConfig, JobType, LossConfig
 from verl.remote_backend.errors import RemoteBackendConfigError
 
+from ..common.verl_settings import KL_TYPE_ALIASES, OptimSettings, VerlSettings
 from .arctic_config import ArcticConfig, DeepSpeedSettings
-from .verl_settings import KL_TYPE_ALIASES, OptimSettings, VerlSettings
 
 __all__ = [
     "BatchPlan",

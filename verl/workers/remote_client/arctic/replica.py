@@ -18,7 +18,8 @@ from verl.remote_backend.workers.replica import (
     normalize_sampling_params,
     remote_server_class,
 )
-from verl.workers.remote_client.generation import clean_sampling_params
+
+from .generation import clean_sampling_params
 
 __all__ = ["ArcticRLRolloutReplica", "ArcticRLRolloutServer", "to_protocol_sampling_params"]
 
@@ -33,7 +34,7 @@ def to_protocol_sampling_params(
     :func:`~verl.remote_backend.workers.replica.normalize_sampling_params` (``n`` = 1, ``top_k``
     ``None``/``0`` -> -1, ``logprobs`` bool -> ``True``/``None``, ``max_tokens`` defaulted like
     verl's vLLM server, unsupported penalties dropped with a one-time warning), then the adapter's
-    :func:`~verl.workers.remote_client.generation.clean_sampling_params` (unknown keys dropped with
+    :func:`~verl.workers.remote_client.arctic.generation.clean_sampling_params` (unknown keys dropped with
     a one-time warning, values validated: a bad one raises naming the field).
     """
     raw = normalize_sampling_params(params, prompt_len=prompt_len, response_length=response_length,

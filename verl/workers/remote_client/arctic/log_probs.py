@@ -29,13 +29,13 @@ from arctic_rl.protocol import (
 )
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 
+from ..common.verl_settings import VerlSettings
 from .arctic_config import ArcticConfig
 from .builders import build_meta
 from .layout import dense_batch, nested_from_server, plan_layout
 from .metrics import FlopsEstimator
 from .session import JobCalls, ModelTokens, parse_answer
 from .training import TRAIN_POST, forward_body, sampling_temperature
-from .verl_settings import VerlSettings
 
 __all__ = ["LogProbs"]
 

@@ -1,0 +1,24 @@
+"""The Arctic RL adapter: ``remote_backend=arctic``, the client of an Arctic RL server over HTTP.
+
+``arctic_rl.ArcticRLClient`` (registered as ``"arctic"`` in ``RemoteBackendRegistry`` when its
+module is imported) is the session (jobs, handle, destroy) and delegates the rest by role. One
+concept per module:
+
+* ``arctic_config`` -- ``config.remote_backend`` as typed, validated dataclasses (mirrors arctic.yaml);
+* ``builders`` -- ds_config / ds_worker_config / JobConfig / loss config / call meta (pure functions);
+* ``dialect`` -- what differs between wire v1 and v2 (paths, codec, bodies), one object per version;
+* ``session`` -- the run's shared state (job ids, step, instance id, owned jobs) and calls to its jobs;
+* ``training`` -- ``update_actor`` and ``/step``; ``log_probs`` -- ``compute_(ref_)log_prob``;
+* ``generation`` -- ``/generate``; ``checkpoints`` -- weight sync, save, load;
+* ``layout`` -- verl's nested batches <-> the server's ``[left-padded prompt | response]`` layout;
+* ``http`` -- session, time limits, retries, error mapping; ``wire`` -- protocol detection;
+* ``jobs`` -- health, job creation/destruction, handles; ``recovery``/``journal`` -- lost answers, restarts;
+* ``metrics`` -- verl metric names and MFU; ``local_server`` -- a local reference server process;
+* ``worker`` -- ``ArcticRLActorRolloutRefWorker``, verl's forwarder worker under its documented name;
+* ``replica`` -- the ``arctic`` rollout replica and server (verl's sampling parameters -> the protocol's).
+
+The verl fields the adapter reads come from :mod:`verl.workers.remote_client.common.verl_settings`.
+Importing this package imports none of them: ``verl.remote_backend.builtin`` imports
+``arctic_rl`` (the registration) and loads ``worker``/``replica`` lazily, so a process pays for
+ray/tensordict/verl imports only when it builds a worker or a replica.
+"""
