@@ -20,6 +20,8 @@ from pathlib import Path
 __all__ = ["main", "parse_args"]
 
 TOKEN_ENV = "ARCTIC_RL_SERVER_TOKEN"
+#: the default of ``--zorro-min-saving`` when the flag is not given
+ZORRO_MIN_SAVING_ENV = "ARCTIC_RL_ZORRO_MIN_SAVING"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sampling engine: vllm (in-process vLLM; needs --device cuda and the vllm package), transformers, or "
         "auto (default): vllm where it can run, else transformers; the choice is logged",
     )
+    p.add_argument("--zorro-min-saving", type=_share, default=None,
+                   metavar="SHARE",
+                   help="a ZoRRO request takes the ZoRRO pass only when it saves at least this share of the tokens, "
+                   f"else the plain pass (same log-probs, faster there); 0 = always (default ${ZORRO_MIN_SAVING_ENV} "
+                   "or 0.55; see docs/SERVER.md)")
     p.add_argument("--body-timeout-s", type=float, default=300.0,
                    help="longest time to receive one request body; slower clients get a 408 (default 300)")
     p.add_argument("--head-timeout-s", type=float, default=30.0,
@@ -61,7 +68,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shut down (as on SIGTERM) once process PID is gone: a driver that starts a private server "
                    "passes its own pid so that even a SIGKILLed driver leaves no server behind")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.zorro_min_saving is None:
+        try:
+            args.zorro_min_saving = _share(os.environ.get(ZORRO_MIN_SAVING_ENV, "0.55"))
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"${ZORRO_MIN_SAVING_ENV}: {exc}")
+    return args
+
+
+def _share(text: str) -> float:
+    """An argparse type: a float between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
 
 
 def _process_alive(pid: int) -> bool:
@@ -145,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         head_timeout_s=args.head_timeout_s,
         limit_concurrency=args.limit_concurrency,
         sampler=args.sampler,
+        zorro_min_saving=args.zorro_min_saving,
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     from arctic_rl.server.app import create_app

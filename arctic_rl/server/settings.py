@@ -62,6 +62,9 @@ class ServerSettings:
     limit_concurrency: int = 1024
     #: the sampling engine (:data:`SAMPLERS`)
     sampler: str = "auto"
+    #: share of tokens ZoRRO must save for a ZoRRO request to take the ZoRRO pass (else the plain pass, same
+    #: numbers; see :mod:`arctic_rl.server.zorro_rule`); 0 = always when asked
+    zorro_min_saving: float = 0.55
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -79,6 +82,10 @@ class ServerSettings:
             raise ValueError(f"limit_concurrency: expected >= 0 (0 = unbounded), got {self.limit_concurrency}")
         if self.torch_compile not in TORCH_COMPILE_MODES:
             raise ValueError(f"torch_compile: expected one of {list(TORCH_COMPILE_MODES)}, got {self.torch_compile!r}")
+        if not 0.0 <= self.zorro_min_saving <= 1.0:
+            raise ValueError(
+                f"zorro_min_saving: expected a share between 0 and 1 (0 = ZoRRO whenever asked), got {self.zorro_min_saving!r}"
+            )
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler: expected one of {list(SAMPLERS)}, got {self.sampler!r}")
         object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

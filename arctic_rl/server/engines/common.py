@@ -24,6 +24,7 @@ import torch
 from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.validation import ParsedBatch
+from arctic_rl.server.zorro_rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
 
 __all__ = [
     "compile_model",
@@ -216,13 +217,17 @@ def forward_logprobs(
     zorro: bool,
     temperature: float,
     max_token_len: int | None = None,
+    zorro_min_saving: float = DEFAULT_MIN_SAVING,
+    choice_log: ZorroChoiceLog | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], LogprobAlignment]:
     """No-grad log-probs of a validated batch: ``(batch dict, metrics, alignment)``.
 
     Both are ``[B, P+R]``, the vendor's layouts (:class:`~arctic_rl.protocol.LogprobAlignment`): ZoRRO
     on, response-aligned (column ``P+j`` = log p(response token ``j``), zeros in the prompt columns);
     off, shifted (column ``c`` = log p(token ``c+1``)). Rows are processed in chunks of at most
-    ``max_token_len`` tokens (at least one row) to bound memory.
+    ``max_token_len`` tokens (at least one row) to bound memory. With ZoRRO on, the pass itself is
+    chosen by :func:`~arctic_rl.server.zorro_rule.choose_zorro` (the plain pass where deduplicating
+    the prompts would not pay); the layout stays response-aligned either way.
     """
     from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs
 
@@ -233,11 +238,23 @@ def forward_logprobs(
     lps, ents = [], []
     tokens_computed, unique = 0, 0
     t0 = time.perf_counter()
+    choice = None
+    if zorro:
+        choice = choose_zorro(
+            batch.input_ids,
+            batch.attention_mask,
+            batch.prompt_len,
+            min_saving=zorro_min_saving,
+            passes=row_slices(rows, step),
+            position_ids=batch.position_ids,
+        )
+        if choice_log is not None:
+            choice_log.record("/forward", choice)
     with torch.no_grad():
         for start in range(0, rows, step):
             part = batch.slice_rows(start, start + step)
             ids, mask, pos = (t.to(device) for t in (part.input_ids, part.attention_mask, part.position_ids))
-            if zorro:
+            if choice is not None:
                 out = response_logprobs(
                     model,
                     ids,
@@ -246,7 +263,7 @@ def forward_logprobs(
                     part.prompt_len,
                     temperature=temperature,
                     calculate_entropy=want_entropy,
-                    zorro=True,
+                    zorro=choice.use_zorro,
                 )
                 left = (part.prompt_len, 0)  # [B, R] -> [B, P+R]: zeros in the prompt columns, as the vendor answers
                 lp = torch.nn.functional.pad(out.logprobs, left)
@@ -271,4 +288,6 @@ def forward_logprobs(
         "num_rows": float(rows),
         "seconds": time.perf_counter() - t0,
     }
+    if choice is not None:
+        metrics.update(choice.metrics())
     return result, metrics, LogprobAlignment.RESPONSE if zorro else LogprobAlignment.SHIFTED

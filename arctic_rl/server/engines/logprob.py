@@ -25,6 +25,7 @@ from arctic_rl.server.engines.config import parse_worker_knobs
 from arctic_rl.server.engines.weights import copy_weights
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
+from arctic_rl.server.zorro_rule import ZorroChoiceLog
 
 __all__ = ["LogProbEngine"]
 
@@ -37,6 +38,8 @@ class LogProbEngine:
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
         self.config = config
         self.device = resolve_device(settings.device)
+        self.zorro_min_saving = settings.zorro_min_saving
+        self.zorro_choices = ZorroChoiceLog("log_prob")
         self.knobs, _, unknown = parse_worker_knobs(config.ds_worker_config)
         if unknown:
             logger.info("log_prob job: unknown ds_worker_config keys ignored: %s", unknown)
@@ -57,6 +60,8 @@ class LogProbEngine:
             zorro=bool(self.knobs.zorro_train_enable or batch.meta.zorro_train_enable),
             temperature=batch.scoring_temperature(job_t),
             max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
+            zorro_min_saving=self.zorro_min_saving,
+            choice_log=self.zorro_choices,
         )
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:

@@ -48,6 +48,7 @@ from arctic_rl.server.logprobs import set_compiled_token_stats
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro import set_response_attention
+from arctic_rl.server.zorro_rule import ZorroChoiceLog, choose_zorro, row_slices
 
 __all__ = ["TrainingEngine"]
 
@@ -94,6 +95,8 @@ class TrainingEngine:
         self.config = config
         self.job_dir = job_dir
         self.device = resolve_device(settings.device)
+        self.zorro_min_saving = settings.zorro_min_saving
+        self.zorro_choices = ZorroChoiceLog("training")
         self.knobs, unused, unknown = parse_worker_knobs(config.ds_worker_config)
         if unused:
             logger.info("training job: ds_worker_config keys accepted but not used here: %s", unused)
@@ -215,9 +218,21 @@ class TrainingEngine:
         if token_mean:
             denom = batch.meta.batch_num_tokens or cfg.loss_scale_tokens or max(call_tokens, 1.0)
             cfg = cfg.model_copy(update={"loss_scale_tokens": float(denom)})
-        zorro, temperature = self._zorro(batch), self._temperature(batch)
+        temperature = self._temperature(batch)
         want_entropy = batch.wants_entropy or cfg.entropy_coeff != 0.0
         rows = batch.rows // self.gas
+        choice = None
+        if self._zorro(batch):  # the pass: ZoRRO where deduplicating each micro-batch's prompts pays, else plain
+            choice = choose_zorro(
+                batch.input_ids,
+                batch.attention_mask,
+                batch.prompt_len,
+                min_saving=self.zorro_min_saving,
+                passes=row_slices(batch.rows, rows),
+                position_ids=batch.position_ids,
+            )
+            self.zorro_choices.record("/forward-backward", choice)
+        zorro = choice is not None and choice.use_zorro
         t0 = time.perf_counter()
         parts: list[tuple[dict[str, float], float, Any]] = []
         self.engine.train()
@@ -263,6 +278,8 @@ class TrainingEngine:
             gradient_accumulation_steps=float(self.gas),
             seconds=time.perf_counter() - t0,
         )
+        if choice is not None:
+            metrics.update(choice.metrics())
         return {"metrics": metrics, "avg_loss": metrics.get("loss")}
 
     def _discard_gradients(self) -> None:
@@ -312,6 +329,8 @@ class TrainingEngine:
                 zorro=self._zorro(batch),
                 temperature=self._temperature(batch),
                 max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
+                zorro_min_saving=self.zorro_min_saving,
+                choice_log=self.zorro_choices,
             )
         finally:
             self.engine.train()
