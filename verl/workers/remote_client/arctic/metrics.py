@@ -42,8 +42,13 @@ _TOKEN_MEANS = {
     "kl_loss": "kl_loss",
     "kl_coef": "kl_coef",
 }
-#: server bookkeeping passed on under the adapter's prefix (ZoRRO's savings are visible there)
-_COUNTED = {"tokens_computed": "arctic/tokens_computed"}
+#: server bookkeeping passed on under the adapter's prefix (ZoRRO's savings are visible there; the reference
+#: server reports whether a ZoRRO request took the ZoRRO pass and the share of tokens that pass saves)
+_COUNTED = {
+    "tokens_computed": "arctic/tokens_computed",
+    "zorro_applied": "arctic/zorro_applied",
+    "zorro_token_saving": "arctic/zorro_token_saving",
+}
 
 
 def _scalar(value: Any) -> float | None:
