@@ -66,8 +66,9 @@ setup(
         "gpu": ["vllm"],
         # the examples' reward-curve plot (examples/reverse_text/plot.py)
         "examples": ["matplotlib"],
-        # remote_backend=tinker: the official Tinker SDK (its releases need Python >= 3.11)
-        "tinker": ['tinker>=0.24.1; python_version >= "3.11"'],
+        # remote_backend=tinker: the official Tinker SDK (Python >= 3.11), bounded to the JSON-wire SDK tested end
+        # to end (0.24.x against SkyRL 0.3.0); SDK >= 0.25 speaks protobuf, which no open server here speaks
+        "tinker": ['tinker>=0.24.1,<0.25; python_version >= "3.11"'],
         # tests drive a local Tinker server that speaks the JSON wire of SDK 0.24.1
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "httpx", "matplotlib", "schemathesis", "ruff==0.17.6",
                  'tinker==0.24.1; python_version >= "3.11"'],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,13 @@ from verl.workers.remote_client.tinker import batch as tb
 from verl.workers.remote_client.tinker.config import TinkerConfig
 from verl.workers.remote_client.tinker.options import learning_rate, plan_run
 from verl.workers.remote_client.tinker.sampling import eos_token_ids, tinker_sampling_params
-from verl.workers.remote_client.tinker.sdk import full_length_logprobs, make_datum, map_error
+from verl.workers.remote_client.tinker.sdk import (
+    TESTED_SDK,
+    full_length_logprobs,
+    make_datum,
+    map_error,
+    untested_sdk_line,
+)
 
 YAML = Path(__file__).resolve().parents[2] / "verl/trainer/config/remote_backend/tinker.yaml"
 
@@ -235,6 +242,23 @@ def test_compute_logprobs_lengths_are_normalised():
     assert full_length_logprobs([-1.0, -2.0], 3, "x") == [None, -1.0, -2.0]  # n-1 values (open servers)
     with pytest.raises(RemoteProtocolError):
         full_length_logprobs([-1.0], 3, "x")
+
+
+def test_the_tinker_extra_is_bounded_to_the_sdk_tested_end_to_end():
+    """SDK >= 0.25 sends protobuf, which no open server installable here speaks: the extra stops below it."""
+    from packaging.specifiers import SpecifierSet
+
+    extra = re.search(r"\"tinker\": \['tinker([^;']*)", (Path(REPO) / "setup.py").read_text())
+    assert extra is not None, "setup.py: no tinker extra"
+    allowed = SpecifierSet(extra.group(1))
+    assert TESTED_SDK in allowed
+    assert "0.25.0" not in allowed and "0.38.0" not in allowed and "0.24.0" not in allowed
+
+
+def test_a_different_installed_sdk_is_named_in_one_start_up_line():
+    assert untested_sdk_line(TESTED_SDK) is None
+    line = untested_sdk_line("0.38.0")
+    assert line is not None and "0.38.0" in line and TESTED_SDK in line and "\n" not in line
 
 
 def test_sdk_records_carry_the_converted_rows():

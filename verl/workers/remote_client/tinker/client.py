@@ -43,7 +43,7 @@ from verl.workers.remote_client.tinker.checkpoints import StateIndex
 from verl.workers.remote_client.tinker.config import TinkerConfig
 from verl.workers.remote_client.tinker.options import TinkerRun, learning_rate, plan_run
 from verl.workers.remote_client.tinker.sampling import SamplerSide
-from verl.workers.remote_client.tinker.sdk import TinkerSession, full_length_logprobs, wait
+from verl.workers.remote_client.tinker.sdk import TinkerSession, full_length_logprobs, untested_sdk_line, wait
 
 __all__ = ["TinkerClient"]
 
@@ -89,6 +89,9 @@ class TinkerClient(RemoteBackend):
             logger.info("tinker backend: %s, base model %s, LoRA rank %d, SDK %s",
                         tinker.server.url or "the SDK's default service", run.base_model, run.lora_rank,
                         session.version)
+            note = untested_sdk_line(session.version)
+            if note is not None:
+                logger.warning(note)
         return cls(tinker=tinker, run=run, session=session, handle=dict(handle), index=index)
 
     def reconnect_handle(self) -> dict:

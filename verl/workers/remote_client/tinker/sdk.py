@@ -1,9 +1,11 @@
 """Every call the Tinker adapter makes into the official ``tinker`` SDK, in one place.
 
 Only the SDK's public client calls are used (``ServiceClient``, ``TrainingClient``,
-``SamplingClient`` and the ``tinker.types`` records), so the adapter runs with SDK 0.24.1 (the
-last that speaks JSON, e.g. to SkyRL's open server) and with the newer SDKs of the hosted service.
-Where SDK versions differ, the difference is absorbed here:
+``SamplingClient`` and the ``tinker.types`` records). The adapter is tested end to end with SDK
+0.24.1 (:data:`TESTED_SDK`), the last that speaks JSON, against SkyRL's open server; from SDK 0.25.0
+on, training and sampling calls travel as protobuf, which no open server installable here speaks,
+so the ``[tinker]`` extra stops below 0.25 and a different installed SDK is named at start-up
+(:func:`untested_sdk_line`). Where SDK versions differ, the difference is absorbed here:
 
 * a training-client factory that returns a future-like object (newer SDKs) is resolved;
 * ``compute_logprobs`` returns ``len`` values with a leading ``None`` (hosted) or ``len - 1``
@@ -32,10 +34,19 @@ from verl.remote_backend.errors import (
 )
 from verl.workers.remote_client.tinker.config import API_KEY_ENV
 
-__all__ = ["TESTED_SDK", "TinkerSession", "full_length_logprobs", "import_sdk", "make_datum", "map_error", "wait"]
+__all__ = ["TESTED_SDK", "TinkerSession", "full_length_logprobs", "import_sdk", "make_datum", "map_error",
+           "untested_sdk_line", "wait"]
 
-#: the SDK versions this adapter is tested with (peer: 0.24.1; hosted: the newest on PyPI)
+#: the SDK version this adapter's end-to-end tests run (against SkyRL 0.3.0's Tinker server)
 TESTED_SDK = "0.24.1"
+
+
+def untested_sdk_line(installed: str) -> str | None:
+    """The start-up line naming the installed and the tested SDK versions; ``None`` when they are one."""
+    if installed == TESTED_SDK:
+        return None
+    return (f"Tinker SDK {installed} is installed, but this adapter is tested end to end with SDK {TESTED_SDK} "
+            "only (JSON wire; SDK >= 0.25 sends training and sampling calls as protobuf, untested here)")
 
 
 def import_sdk() -> Any:
