@@ -194,3 +194,18 @@ def test_the_server_log_names_each_choice(calls):
     assert "training job, /forward: ZoRRO pass" in calls["log"]
     assert "training job, /forward: plain pass" in calls["log"]
     assert "saving 25% < --zorro-min-saving 55%" in calls["log"]
+
+
+def test_the_adapter_passes_its_threshold_to_a_local_server():
+    """``remote_backend.server.local.zorro_min_saving``: null keeps the server's default; a share becomes the
+    flag; anything else is refused naming the key."""
+    from verl.remote_backend.errors import RemoteBackendConfigError
+    from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
+    from verl.workers.remote_client.arctic.local_server import _extra_args
+
+    assert _extra_args(ArcticConfig.from_dict({}).server.local) == ()
+    local = ArcticConfig.from_dict({"server": {"local": {"zorro_min_saving": 0.3}}}).server.local
+    assert _extra_args(local) == ("--zorro-min-saving", "0.3")
+    assert parse_args(list(_extra_args(local))).zorro_min_saving == 0.3
+    with pytest.raises(RemoteBackendConfigError, match=r"server\.local\.zorro_min_saving.*1\.5"):
+        ArcticConfig.from_dict({"server": {"local": {"zorro_min_saving": 1.5}}})

@@ -56,9 +56,13 @@ class LocalServerConfig:
     checkpoint_root: str | None = None
     log_dir: str | None = None
     startup_timeout_s: float = 180.0
+    zorro_min_saving: float | None = None
 
     def _validate(self, p: str) -> None:
         _require(0 <= self.port <= 65535, f"{p}.port", "not a TCP port", "0 (a free port) .. 65535", self.port)
+        if self.zorro_min_saving is not None:
+            _require(0.0 <= self.zorro_min_saving <= 1.0, f"{p}.zorro_min_saving", "not a share",
+                     "0 .. 1 (0 = ZoRRO whenever asked) or null (the server's default, 0.55)", self.zorro_min_saving)
         _require(self.threads >= 1, f"{p}.threads", "must be positive", ">= 1", self.threads)
         _require(self.startup_timeout_s > 0, f"{p}.startup_timeout_s", "must be positive", "> 0", self.startup_timeout_s)
 

@@ -75,6 +75,13 @@ class LocalServer:
             self._tmpdir = None
 
 
+def _extra_args(cfg: LocalServerConfig) -> tuple[str, ...]:
+    """Server flags of the options that keep the server's own default when null."""
+    if cfg.zorro_min_saving is None:
+        return ()
+    return ("--zorro-min-saving", repr(float(cfg.zorro_min_saving)))
+
+
 def start_local_server(cfg: LocalServerConfig, *, token: str | None = None, python: str | None = None) -> LocalServer:
     """Start ``python -m arctic_rl.server`` as configured and wait until ``/health`` answers."""
     tmpdir = None
@@ -86,7 +93,7 @@ def start_local_server(cfg: LocalServerConfig, *, token: str | None = None, pyth
     log_dir = Path(cfg.log_dir).expanduser().resolve() if cfg.log_dir else root
     process = ServerProcess(checkpoint_root=root, log_dir=log_dir, host=cfg.host, port=cfg.port, device=cfg.device,
                             sampler=cfg.sampler, threads=cfg.threads, token=token, python=python or sys.executable,
-                            startup_timeout_s=cfg.startup_timeout_s)
+                            startup_timeout_s=cfg.startup_timeout_s, extra_args=_extra_args(cfg))
     try:
         process.start()
     except ServerExited as exc:
