@@ -1,0 +1,212 @@
+"""Compare GRPO runs of the real-model recipe: reward curves, reward per 10 steps, step time and its phases.
+
+Reads the run directories the example scripts write (``examples/grpo/run_arithmetic_grpo_smollm2*.sh``:
+verl's ``metrics.jsonl``, and ``gpu_mem.csv`` when the device runner logged ``nvidia-smi``), prints
+markdown tables and writes one PNG with every run's reward curve:
+
+* reward (``critic/score/mean``) per block of 10 steps, first-10 -> last-10 gain;
+* median step time (``timing_s/step``) and the median of each phase verl times (``timing_s/gen``,
+  ``timing_s/old_log_prob``, ``timing_s/update_actor``, ...), each run's ratio to the baseline run (the
+  first ``--run`` unless ``--baseline`` names another);
+* steps and seconds until the 5-step moving mean of the reward first reaches ``--threshold``;
+* GPU memory: the most in use on the device (``gpu_mem.csv``) and verl's ``perf/max_memory_allocated_gb``.
+
+    python benchmarks/real_model_report.py --run "stock verl, short=DIR" --run "arctic, ZoRRO off, short=DIR" \
+        [--baseline LABEL] [--threshold 0.5] [--png curves.png]
+
+No GPU and no verl import: it only reads files (``--smoke`` runs it on generated metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REWARD = "critic/score/mean"
+STEP = "timing_s/step"
+BLOCK = 10
+
+
+@dataclass
+class Run:
+    label: str
+    rows: dict[int, dict[str, float]]
+    gpu_mem_mib: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        return [(s, r[key]) for s, r in self.rows.items() if key in r and not math.isnan(r[key])]
+
+    def median(self, key: str) -> float | None:
+        values = [v for _, v in self.series(key)]
+        return statistics.median(values) if values else None
+
+
+def load_run(label: str, run_dir: Path) -> Run:
+    """One run directory: its ``metrics.jsonl`` merged per step, and the peak of its ``gpu_mem.csv``."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise SystemExit(f"--run {label}={run_dir}: no metrics.jsonl there")
+    rows: dict[int, dict[str, float]] = {}
+    for lineno, line in enumerate(metrics.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"{metrics}:{lineno}: not a JSON line ({exc.msg})") from None
+        row = rows.setdefault(int(rec["step"]), {})
+        for key, value in rec.get("data", {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[key] = float(value)
+    run = Run(label, dict(sorted(rows.items())))
+    mem = run_dir / "gpu_mem.csv"
+    if mem.is_file():
+        used = []
+        with mem.open(encoding="utf-8") as f:
+            for rec in csv.reader(f):
+                if rec and rec[0].strip().split(" ")[0].replace(".", "", 1).isdigit():
+                    used.append(float(rec[0].strip().split(" ")[0]))
+        run.gpu_mem_mib = max(used) if used else None
+    return run
+
+
+def blocks(run: Run) -> list[float]:
+    """Mean reward of steps 1-10, 11-20, ... (a last, shorter block included)."""
+    series = run.series(REWARD)
+    out = []
+    for start in range(0, len(series), BLOCK):
+        chunk = [v for _, v in series[start : start + BLOCK]]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def time_to(run: Run, threshold: float, window: int = 5) -> tuple[int, float] | None:
+    """(step, seconds since the first step) where the ``window``-step moving mean first reaches ``threshold``."""
+    series = run.series(REWARD)
+    step_s = dict(run.series(STEP))
+    elapsed = 0.0
+    for i, (step, _) in enumerate(series):
+        elapsed += step_s.get(step, 0.0)
+        if i + 1 >= window and sum(v for _, v in series[i + 1 - window : i + 1]) / window >= threshold:
+            return step, elapsed
+    return None
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(runs: list[Run], baseline: Run, threshold: float) -> str:
+    lines = []
+    width = max(len(blocks(r)) for r in runs)
+    head = [f"steps {i * BLOCK + 1}-{(i + 1) * BLOCK}" for i in range(width)]
+    lines += ["| run | steps | " + " | ".join(head) + " | first 10 -> last 10 |",
+              "|---|---|" + "---|" * width + "---|"]
+    for r in runs:
+        b = blocks(r)
+        series = [v for _, v in r.series(REWARD)]
+        gain = (sum(series[-BLOCK:]) / len(series[-BLOCK:]) - sum(series[:BLOCK]) / len(series[:BLOCK])) if series else None
+        cells = [_fmt(x) for x in b] + ["-"] * (width - len(b))
+        lines.append(f"| {r.label} | {len(series)} | " + " | ".join(cells) + f" | {_fmt(gain, '+.3f')} |")
+    phases = sorted({k for r in runs for row in r.rows.values() for k in row if k.startswith("timing_s/")} - {STEP})
+    base_step = baseline.median(STEP)
+    lines += ["", "| run (medians, s) | step | vs " + baseline.label + " | " + " | ".join(p[9:] for p in phases) + " |",
+              "|---|---|---|" + "---|" * len(phases)]
+    for r in runs:
+        step = r.median(STEP)
+        ratio = step / base_step if step and base_step else None
+        lines.append(f"| {r.label} | {_fmt(step, '.2f')} | {_fmt(ratio, '.2f')}x | "
+                     + " | ".join(_fmt(r.median(p), ".2f") for p in phases) + " |")
+    head = (f"| run | reward >= {threshold} (5-step mean) at | GPU memory in use, max (GiB) | "
+            "verl max_memory_allocated (GiB) |")
+    lines += ["", head, "|---|---|---|---|"]
+    for r in runs:
+        hit = time_to(r, threshold)
+        where = f"step {hit[0]}, {hit[1]:.0f} s" if hit else "not reached"
+        mem = r.gpu_mem_mib / 1024 if r.gpu_mem_mib is not None else None
+        alloc = max((v for _, v in r.series("perf/max_memory_allocated_gb")), default=None)
+        lines.append(f"| {r.label} | {where} | {_fmt(mem, '.1f')} | {_fmt(alloc, '.1f')} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[Run], path: Path, threshold: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in runs:
+        steps, values = zip(*r.series(REWARD)) if r.series(REWARD) else ((), ())
+        ax.plot(steps, values, label=r.label, linewidth=1.2)
+    ax.axhline(threshold, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(REWARD)
+    ax.set_title("SmolLM2-135M-Instruct, arithmetic GRPO")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _smoke_runs(root: Path) -> list[str]:
+    """Two generated run directories (a faster one that learns sooner), as ``LABEL=DIR`` arguments."""
+    specs = []
+    for label, pace, step_s in (("baseline", 0.010, 4.0), ("candidate", 0.012, 3.0)):
+        d = root / label
+        d.mkdir(parents=True)
+        with (d / "metrics.jsonl").open("w", encoding="utf-8") as f:
+            for step in range(1, 51):
+                data = {REWARD: min(1.0, 0.2 + pace * step), STEP: step_s, "timing_s/gen": step_s / 2,
+                        "perf/max_memory_allocated_gb": 10.0}
+                f.write(json.dumps({"step": step, "data": data}) + "\n")
+        (d / "gpu_mem.csv").write_text("memory.used [MiB]\n20480 MiB\n30720 MiB\n", encoding="utf-8")
+        specs.append(f"{label}={d}")
+    return specs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", action="append", default=[], metavar="LABEL=DIR", help="a run directory (repeat)")
+    p.add_argument("--baseline", help="the label step times are compared with (default: the first run)")
+    p.add_argument("--threshold", type=float, default=0.5, help="reward to reach (5-step moving mean)")
+    p.add_argument("--png", type=Path, help="write every run's reward curve into this PNG")
+    p.add_argument("--smoke", action="store_true", help="run on two generated runs (CPU check)")
+    args = p.parse_args(argv)
+    tmp = None
+    if args.smoke:
+        tmp = tempfile.TemporaryDirectory(prefix="real_model_report_")
+        args.run = _smoke_runs(Path(tmp.name))
+        args.png = args.png or Path(tmp.name) / "curves.png"
+    if not args.run:
+        p.error("--run LABEL=DIR: at least one run directory is needed")
+    runs = []
+    for spec in args.run:
+        label, sep, where = spec.partition("=")
+        if not sep or not label or not where:
+            p.error(f"--run: expected LABEL=DIR, got {spec!r}")
+        runs.append(load_run(label, Path(where)))
+    by_label = {r.label: r for r in runs}
+    if args.baseline is not None and args.baseline not in by_label:
+        p.error(f"--baseline: expected one of {sorted(by_label)}, got {args.baseline!r}")
+    baseline = by_label[args.baseline] if args.baseline else runs[0]
+    print(report(runs, baseline, args.threshold))
+    if args.png:
+        plot(runs, args.png, args.threshold)
+        print(f"\ncurves: {args.png}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

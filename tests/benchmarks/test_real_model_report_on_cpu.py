@@ -1,0 +1,51 @@
+"""benchmarks/real_model_report.py on generated runs: the tables' numbers and the PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import real_model_report as rmr  # noqa: E402
+
+
+def _write(run_dir: Path, rewards: list[float], step_s: float) -> Path:
+    run_dir.mkdir(parents=True)
+    with (run_dir / "metrics.jsonl").open("w", encoding="utf-8") as f:
+        for step, reward in enumerate(rewards, 1):
+            data = {"critic/score/mean": reward, "timing_s/step": step_s, "timing_s/gen": step_s / 4, "note": "x"}
+            f.write(json.dumps({"step": step, "data": data}) + "\n")
+    return run_dir
+
+
+def test_blocks_gain_threshold_and_ratio(tmp_path):
+    base = rmr.load_run("base", _write(tmp_path / "a", [0.1] * 10 + [0.3] * 10 + [0.6] * 5, 2.0))
+    fast = rmr.load_run("fast", _write(tmp_path / "b", [0.2] * 25, 1.0))
+    assert rmr.blocks(base) == pytest.approx([0.1, 0.3, 0.6])  # a short last block counts
+    assert rmr.time_to(base, 0.5) == (24, 48.0)  # the 5-step mean of steps 20-24 is 0.54
+    assert rmr.time_to(fast, 0.5) is None
+    text = rmr.report([base, fast], base, 0.5)
+    assert "| base | 25 | 0.100 | 0.300 | 0.600 | +0.350 |" in text  # last 10: five 0.3, five 0.6
+    assert "| fast | 1.00 | 0.50x | 0.25 |" in text
+    assert "step 24, 48 s" in text and "not reached" in text
+
+
+def test_smoke_mode_runs_and_writes_the_png(tmp_path):
+    png = tmp_path / "curves.png"
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_model_report.py"), "--smoke", "--png", str(png)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "| candidate | 3.00 | 0.75x |" in out
+    assert png.stat().st_size > 10_000
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(SystemExit):
+        rmr.main(["--run", "no-equals-sign"])
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        rmr.main(["--run", f"x={tmp_path}"])
