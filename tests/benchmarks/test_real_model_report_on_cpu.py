@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import real_model_report as rmr  # noqa: E402
+import real_model_report as rmr
 
 
 def _write(run_dir: Path, rewards: list[float], step_s: float) -> Path:
