@@ -11,7 +11,8 @@
 #   console_say "text"                         # always on the terminal (and in the log)
 #   console_run 'REGEX' cmd args...            # cmd's output -> log; lines matching REGEX -> terminal
 #
-# A failing command prints its last lines and the log path, then the script exits with its status.
+# A failing command prints its last lines, the error's own message line(s) found anywhere in its output
+# (a traceback's last line; the tail may not reach it) and the log path, then the script exits with its status.
 # Ray prefixes a worker's lines with "(Actor pid=N)" and colours it; the terminal copy drops both.
 
 VERBOSE="${VERBOSE:-0}"
@@ -81,7 +82,23 @@ console_run() {
             echo "---- last ${CONSOLE_TAIL_LINES} lines of ${CONSOLE_LOG} ----" >&2
             grep -v -E '^\++ ' "${CONSOLE_LOG}" | tail -n "${CONSOLE_TAIL_LINES}" | _console_clean >&2  # no trace lines
         fi
+        _console_error_lines >&2
         echo "FAILED (exit status ${rc}): ${*:1:3} ... -- full log: ${CONSOLE_LOG}" >&2
         exit "${rc}"
     fi
+}
+
+# The error's own message, wherever it is in the log: Python's `pkg.SomeError: message` lines (the last
+# of a traceback, and Ray's copy of a worker's), the entry point's `[remote_backend] error:` line, Hydra's
+# `Error ...` lines -- the last few distinct ones, in order, after the tail (which may not reach them).
+_console_error_lines() {
+    { set +x; } 2>/dev/null
+    local pattern='^([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception)(\([A-Za-z0-9_.]*\))?: |^\[remote_backend\] error: |^Error (executing|merging|composing|in call)'
+    local lines
+    lines="$(grep -v -E '^\++ ' "${CONSOLE_LOG}" | _console_clean | grep -E -- "${pattern}" | awk '!seen[$0]++' | tail -n 3 || true)"
+    if [ -n "${lines}" ]; then
+        echo "---- error ----"
+        printf '%s\n' "${lines}"
+    fi
+    return 0
 }

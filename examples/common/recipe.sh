@@ -4,6 +4,8 @@
 #   source "${SCRIPT_DIR}/../common/recipe.sh"  # or a task file, which sources this
 #   PRINT_ONLY=$(recipe_print_only "$@")    # "true" when Hydra is only asked to print (--cfg job, --help, ...)
 #   X=$(recipe_hydra_str "${VALUE}")        # a Hydra override value: null when VALUE is empty, else 'VALUE'
+#   URL=$(recipe_server_url "${URL}" "$@")  # the server URL the run will use: the user's last
+#                                           #   remote_backend.server.url=... override, else URL ("" = none)
 #   recipe_env                              # unbuffered Python, full Hydra errors, every Ray worker's lines
 #   recipe_local_env                        # recipe_env, plus one thread per process and an offline hub
 #   recipe_bool NAME "${VALUE}"             # exits 2 unless VALUE is true or false, naming NAME
@@ -27,6 +29,22 @@ recipe_print_only() {
 # A string for a Hydra override that may be absent: `null` for "", else single-quoted (URLs hold ':' and '/').
 recipe_hydra_str() {
     if [ -n "$1" ]; then printf "'%s'\n" "$1"; else echo null; fi
+}
+
+recipe_server_url() {
+    local url="$1" arg
+    shift
+    for arg in "$@"; do
+        case "${arg}" in
+            remote_backend.server.url=*|++remote_backend.server.url=*)
+                url="${arg#*remote_backend.server.url=}"
+                url="${url#[\'\"]}"
+                url="${url%[\'\"]}"
+                if [ "${url}" = null ]; then url=""; fi
+                ;;
+        esac
+    done
+    printf '%s\n' "${url}"
 }
 
 recipe_bool() {

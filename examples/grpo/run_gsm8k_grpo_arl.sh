@@ -36,6 +36,8 @@ source "${SCRIPT_DIR}/../common/gsm8k.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
 recipe_env
 PRINT_ONLY="$(recipe_print_only "$@")"
+# The server this run talks to: a remote_backend.server.url=... override wins over ARCTIC_RL_URL.
+SERVER_URL="$(recipe_server_url "${ARCTIC_RL_URL}" "$@")"
 
 ############################ Parameter groups ############################
 
@@ -92,7 +94,7 @@ mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
 console_init "${RUN_DIR}/run.log"
 console_header \
     "GSM8K GRPO, ${MODEL_DIR}, ZoRRO ${ZORRO}, ${STEPS} steps, verl 0.9.1 + remote backend 'arctic'" \
-    "  server:  ${ARCTIC_RL_URL:-none given: the reference server starts here on ${DEVICE}}" \
+    "  server:  ${SERVER_URL:-the reference Arctic RL server, started here on ${DEVICE} (none given; stopped at the end)}" \
     "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)" \
     "  log:     ${RUN_DIR}/run.log (everything else; VERBOSE=1 prints it here)"
 console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"

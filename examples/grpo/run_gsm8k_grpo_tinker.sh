@@ -31,6 +31,8 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${SCRIPT_DIR}/../common/gsm8k.sh"  # with recipe.sh and console.sh
 recipe_env
 PRINT_ONLY="$(recipe_print_only "$@")"
+# The service this run talks to: a remote_backend.server.url=... override wins over TINKER_URL.
+SERVICE_URL="$(recipe_server_url "${TINKER_URL}" "$@")"
 if [ "${PRINT_ONLY}" = false ] && [ -z "${TINKER_API_KEY:-}" ]; then
     echo "TINKER_API_KEY is not set: export your Tinker API key first" >&2
     exit 2
@@ -80,7 +82,7 @@ mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
 console_init "${RUN_DIR}/run.log"
 console_header \
     "GSM8K GRPO, ${MODEL} + LoRA rank ${LORA_RANK}, ${STEPS} steps, verl 0.9.1 + remote backend 'tinker'" \
-    "  service: ${TINKER_URL:-the default of the SDK (hosted Tinker)}" \
+    "  service: ${SERVICE_URL:-the SDK's default (the hosted Tinker service)}" \
     "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)" \
     "  log:     ${RUN_DIR}/run.log (everything else; VERBOSE=1 prints it here)"
 console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"

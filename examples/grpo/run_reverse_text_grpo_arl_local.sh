@@ -44,12 +44,21 @@ recipe_bool ZORRO "${ZORRO}"
 recipe_bool WARM_VIA_SERVER "${WARM_VIA_SERVER}"
 recipe_local_env
 PRINT_ONLY="$(recipe_print_only "$@")"
+# The server this run talks to: a remote_backend.server.url=... override wins over ARCTIC_RL_URL.
+SERVER_URL="$(recipe_server_url "${ARCTIC_RL_URL}" "$@")"
+if [ -n "${SERVER_URL}" ]; then
+    SERVER_LINE="the Arctic RL server at ${SERVER_URL} (given; none is started here)"
+    START_LINE="[grpo] starting verl and Ray, connecting to ${SERVER_URL} (about a minute before step 1) ..."
+else
+    SERVER_LINE="the reference Arctic RL server, started here on 127.0.0.1 (stopped at the end)"
+    START_LINE="[grpo] starting verl, Ray and the reference server (about a minute before step 1) ..."
+fi
 
 if [ "${PRINT_ONLY}" = false ]; then
     console_init "${RUN_DIR}/run.log"
     console_header \
         "reverse-text GRPO: a tiny Qwen3 (built here) learns to reverse strings; ${STEPS} steps, ZoRRO ${ZORRO}, seed ${SEED}" \
-        "  stock verl 0.9.1 + remote backend 'arctic': ${ARCTIC_RL_URL:-the reference server, started on 127.0.0.1}" \
+        "  stock verl 0.9.1 + remote backend 'arctic' -> ${SERVER_LINE}" \
         "  results: ${RUN_DIR}" \
         "  log:     ${RUN_DIR}/run.log (Ray, verl, server start-up; VERBOSE=1 prints it here)"
     WARM_ARGS=()
@@ -90,6 +99,6 @@ REMOTE_BACKEND=(
 recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
-console_say "[grpo] starting verl, Ray and the server (about a minute before step 1) ..."
+console_say "${START_LINE}"
 console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
 reverse_text_finish "reverse-text GRPO finished."

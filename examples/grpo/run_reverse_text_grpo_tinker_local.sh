@@ -42,12 +42,19 @@ recipe_local_env
 # The SDK insists on a key of the hosted service's shape; a local server checks nothing.
 export TINKER_API_KEY="${TINKER_API_KEY:-tml-local-peer}"
 PRINT_ONLY="$(recipe_print_only "$@")"
+# The server this run talks to: a remote_backend.server.url=... override wins over TINKER_URL.
+TINKER_URL="$(recipe_server_url "${TINKER_URL}" "$@")"
+if [ -n "${TINKER_URL}" ]; then
+    SERVER_LINE="the Tinker server at ${TINKER_URL} (given; none is started here)"
+else
+    SERVER_LINE="the SkyRL Tinker server, started here on 127.0.0.1:${PEER_PORT} (stopped at the end)"
+fi
 
 if [ "${PRINT_ONLY}" = false ]; then
     console_init "${RUN_DIR}/run.log"
     console_header \
         "reverse-text GRPO through Tinker: a tiny Qwen3 + LoRA rank ${LORA_RANK}; ${STEPS} steps, seed ${SEED}" \
-        "  stock verl 0.9.1 + remote backend 'tinker': ${TINKER_URL:-the SkyRL Tinker server, started on 127.0.0.1:${PEER_PORT}}" \
+        "  stock verl 0.9.1 + remote backend 'tinker' -> ${SERVER_LINE}" \
         "  results: ${RUN_DIR}" \
         "  log:     ${RUN_DIR}/run.log (Ray, verl, the Tinker server's start-up; VERBOSE=1 prints it here)"
     reverse_text_prepare
@@ -91,6 +98,6 @@ REMOTE_BACKEND=(
 recipe_launch tinker DATA MODEL ACTOR ROLLOUT ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
-console_say "[grpo] starting verl and Ray (about a minute before step 1) ..."
+console_say "[grpo] starting verl and Ray, connecting to ${TINKER_URL} (about a minute before step 1) ..."
 console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
 reverse_text_finish "reverse-text GRPO through Tinker finished."

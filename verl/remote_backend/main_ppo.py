@@ -3,6 +3,8 @@
 The same command line as verl's ``python -m verl.trainer.main_ppo`` (a GRPO recipe's override
 arrays work unchanged), plus ``remote_backend=<name>``; no plugin variable, no ``+``. Steps:
 
+0. check the backend's name and its ``remote_backend.*`` keys (``command_line``): a typo fails
+   here, in one line, naming the closest valid name or key;
 1. rewrite the overrides: settings a remote-backend run needs (``settings.forced_settings``)
    replace the recipe's values, each replacement reported on stderr;
 2. compose ``remote_backend_ppo_trainer`` (verl's ``ppo_trainer`` + the backend's option group);
@@ -25,6 +27,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from verl.remote_backend.command_line import check_command_line, exit_on_usage_error
+from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.settings import ensure_ray_cpus, rewrite_overrides
 
 __all__ = ["CONFIG_DIR", "CONFIG_NAME", "main", "register_searchpath_plugin", "run", "start_ray"]
@@ -150,8 +154,13 @@ def _hydra_main(config: DictConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry: rewrite the overrides (step 1), then hand over to Hydra."""
+    """Console entry: check the backend's name and keys, rewrite the overrides (step 1), then hand
+    over to Hydra. A typo ends the process at once with one line on stderr (exit status 2)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_command_line(args)
+    except RemoteBackendConfigError as exc:
+        exit_on_usage_error(exc)
     args, notes = rewrite_overrides(args, has_accelerator=_has_accelerator())
     for note in notes:
         print(f"[remote_backend] {note}", file=sys.stderr)
