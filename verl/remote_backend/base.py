@@ -6,27 +6,34 @@ vehicle for code reuse and it does not define compute: ``compute_log_prob``, ``u
 ``generate`` belong to each concrete adapter, whose wire shapes differ.
 
 ``RemoteBackendRegistry`` maps names (``remote_backend=arctic``) to backend classes, Ray worker
-classes and rollout replica classes. Registration is explicit: a backend module decorates its
-class with ``@RemoteBackendRegistry.register("name")``; worker and replica classes are registered
-as zero-argument *loaders* so that looking one up imports only that backend's code, once.
+classes and rollout replica classes. Registration is explicit: :func:`verl.remote_backend.plugins.register_backend` fills all three (and
+verl's own ``RolloutReplicaRegistry``) in one call, for the built-in backends and for plug-ins found
+through entry points; worker and replica classes are registered as zero-argument *loaders* so that
+looking one up imports only that backend's code, once.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 __all__ = ["RemoteBackend", "RemoteBackendRegistry"]
 
 
 class RemoteBackend(abc.ABC):
-    """Lifecycle of a remote backend. Subclasses are constructed only through :meth:`from_config`."""
+    """Lifecycle of a remote backend. Subclasses are constructed only through :meth:`from_config`.
+
+    The same method set as verl's open PR #7102 (``verl/remote_backend/base.py`` there), with two
+    differences a backend written for one must mind on the other (``docs/ADDING_A_BACKEND.md``):
+    ``update_weights`` and ``save_checkpoint`` are plain methods here (the worker runs them in a
+    thread; a coroutine function is awaited as well), and ``save_checkpoint`` takes verl's global step.
+    """
 
     @classmethod
     @abc.abstractmethod
-    def from_config(cls, main_config: Any, *, handle: dict | None = None) -> RemoteBackend:
+    def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> RemoteBackend:
         """Create the backend's remote state from verl's main config, or re-attach to it.
 
         With ``handle`` (a dict from :meth:`reconnect_handle`, possibly made in another process)
@@ -34,7 +41,7 @@ class RemoteBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def reconnect_handle(self) -> dict:
+    def reconnect_handle(self) -> dict[str, Any]:
         """A JSON-serializable dict from which :meth:`from_config` re-attaches. Holds no secrets."""
 
     @abc.abstractmethod
@@ -42,12 +49,16 @@ class RemoteBackend(abc.ABC):
         """Release what this instance created on the server. Idempotent."""
 
     @abc.abstractmethod
-    def update_weights(self) -> Any:
-        """Make the sampler serve the latest trained weights."""
+    def update_weights(self) -> Mapping[str, Any] | None:
+        """Make the sampler serve the latest trained weights. A mapping holding
+        :data:`~verl.remote_backend.protocols.SAMPLER_UPDATE_KEY` is handed to the rollout servers
+        (:class:`~verl.remote_backend.protocols.SamplerAdopter`)."""
 
     @abc.abstractmethod
-    def save_checkpoint(self) -> Any:
-        """Persist the remote training state (weights, optimizer, step) on the backend."""
+    def save_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
+        """Persist the remote training state (weights, optimizer, step) on the backend as verl's
+        global step ``step`` (``None``: the backend's own step count); returns what was saved
+        (e.g. ``{"global_step": ..., "path": ...}``), JSON-serializable."""
 
     @abc.abstractmethod
     def requires_single_forwarder(self) -> bool:
@@ -106,8 +117,9 @@ class RemoteBackendRegistry:
 
     _backends: ClassVar[_Table] = _Table(
         "remote backend",
-        "Register one with @RemoteBackendRegistry.register('<name>') on a RemoteBackend subclass, "
-        "and make sure its module is imported (the built-in ones load with `import verl.remote_backend.register`).",
+        "Register one with verl.remote_backend.plugins.register_backend('<name>', ...), from an installed "
+        "distribution's 'verl_remote_backend.backends' entry point (see docs/ADDING_A_BACKEND.md); the built-in "
+        "ones and the plug-ins load with `import verl.remote_backend.builtin`.",
     )
     _workers: ClassVar[_Table] = _Table(
         "remote backend worker",
@@ -143,6 +155,8 @@ class RemoteBackendRegistry:
 
     @classmethod
     def list(cls) -> list[str]:
+        """The registered backend names, sorted (built-in and plug-in ones once
+        ``verl.remote_backend.builtin`` is imported)."""
         return sorted(cls._backends.entries)
 
     # workers and replicas (lazy) ----------------------------------------------------------

@@ -11,7 +11,9 @@ exactly the methods they call:
   per-token log-probs. One result per sample is a :class:`SampleResult`-shaped mapping or object.
 
 Both are ``runtime_checkable`` so that the contract test (and a worker at attach time) can check
-that a registered backend offers them. A backend implements both *and* the lifecycle ABC.
+that a registered backend offers them. A backend implements both *and* the lifecycle ABC. An
+optional capability is a Protocol of its own, checked with ``isinstance``: :class:`SamplerAdopter`
+(a sampler that lives client-side and follows the actor side's weight updates).
 
 TensorDict conventions (verl 0.9.1's engine workers): ``input_ids``/``position_ids`` are nested
 (prompt + response per row, no padding); ``compute_log_prob`` / ``compute_ref_log_prob`` return a
@@ -25,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from tensordict import TensorDict
+
 __all__ = [
     "ACTOR_METHODS",
     "SAMPLER_METHODS",
@@ -32,49 +36,20 @@ __all__ = [
     "RemoteActor",
     "RemoteSampler",
     "SampleResult",
+    "SamplerAdopter",
+    "SamplingParams",
+    "adopter_of",
     "result_field",
 ]
 
 #: key of ``update_weights()``'s result that the worker forwards to every rollout server, whose
-#: backend then gets it through ``adopt_sampler(data)`` (for samplers that live client-side)
+#: backend then gets it through :meth:`SamplerAdopter.adopt_sampler` (for samplers that live client-side)
 SAMPLER_UPDATE_KEY = "sampler_update"
 
-
-@runtime_checkable
-class RemoteActor(Protocol):
-    """The training side verl's forwarder worker calls (one call per verl call, data unchanged)."""
-
-    def compute_log_prob(self, data: Any) -> Any:
-        """Log-probs (and, when ``calculate_entropy``, entropy) of the current policy."""
-
-    def compute_ref_log_prob(self, data: Any) -> Any:
-        """Log-probs of the reference (initial) policy."""
-
-    def update_actor(self, data: Any) -> Any:
-        """One PPO/GRPO update over the batch (``ppo_epochs`` x mini-batches); returns metrics."""
-
-    def update_weights(self) -> Any:
-        """Make the sampler serve the latest trained weights. A dict result with the key
-        :data:`SAMPLER_UPDATE_KEY` is forwarded to the rollout servers (see :class:`RemoteSampler`)."""
-
-    def save_checkpoint(self, step: int | None = None) -> Any:
-        """Persist weights + optimizer state on the backend as global step ``step``."""
-
-    def load_checkpoint(self, step: int | None = None) -> Any:
-        """Restore the state saved by :meth:`save_checkpoint` for ``step`` (and sync the sampler)."""
-
-
-@runtime_checkable
-class RemoteSampler(Protocol):
-    """The generation side verl's rollout server calls."""
-
-    def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> Sequence[Any]:
-        """``n = sampling_params['n']`` (default 1) samples per prompt, in prompt order with the ``n``
-        samples of a prompt adjacent; each result has ``token_ids``, ``logprobs`` (one per token, or
-        ``None``) and ``finish_reason`` (``stop``/``length``/``abort``), see :class:`SampleResult`."""
-
-    # Optional, not part of the runtime check: ``adopt_sampler(data)`` -- take the JSON data the
-    # actor side's ``update_weights`` returned under SAMPLER_UPDATE_KEY (e.g. a new sampler path).
+#: the backend-neutral sampling parameters of one ``generate`` call (``max_tokens``, ``temperature``,
+#: ``top_p``, ``top_k``, ``seed``, ``stop``, ``logprobs``, ``n``, ...; see
+#: :func:`verl.remote_backend.workers.replica.normalize_sampling_params`)
+SamplingParams = Mapping[str, Any]
 
 
 class SampleResult(Protocol):
@@ -85,12 +60,64 @@ class SampleResult(Protocol):
     finish_reason: str | None
 
 
+@runtime_checkable
+class RemoteActor(Protocol):
+    """The training side verl's forwarder worker calls (one call per verl call, data unchanged)."""
+
+    def compute_log_prob(self, data: TensorDict) -> TensorDict:
+        """Log-probs (and, when ``calculate_entropy``, entropy) of the current policy."""
+
+    def compute_ref_log_prob(self, data: TensorDict) -> TensorDict:
+        """Log-probs of the reference (initial) policy."""
+
+    def update_actor(self, data: TensorDict) -> TensorDict:
+        """One PPO/GRPO update over the batch (``ppo_epochs`` x mini-batches); returns metrics."""
+
+    def update_weights(self) -> Mapping[str, Any] | None:
+        """Make the sampler serve the latest trained weights. A mapping with the key
+        :data:`SAMPLER_UPDATE_KEY` is forwarded to the rollout servers (see :class:`SamplerAdopter`)."""
+
+    def save_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
+        """Persist weights + optimizer state on the backend as global step ``step``; returns what was
+        saved, JSON-serializable (the same contract as :meth:`RemoteBackend.save_checkpoint`)."""
+
+    def load_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
+        """Restore the state saved by :meth:`save_checkpoint` for ``step`` (and sync the sampler)."""
+
+
+@runtime_checkable
+class RemoteSampler(Protocol):
+    """The generation side verl's rollout server calls."""
+
+    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None
+                 ) -> Sequence[SampleResult | Mapping[str, Any]]:
+        """``n = sampling_params['n']`` (default 1) samples per prompt, in prompt order with the ``n``
+        samples of a prompt adjacent; each result has ``token_ids``, ``logprobs`` (one per token, or
+        ``None``) and ``finish_reason`` (``stop``/``length``/``abort``), see :class:`SampleResult`."""
+
+
+@runtime_checkable
+class SamplerAdopter(Protocol):
+    """Optional capability of a backend whose sampler lives in the client process (e.g. a sampling
+    client opened on a saved path): the rollout servers hand it what the actor side's
+    ``update_weights`` returned under :data:`SAMPLER_UPDATE_KEY`. A backend that declares it
+    implements both :class:`RemoteSampler` and this."""
+
+    def adopt_sampler(self, data: Mapping[str, Any]) -> None:
+        """Serve samples from the sampler ``data`` describes from now on (JSON data)."""
+
+
+def adopter_of(backend: object) -> SamplerAdopter | None:
+    """``backend`` as a :class:`SamplerAdopter`, or ``None`` when it does not declare the capability."""
+    return backend if isinstance(backend, SamplerAdopter) else None
+
+
 #: method names per protocol (what the contract test checks on every registered backend)
 ACTOR_METHODS = ("compute_log_prob", "compute_ref_log_prob", "update_actor", "update_weights", "save_checkpoint",
                  "load_checkpoint")
 SAMPLER_METHODS = ("generate",)
 
 
-def result_field(result: Any, name: str) -> Any:
+def result_field(result: SampleResult | Mapping[str, Any], name: str) -> Any:
     """A field of one sample result (an object with attributes, or a mapping)."""
     return result.get(name) if isinstance(result, Mapping) else getattr(result, name, None)

@@ -10,7 +10,8 @@ verl's agent loop asks a rollout *replica* for a server Ray actor and calls its
 * the server re-attaches to the driver's backend and sends *token ids* to the backend's
   ``generate`` (:class:`~verl.remote_backend.protocols.RemoteSampler`), coalescing concurrent
   calls into bounded batches (:mod:`.coalescer`; ``remote_backend.rollout.max_batch_size`` /
-  ``max_wait_ms`` / ``max_in_flight``);
+  ``max_wait_ms`` / ``max_in_flight``, read as the shared
+  :class:`~verl.workers.remote_client.common.rollout_batching.RolloutBatching`);
 * :func:`normalize_sampling_params` maps verl's per-sample sampling parameters onto the
   backend-neutral dict every sampler takes; a backend's server subclass may refine it
   (:meth:`RemoteRolloutServer.convert_sampling_params`).
@@ -29,14 +30,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-from omegaconf import OmegaConf
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.protocols import SAMPLER_METHODS, RemoteSampler, result_field
+from verl.remote_backend.protocols import RemoteSampler, adopter_of, result_field
 from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.worker import attach_rollout_server
+from verl.workers.remote_client.common.rollout_batching import RolloutBatching
 
 __all__ = ["RemoteRolloutReplica", "RemoteRolloutServer", "normalize_sampling_params", "remote_server_class"]
 
@@ -108,12 +109,9 @@ class RemoteRolloutServer:
         rollout = main.actor_rollout_ref.rollout
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
-        rb_rollout = OmegaConf.select(main, "remote_backend.rollout", default=None) or {}
-        self.max_batch_size = int(rb_rollout.get("max_batch_size", 64))
-        self.max_wait_ms = float(rb_rollout.get("max_wait_ms", 5))
-        self.max_in_flight = int(rb_rollout.get("max_in_flight", 1))
+        self.batching = RolloutBatching.from_main_config(main)
         backend = attach_backend(self._context)
-        if not all(callable(getattr(backend, m, None)) for m in SAMPLER_METHODS):
+        if not isinstance(backend, RemoteSampler):
             raise RemoteBackendConfigError(
                 "remote_backend.name", f"backend {type(backend).__name__} has no generate()",
                 allowed="a backend implementing verl.remote_backend.protocols.RemoteSampler", received=self._context.name,
@@ -135,9 +133,9 @@ class RemoteRolloutServer:
         if self._coalescer is None:
             self._coalescer = RequestCoalescer(
                 self._generate_batch,
-                max_batch_size=self.max_batch_size,
-                max_wait_ms=self.max_wait_ms,
-                max_in_flight=self.max_in_flight,
+                max_batch_size=self.batching.max_batch_size,
+                max_wait_ms=self.batching.max_wait_ms,
+                max_in_flight=self.batching.max_in_flight,
             )
         return self._coalescer
 
@@ -189,15 +187,16 @@ class RemoteRolloutServer:
         )
 
     # ---------------------------------------------------------------- verl's control verbs
-    async def adopt_sampler(self, data: Any) -> None:
+    async def adopt_sampler(self, data: Mapping[str, Any]) -> None:
         """Hand the actor side's sampler update (``update_weights``) to this process's backend."""
-        adopt = getattr(self._backend, "adopt_sampler", None)
-        if adopt is None:
+        adopter = adopter_of(self._backend)
+        if adopter is None:
             raise RemoteBackendConfigError(
-                "remote_backend.name", f"backend {type(self._backend).__name__} returned a sampler update but has no "
-                "adopt_sampler()", allowed="a backend implementing adopt_sampler", received=self._context.name,
+                "remote_backend.name", f"backend {type(self._backend).__name__} returned a sampler update but does "
+                "not declare SamplerAdopter", allowed="a backend implementing verl.remote_backend.protocols."
+                "SamplerAdopter (adopt_sampler)", received=self._context.name,
             )
-        await asyncio.to_thread(adopt, data)
+        await asyncio.to_thread(adopter.adopt_sampler, data)
 
     async def set_global_steps(self, global_steps: int) -> None:
         """Weight version of the sampler (set by the worker after each weight sync)."""

@@ -19,11 +19,13 @@ replica (``replica.py``).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig
@@ -124,14 +126,18 @@ class RemoteActorRolloutRefWorker(Worker):
         """Make the remote sampler serve the latest trained weights, then tell the rollout
         servers the new weight version (``global_steps``). A backend whose sampler lives in the
         rollout server's process returns ``{SAMPLER_UPDATE_KEY: <JSON data>}``; the servers hand it
-        to their backend's ``adopt_sampler`` (see :mod:`verl.remote_backend.protocols`). ``mode`` names verl's checkpoint
+        to their backend's ``adopt_sampler`` (:class:`~verl.remote_backend.protocols.SamplerAdopter`). ``mode`` names verl's checkpoint
         engine; the backend moves weights itself, so every mode means the same here."""
         if mode not in ("auto", "naive") and mode not in self._warned_modes:
             self._warned_modes.add(mode)
             logger.warning("update_weights(mode=%r): the remote backend syncs weights itself; mode ignored", mode)
         start = time.monotonic()
-        result = await asyncio.to_thread(self.backend.update_weights)
-        sampler = result.get(SAMPLER_UPDATE_KEY) if isinstance(result, dict) else None
+        sync = self.backend.update_weights
+        if inspect.iscoroutinefunction(sync):  # a backend written for verl PR #7102's async interface
+            result = await sync()
+        else:
+            result = await asyncio.to_thread(sync)
+        sampler = result.get(SAMPLER_UPDATE_KEY) if isinstance(result, Mapping) else None
         if sampler is not None and self._rollout_servers:
             await asyncio.gather(*[s.adopt_sampler.remote(sampler) for s in self._rollout_servers])
         if global_steps is not None and self._rollout_servers:

@@ -30,13 +30,14 @@ import os
 import random
 import threading
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from tensordict import TensorDict
 
 from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.protocols import SAMPLER_UPDATE_KEY
+from verl.remote_backend.protocols import SAMPLER_UPDATE_KEY, SamplerAdopter
 from verl.workers.remote_client.common.verl_settings import select
 from verl.workers.remote_client.tinker import batch as tb
 from verl.workers.remote_client.tinker.checkpoints import StateIndex
@@ -52,7 +53,7 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 
 @RemoteBackendRegistry.register("tinker")
-class TinkerClient(RemoteBackend):
+class TinkerClient(RemoteBackend, SamplerAdopter):
     """The Tinker adapter; construct with :meth:`from_config`."""
 
     def __init__(self, *, tinker: TinkerConfig, run: TinkerRun, session: TinkerSession, handle: dict,
@@ -252,7 +253,7 @@ class TinkerClient(RemoteBackend):
     def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[dict]:
         return self.sampler.generate(prompts, sampling_params or {})
 
-    def adopt_sampler(self, data: dict) -> None:
+    def adopt_sampler(self, data: Mapping[str, Any]) -> None:
         """The worker's ``update_weights`` result: sample from ``data['model_path']`` from now on."""
         self.sampler.adopt(str(data["model_path"]))
 

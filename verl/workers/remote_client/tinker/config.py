@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..common.rollout_batching import RolloutBatching
 from ..common.strict_config import build as _build
 from ..common.strict_config import require as _require
 from ..common.strict_config import to_plain as _to_plain
@@ -81,15 +82,10 @@ class TinkerTimeoutsConfig:
 
 
 @dataclass(frozen=True)
-class TinkerRolloutConfig:
-    max_batch_size: int = 64
-    max_wait_ms: float = 5.0
-    max_in_flight: int = 4
+class TinkerRolloutConfig(RolloutBatching):
+    """The shared batching options; Tinker's sampler takes concurrent calls, so 4 batches in flight."""
 
-    def _validate(self, p: str) -> None:
-        _require(self.max_batch_size >= 1, f"{p}.max_batch_size", "must be positive", ">= 1", self.max_batch_size)
-        _require(self.max_wait_ms >= 0, f"{p}.max_wait_ms", "negative", ">= 0", self.max_wait_ms)
-        _require(self.max_in_flight >= 1, f"{p}.max_in_flight", "must be positive", ">= 1", self.max_in_flight)
+    max_in_flight: int = 4
 
 
 @dataclass(frozen=True)
