@@ -6,7 +6,9 @@ When an app's search path holds verl's trainer configs, this plugin appends:
 * the folder holding the ``remote_backend/`` option group (``verl/trainer/config`` of this
   distribution; differs from verl's own in an editable install);
 * ``verl/remote_backend/config``: our primary config ``remote_backend_ppo_trainer``, so stock
-  ``main_ppo --config-name remote_backend_ppo_trainer remote_backend=arctic`` works too.
+  ``main_ppo --config-name remote_backend_ppo_trainer remote_backend=arctic`` works too;
+* ``pkg://<package>`` for each installed plug-in's ``verl_remote_backend.configs`` entry point: the
+  package holding its ``remote_backend/<name>.yaml`` option group (see ``docs/ADDING_A_BACKEND.md``).
 
 It also refuses, before any Ray process starts, a stock ``verl.trainer.main_ppo`` command line that
 selects a remote backend but would silently train locally: the plugin hook
@@ -22,16 +24,19 @@ import importlib.util
 import os
 import re
 import sys
+from importlib import metadata
 
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-__all__ = ["VerlRemoteBackendSearchPathPlugin", "check_stock_command_line"]
+__all__ = ["VerlRemoteBackendSearchPathPlugin", "check_stock_command_line", "plugin_config_packages"]
 
 PROVIDER = "verl-remote-backend"
 PLUGIN_MODULE = "verl.remote_backend.register"
 TRAINER_MODE = "remote_backend"
 PRIMARY_CONFIG = "remote_backend_ppo_trainer"
+#: entry-point group naming plug-ins' config packages (``verl.remote_backend.plugins.CONFIG_GROUP``)
+CONFIG_GROUP = "verl_remote_backend.configs"
 _OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2}|~)(?P<key>[A-Za-z0-9_.@/\-]+)=(?P<value>.*)$", re.DOTALL)
 
 
@@ -62,7 +67,15 @@ def our_search_paths() -> list[str]:
             paths.append("file://" + group_root)
         if os.path.isdir(os.path.join(ours, "config")):
             paths.append("file://" + os.path.join(ours, "config"))
+    for package in plugin_config_packages():
+        if "pkg://" + package not in paths:
+            paths.append("pkg://" + package)
     return paths
+
+
+def plugin_config_packages() -> list[str]:
+    """The packages installed plug-ins name in the ``verl_remote_backend.configs`` entry-point group."""
+    return sorted({entry.value for entry in metadata.entry_points(group=CONFIG_GROUP)})
 
 
 def _overrides(argv: list[str]) -> dict[str, str]:

@@ -4,13 +4,18 @@
   (``RemoteActor``, ``RemoteSampler``) with the signatures the worker and replica call;
 * its worker is a ``RemoteActorRolloutRefWorker``, its replica a ``RemoteRolloutReplica``, and
   verl's own ``RolloutReplicaRegistry`` resolves ``rollout.name=<backend>`` to that replica;
-* its Hydra option group file exists, names the backend, has a comment over every key, and
-  ``remote_backend=<name>`` composes to a config whose rollout is that backend's.
+* its Hydra option group file exists (here, or in an installed plug-in's config package), names the
+  backend, has a comment over every key, and ``remote_backend=<name>`` composes to a config whose
+  rollout is that backend's.
+
+Installed plug-ins are registered backends too: ``test_plugin_backend_on_cpu.py`` runs this module with
+one on the path.
 """
 
 from __future__ import annotations
 
 import inspect
+from importlib import metadata, resources
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,7 @@ import yaml
 
 import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
 from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
+from verl.remote_backend.plugins import CONFIG_GROUP
 from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_METHODS, RemoteActor, RemoteSampler
 from verl.remote_backend.workers.replica import RemoteRolloutReplica
 from verl.remote_backend.workers.worker import RemoteActorRolloutRefWorker
@@ -78,9 +84,20 @@ def _keys_without_comment(path: Path) -> list[str]:
     return missing
 
 
+def option_group_file(name: str) -> Path:
+    """``remote_backend/<name>.yaml``: in this repository, or in the config package an installed plug-in
+    names (its ``verl_remote_backend.configs`` entry point)."""
+    if (GROUP_DIR / f"{name}.yaml").exists():
+        return GROUP_DIR / f"{name}.yaml"
+    for entry in metadata.entry_points(group=CONFIG_GROUP):
+        if entry.name == name:
+            return Path(str(resources.files(entry.value) / "remote_backend" / f"{name}.yaml"))
+    return GROUP_DIR / f"{name}.yaml"
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_option_group_file_names_the_backend_with_a_comment_over_every_key(name):
-    path = GROUP_DIR / f"{name}.yaml"
+    path = option_group_file(name)
     assert path.exists(), f"no Hydra option group file for {name}"
     assert yaml.safe_load(path.read_text(encoding="utf-8"))["name"] == name
     assert _keys_without_comment(path) == []

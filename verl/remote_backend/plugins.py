@@ -192,10 +192,6 @@ def load_plugins(builtin: set[str] | frozenset[str] = frozenset()) -> list[str]:
 
 
 def config_packages() -> list[str]:
-    """The config packages installed plug-ins declare (``pkg://`` entries of verl's Hydra search path)."""
-    packages = []
-    for entries in plugin_entry_points(CONFIG_GROUP).values():
-        for entry in entries:
-            if entry.value not in packages:
-                packages.append(entry.value)
-    return packages
+    """The config packages installed plug-ins declare (``pkg://`` entries of verl's Hydra search path,
+    added by ``hydra_plugins/verl_remote_backend_searchpath``)."""
+    return sorted({entry.value for entries in plugin_entry_points(CONFIG_GROUP).values() for entry in entries})
