@@ -27,8 +27,8 @@ from arctic_rl.protocol import (
 )
 from arctic_rl.v1compat import torch_load_safe
 from verl.remote_backend.errors import RemoteProtocolError
+from verl.workers.remote_client.arctic.answers import parse_answer
 from verl.workers.remote_client.arctic.dialect import Dialect, DialectV1, DialectV2, dialect_for
-from verl.workers.remote_client.arctic.session import parse_answer
 
 V1, V2 = dialect_for(1), dialect_for(ProtocolVersion.V2)
 

@@ -20,7 +20,7 @@ Compute methods take and return ``TensorDict``s exactly like verl 0.9.1's
 * ``generate`` -- one ``/generate`` call for a list of token-id prompts.
 
 The client is the session: it creates, re-attaches to and destroys the jobs, and holds the run's
-:class:`~.session.RunState` (job ids, step, instance id, owned jobs) that its roles share:
+:class:`~.state.RunState` (job ids, step, instance id, owned jobs) that its roles share:
 :class:`~.training.Trainer` (``update_actor`` and ``/step``), :class:`~.log_probs.LogProbs`,
 :class:`~.generation.Sampler` and :class:`~.checkpoints.Checkpoints` (weight sync, save, load).
 The v1/v2 differences are one :class:`~.dialect.Dialect` object; bodies are built from the models of
@@ -58,7 +58,8 @@ from .local_server import LocalServer, start_local_server
 from .log_probs import LogProbs
 from .metrics import FlopsEstimator
 from .recovery import Recovery
-from .session import JobCalls, ModelTokens, RunState
+from .session import JobCalls, ModelTokens
+from .state import RunState
 from .training import Trainer
 from .wire import detect_protocol
 
@@ -92,6 +93,7 @@ class ArcticRLClient(RemoteBackend):
         http.idempotency = Features.IDEMPOTENCY in self._state.features and arctic.retry.server_idempotency == "auto"
         self._recovery = Recovery(self._state, arctic.recovery, job_bodies=self._job_bodies,
                                   sync_weights=lambda: self._checkpoints.sync_weights_now(),
+                                  job_info=lambda: self._calls.job_info(JobType.TRAINING),
                                   checkpoint_path=arctic.train.checkpoint_path)
         if self._state.step:
             self._recovery.journal.start_unknown(self._state.step)

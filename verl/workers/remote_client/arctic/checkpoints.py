@@ -18,9 +18,10 @@ from typing import Any
 from arctic_rl.protocol import JobType, LoadCheckpointResponse, Paths, ResetPrefixCacheRequest, SaveResponse
 from verl.remote_backend.errors import RemoteProtocolError
 
+from .answers import parse_answer
 from .arctic_config import ArcticConfig
 from .journal import CheckpointRef
-from .session import JobCalls, parse_answer
+from .session import JobCalls
 
 __all__ = ["Checkpoints"]
 

@@ -30,11 +30,12 @@ from arctic_rl.protocol import (
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 
 from ..common.verl_settings import VerlSettings
+from .answers import parse_answer
 from .arctic_config import ArcticConfig
 from .builders import build_meta
 from .layout import dense_batch, nested_from_server, plan_layout
 from .metrics import FlopsEstimator
-from .session import JobCalls, ModelTokens, parse_answer
+from .session import JobCalls, ModelTokens
 from .training import TRAIN_POST, forward_body, sampling_temperature
 
 __all__ = ["LogProbs"]

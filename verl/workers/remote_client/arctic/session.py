@@ -1,10 +1,8 @@
-"""The state one Arctic run shares across the client's roles, and how their calls reach its jobs.
+"""How the client's roles reach the run's jobs: :class:`JobCalls`, and the run's tokenizer.
 
-:class:`RunState` is what a restart can change: the job ids, the server's instance id, the jobs this
-client owns, the optimizer step. The client's roles (training, log-probs, generation, checkpoints)
-and :class:`~.recovery.Recovery` all read and update this one object, never each other's attributes.
-:class:`JobCalls` sends a body to a job through :class:`~.recovery.Recovery` in the run's
-:class:`~.dialect.Dialect`; :class:`ModelTokens` loads the tokenizer once, when a role first needs it.
+:class:`JobCalls` sends a body to a job of the run's :class:`~.state.RunState` through
+:class:`~.recovery.Recovery` in the run's :class:`~.dialect.Dialect`; :class:`ModelTokens` loads the
+tokenizer once, when a role first needs it.
 
 What is not here: the bodies (the role modules, from :mod:`arctic_rl.protocol`), HTTP retries
 (:mod:`.http`), restart handling (:mod:`.recovery`).
@@ -15,10 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-from pydantic import BaseModel, ValidationError
+from typing import Any
 
 from arctic_rl.protocol import OCTET_STREAM, JobType, Paths
 from verl.remote_backend.errors import (
@@ -28,64 +23,13 @@ from verl.remote_backend.errors import (
     RemoteServerError,
 )
 
-from .dialect import Dialect, Payload
-from .http import ArcticHttp
+from .dialect import Payload
 from .recovery import APPLIED, Recovery
+from .state import RunState
 
-__all__ = ["JobCalls", "ModelTokens", "RunState", "parse_answer"]
+__all__ = ["JobCalls", "ModelTokens"]
 
 logger = logging.getLogger(__name__)
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def parse_answer(model: type[M], value: Any, endpoint: str) -> M:
-    """``value`` read with the protocol's (tolerant) response ``model``; a missing or mistyped field is a
-    :class:`RemoteProtocolError` naming it, what the model allows and what came."""
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(x) for x in first.get("loc", ())) or "(the answer)"
-        raise RemoteProtocolError(endpoint, f"{field}: {first.get('msg')} ({model.__name__}); received "
-                                  f"{str(first.get('input'))[:200]}") from None
-
-
-@dataclass
-class RunState:
-    """Where the run stands on the server. ``owned``: the jobs this client destroys at the end."""
-
-    http: ArcticHttp
-    dialect: Dialect
-    features: frozenset[str]
-    job_ids: dict[str, int]
-    owned: dict[str, int]
-    instance_id: str | None
-    client_tag: str | None
-    step: int = 0
-    destroyed: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def __post_init__(self) -> None:
-        self.http.step = self.step
-
-    def job(self, job_type: JobType) -> int:
-        """The id of this run's job of ``job_type``."""
-        try:
-            return self.job_ids[job_type.value]
-        except KeyError:
-            raise RemoteBackendError(f"no {job_type.value} job in this backend ({self.job_ids})") from None
-
-    def set_step(self, step: int) -> None:
-        """The optimizer step (also sent as ``X-Arctic-Step`` with every call)."""
-        self.step = int(step)
-        self.http.step = self.step
-
-    def publish_jobs(self, job_ids: dict[str, int], instance_id: str | None, *, created: dict[str, int]) -> None:
-        """Switch to restored or adopted jobs; this client owns (destroys) those it ``created``."""
-        self.job_ids = dict(job_ids)
-        self.instance_id = instance_id
-        self.owned.update(created)
 
 
 class JobCalls:
@@ -136,6 +80,14 @@ class JobCalls:
         if not isinstance(out, dict):
             raise RemoteProtocolError(f"POST {path}", f"expected an object, got {type(out).__name__}")
         return out
+
+    def job_info(self, job_type: JobType) -> dict:
+        """``GET /job/{id}`` of the run's job of ``job_type``, surviving a restart like any other call (a
+        restore re-reads the new job)."""
+        state = self.state
+        info = self.recovery.call(f"GET {Paths.JOB}", lambda _id: state.http.get_json(Paths.job(state.job(job_type))),
+                                  safe=True)
+        return info if isinstance(info, dict) else {}
 
     def _raise_if_job_gone(self, endpoint: str, job_id: int, exc: RemoteServerError) -> None:
         """The vendor's ``/forward`` (v1: ``/fwd-no-grad``) indexes its job table before checking the id: an

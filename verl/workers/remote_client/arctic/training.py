@@ -24,12 +24,13 @@ from arctic_rl.protocol import BatchMeta, ForwardBackwardResponse, JobType, Path
 from verl.remote_backend.errors import RemoteBackendConfigError
 
 from ..common.verl_settings import VerlSettings
+from .answers import parse_answer
 from .arctic_config import ArcticConfig
 from .builders import BatchPlan, build_loss_config, build_meta
 from .layout import RESPONSE_KEYS, dense_batch, fold_is_weights, plan_layout, shuffled_rows, split_rows
 from .metrics import FlopsEstimator, mini_batch_metrics
-from .recovery import APPLIED
-from .session import JobCalls, ModelTokens, parse_answer
+from .session import JobCalls, ModelTokens
+from .settle import APPLIED
 
 __all__ = ["TRAIN_POST", "Trainer", "sampling_temperature"]
 
@@ -151,7 +152,7 @@ class Trainer:
         if resp is APPLIED:  # applied, answer lost: what the server's job info still tells
             # count the step first: a restart during the read replays the journal, which now holds it
             state.set_step(state.step + 1)
-            info = recovery.training_job_info()
+            info = self.calls.job_info(JobType.TRAINING)
             metrics = {"global_step": state.step, "last_lr": info.get("lr"), "grad_norm": None}
         else:
             metrics = dict(parse_answer(StepResponse, resp.json(), f"POST {Paths.STEP}").metrics)

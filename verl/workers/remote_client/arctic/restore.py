@@ -1,0 +1,211 @@
+"""Putting the run's jobs back: restore (after a restart), rebuild (same server, lost answer), adopt.
+
+* :meth:`Restorer.restore` -- the *training client* after a restart: it creates the run's jobs again,
+  ``/load-checkpoint``s the last good checkpoint, replays the :class:`~.journal.UpdateJournal` (every
+  ``/forward-backward`` body and ``/step`` acknowledged since, in order) and pushes the weights to
+  the sampler. The training job is then exactly where it was when the last acknowledged call
+  returned: no step is applied twice, only the steps since the checkpoint are recomputed.
+* :meth:`Restorer.rebuild_training` -- the same server, but the training job's state is unknown (an
+  unanswered call that neither request-id replay nor a counter can settle): the training job alone
+  is destroyed and built again the same way; the sampler and log_prob jobs stay.
+* :meth:`Restorer.adopt` -- every other client (rollout replicas, the driver) waits until the
+  restored jobs are ready (listed by ``/status``, tagged with this run's ``client_tag`` when the
+  server echoes tags, the sampler synced) and uses them.
+
+Re-entrant: a build that fails on the way -- an answer lost during the replay, a dropped connection
+-- leaves the training job in an unknown state, so its half-built jobs are destroyed (and retired:
+:attr:`~.state.RunState.retired`) and the build starts over, up to :data:`MAX_ATTEMPTS` times, then
+a clear error. It never re-creates a job the client still holds: when the server restarted meanwhile
+(:mod:`.restart`), the next attempt restores every job instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from arctic_rl.protocol import JobType, LoadCheckpointRequest, LoadCheckpointResponse, Paths, StepResponse
+from verl.remote_backend.errors import RemoteBackendError, RemoteConnectionError, RemoteJobNotFoundError
+
+from .answers import parse_answer
+from .arctic_config import RecoveryConfig
+from .jobs import JOB_ORDER, create_job, destroy_jobs, status_jobs
+from .journal import UpdateJournal
+from .restart import RestartDetector
+from .state import RunState
+
+__all__ = ["MAX_ATTEMPTS", "Restorer"]
+
+logger = logging.getLogger(__name__)
+
+#: builds of the run's jobs tried for one restore or rebuild before it gives up with an error
+MAX_ATTEMPTS = 3
+_POLL_S = 0.5
+_INTERRUPTED = (RemoteConnectionError, RemoteJobNotFoundError)
+
+
+class Restorer:
+    """Restore, rebuild and adopt the jobs of one client (see the module docstring).
+
+    ``job_bodies()`` gives the ``/initialize`` bodies of the run's jobs; ``sync_weights()`` pushes the
+    training weights to the sampler (one call, no recovery around it)."""
+
+    def __init__(self, state: RunState, config: RecoveryConfig, journal: UpdateJournal, detector: RestartDetector,
+                 stats: Counter[str], *, job_bodies: Callable[[], dict[JobType, dict]],
+                 sync_weights: Callable[[], object]) -> None:
+        self.state = state
+        self.config = config
+        self.journal = journal
+        self.detector = detector
+        self.stats = stats
+        self._job_bodies = job_bodies
+        self._sync_weights = sync_weights
+
+    # ------------------------------------------------------------------------------ training client
+
+    def restore(self, reason: str) -> None:
+        """After a restart: every job of the run, built again."""
+        self._build_until_done(reason, only_training=False)
+        self.stats["restores"] += 1
+
+    def rebuild_training(self, what: str) -> None:
+        """Same server, training state unknown after ``what``: the training job alone, built again."""
+        if not self.journal.complete:
+            raise RemoteBackendError(
+                f"arctic: {what} got no answer, the server neither replays request ids nor exposes a counter to tell "
+                "whether it was applied, and this client cannot rebuild the training state (no complete journal): "
+                "the run cannot continue exactly; resume it from its last checkpoint")
+        old = self.state.job(JobType.TRAINING)
+        self.state.retire([old])
+        destroy_jobs(self.state.http, {JobType.TRAINING.value: old})
+        self._build_until_done(f"{what} unanswered", only_training=True)
+        self.stats["training_rebuilds"] += 1
+
+    def _build_until_done(self, reason: str, *, only_training: bool) -> None:
+        deadline = time.monotonic() + self.config.wait_s
+        failures: list[str] = []
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            health = self.detector.wait_for_server(deadline)
+            if only_training and failures and self.detector.restarted(health, jobs_gone=False):
+                logger.warning("arctic: the server restarted while the training job was rebuilt: restoring every job")
+                only_training = False
+            try:
+                self._build(reason, health, only_training=only_training)
+                return
+            except _INTERRUPTED as exc:  # the new jobs' state is unknown: they were destroyed, build again
+                self.detector.down_seen = True
+                failures.append(f"attempt {attempt}: {exc}")
+                self.stats["rebuild_interrupted"] += 1
+                logger.warning("arctic: %s of the training state was interrupted (%s); %s", "rebuild" if only_training
+                               else "restore", exc, "starting over" if attempt < MAX_ATTEMPTS else "giving up")
+                time.sleep(_POLL_S)
+        raise RemoteBackendError(
+            f"arctic: could not {'rebuild' if only_training else 'restore'} the training state ({reason}) in "
+            f"{MAX_ATTEMPTS} attempts, each interrupted by a lost answer or connection: " + "; ".join(failures)
+            + ". The run cannot continue exactly; resume it from its last checkpoint")
+
+    def _build(self, reason: str, health: dict, *, only_training: bool) -> None:
+        """One attempt: create, load, replay, publish (and sync the sampler after a restore). On any
+        failure the jobs it created are destroyed and retired before the error goes on."""
+        state, journal, http = self.state, self.journal, self.state.http
+        logger.warning("arctic: %s the training state (%s): base %s, %d journalled call(s) with %d step(s)%s",
+                       "rebuilding" if only_training else "restoring", reason, journal.base or "a fresh job",
+                       len(journal.entries), journal.steps, "" if journal.complete else " -- JOURNAL INCOMPLETE")
+        bodies = self._job_bodies()
+        types = [JobType.TRAINING] if only_training else [t for t in JOB_ORDER if t.value in state.job_ids]
+        created: dict[str, int] = {}
+        try:
+            for job_type in types:
+                created[job_type.value] = create_job(http, job_type, bodies[job_type], tag=state.client_tag)
+            step = self._load_and_replay(created[JobType.TRAINING.value])
+            if not journal.complete:
+                self._accept_lost_steps(step)
+            elif step != state.step:
+                raise RemoteBackendError(f"arctic: the rebuilt training job reached step {step}, but the client is at "
+                                         f"step {state.step}; the run cannot continue exactly")
+            state.publish_jobs({**state.job_ids, **created}, health.get("instance_id") or state.instance_id,
+                               created=created)
+            if not only_training:  # a rebuilt training job holds the weights the sampler already has
+                self._sync_weights()
+        except BaseException:
+            state.retire(created.values())
+            destroy_jobs(http, created)
+            raise
+
+    def _load_and_replay(self, training: int) -> int:
+        """Load the journal's base into job ``training`` and replay the journal; the step reached."""
+        journal, http = self.journal, self.state.http
+        step = 0
+        if journal.base is not None:
+            body = LoadCheckpointRequest(path=journal.base.path).model_dump(mode="json", exclude_none=True)
+            resp = http.post_json(Paths.LOAD_CHECKPOINT, body, params={"job_id": training}, op="save", idempotent=True)
+            step = parse_answer(LoadCheckpointResponse, resp.json(), f"POST {Paths.LOAD_CHECKPOINT}").global_step
+            self.stats["checkpoints_loaded"] += 1
+        elif not journal.complete:
+            raise RemoteBackendError(
+                "arctic: the server restarted and this client knows no checkpoint of the run and not every update "
+                "since its start: the training state cannot be restored; resume the run from its last checkpoint")
+        if not journal.complete:
+            return step
+        for entry in journal.entries:
+            resp = http.request("POST", entry.path, op="step" if entry.is_step else "forward_backward",
+                                params={"job_id": training}, data=entry.body if entry.content_type else None,
+                                json=None if entry.content_type else entry.body, content_type=entry.content_type)
+            if entry.is_step:
+                got = parse_answer(StepResponse, resp.json(), f"POST {entry.path}").metrics.get("global_step")
+                step = got if isinstance(got, int) and not isinstance(got, bool) else step + 1
+            self.stats["journal_replayed"] += 1
+        return step
+
+    def _accept_lost_steps(self, step: int) -> None:
+        state, journal = self.state, self.journal
+        lost = state.step - step
+        logger.error("arctic: the update journal was incomplete: restored step %d from %s; the %d step(s) since are "
+                     "LOST (the server's step counter is now %d, verl's keeps counting)", step, journal.base, lost, step)
+        self.stats["steps_lost"] += lost
+        state.set_step(step)
+        journal.reset(journal.base)
+
+    # ------------------------------------------------------------------------------ other clients
+
+    def adopt(self, reason: str) -> None:
+        """Wait for the training client to restore, then use its jobs."""
+        state = self.state
+        deadline = time.monotonic() + self.config.wait_s
+        wanted = [t for t in JOB_ORDER if t.value in state.job_ids]
+        logger.warning("arctic: the server restarted (%s); waiting for the training client to restore the jobs", reason)
+        while True:
+            health = self.detector.wait_for_server(deadline)
+            found = self._ready_jobs(wanted)
+            if found is not None:
+                state.publish_jobs(found, health.get("instance_id") or state.instance_id, created={})
+                self.stats["adoptions"] += 1
+                return
+            if time.monotonic() >= deadline:
+                raise RemoteBackendError(
+                    f"arctic: the server restarted and no restored jobs ({[t.value for t in wanted]}, tag "
+                    f"{state.client_tag}) appeared within recovery.wait_s = {self.config.wait_s:g} s: the client that "
+                    "trains restores them (is it alive, with recovery.enable?)")
+            time.sleep(_POLL_S * 2)
+
+    def _ready_jobs(self, wanted: list[JobType]) -> dict[str, int] | None:
+        try:
+            jobs = status_jobs(self.state.http)
+        except (RemoteBackendError, AttributeError):
+            return None
+        found: dict[str, int] = {}
+        for job_type in wanted:
+            matches = [v for v in jobs if v.get("job_type") == job_type.value
+                       and ("client_tag" not in v or v["client_tag"] == self.state.client_tag)]
+            if len(matches) != 1:
+                return None
+            info = matches[0]
+            if info.get("running") is False or str(info.get("status", "RUNNING")).upper() != "RUNNING":
+                return None
+            if job_type is JobType.SAMPLING and isinstance(info.get("weight_version"), int) and \
+                    info["weight_version"] < 1:
+                return None  # created, not yet synced with the restored weights
+            found[job_type.value] = info["job_id"]
+        return found

@@ -1,0 +1,82 @@
+"""Settling an unanswered training call: was it applied? The server's own counters decide.
+
+A mutating call that got no answer (:class:`~.http.AmbiguousCallError`) on a server that does not
+replay ``X-Request-Id``s is settled with ``GET /job/{id}``: ``global_step`` for ``/step``,
+``pending_forward_backward`` for ``/forward-backward`` (one per mini-batch, then ``/step``). One
+more than before the call means it was applied (:data:`Outcome.APPLIED`: not re-sent), unchanged
+means it was not (re-sent as a new call); a server that exposes neither (the vendor's) cannot tell
+(:data:`Outcome.UNKNOWN`: the training job is rebuilt, :mod:`.restore`).
+
+What is not here: what is done with the outcome (:mod:`.recovery`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+
+from arctic_rl.protocol import Paths
+
+from .http import ArcticHttp
+
+__all__ = ["APPLIED", "Outcome", "read_counter", "settle"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.5
+
+
+class _Applied:
+    """Returned for a call that was applied but whose answer was lost."""
+
+    def __repr__(self) -> str:
+        return "APPLIED"
+
+
+#: the result of a call that was applied but whose answer is lost
+APPLIED = _Applied()
+
+
+class Outcome(str, enum.Enum):
+    APPLIED = "applied"
+    NOT_APPLIED = "not_applied"
+    UNKNOWN = "unknown"
+
+
+def read_counter(http: ArcticHttp, job_id: int, counter: str) -> tuple[int | None, dict]:
+    """``GET /job/{id}``'s integer ``counter`` (``None`` when the server does not expose it)."""
+    info = http.get_json(Paths.job(job_id))
+    value = info.get(counter) if isinstance(info, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None, info if isinstance(info, dict) else {}
+    return value, info
+
+
+def settle(http: ArcticHttp, job_id: int, what: str, counter: tuple[str, int] | None, *, wait_s: float) -> Outcome:
+    """Was the unanswered call ``what`` applied to job ``job_id``? ``counter`` is ``(name, value before
+    the call)``; while the job says it is ``busy`` (the call may still be computing) it is read again,
+    up to ``wait_s``."""
+    if counter is None:
+        return Outcome.UNKNOWN
+    name, before = counter
+    value, info = read_counter(http, job_id, name)
+    deadline = time.monotonic() + wait_s
+    while info.get("busy") is True and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        value, info = read_counter(http, job_id, name)
+    if value is None:
+        outcome = Outcome.UNKNOWN
+    elif value == before + 1:
+        outcome = Outcome.APPLIED
+    elif value == before:
+        outcome = Outcome.NOT_APPLIED
+    else:
+        outcome = Outcome.UNKNOWN
+    logger.warning("arctic: %s got no answer and the server does not replay request ids: its %s is %s (was %d "
+                   "before the call) -> %s", what, name, value, before,
+                   {Outcome.APPLIED: "it was applied; not re-sending",
+                    Outcome.NOT_APPLIED: "it was not applied; re-sending",
+                    Outcome.UNKNOWN: "cannot tell; rebuilding the training job from the checkpoint and journal"}
+                   [outcome])
+    return outcome
