@@ -10,8 +10,8 @@
 # Meant to be started detached (setsid) on the lent GPU machine after benchmarks/device/unpack.sh, then polled:
 # RESULTS_DIR/status gets one line per finished run and ALLDONE at the end. The repository is copied first, so a
 # later call that lays a new working tree does not change the scripts under a running job. Runs never overlap
-# (a lock), so a second invocation queues behind the first. Environment: ENV_FILE (sourced first; what unpack.sh
-# wrote), OUT_BASE (model, data and run directories; default /tmp/arith), STEPS (default 50), RUN_TIMEOUT (s per
+# (a lock), so a second invocation queues behind the first. Environment: TREE_TAR (a `git archive` of the tree to
+# run; default: a copy of the current directory), ENV_FILE (sourced in that copy; what unpack.sh wrote), OUT_BASE (model, data and run directories; default /tmp/arith), STEPS (default 50), RUN_TIMEOUT (s per
 # run, default 1200), SMOLLM2_WHEEL (the model wheel), and any knob of examples/common/arithmetic.sh.
 set -uo pipefail
 results=${1:?usage: grpo_runs.sh RESULTS_DIR SPEC...}
@@ -19,16 +19,20 @@ shift
 [ $# -gt 0 ] || { echo "grpo_runs.sh: no run given (SPEC = NAME:BACKEND:STYLE:ZORRO:SEED)" >&2; exit 2; }
 mkdir -p "$results"
 results=$(cd "$results" && pwd)
-if [ -n "${ENV_FILE:-}" ]; then
-    # shellcheck disable=SC1090
-    source "$ENV_FILE"
-fi
 OUT_BASE=${OUT_BASE:-/tmp/arith}
 snapshot=$(mktemp -d /tmp/grpo_repo.XXXX)
 mkdir -p "$snapshot/repo"
-tar --exclude=./.devparts --exclude='./.vllm?' --exclude=./.whl --exclude=./.arl --exclude=./outputs -cf - . \
-    | tar -xf - -C "$snapshot/repo"
+if [ -n "${TREE_TAR:-}" ]; then  # a committed tree (git archive), not whatever the working tree holds
+    tar -xf "$TREE_TAR" -C "$snapshot/repo" || exit 1
+else
+    tar --exclude=./.devparts --exclude='./.vllm?' --exclude=./.whl --exclude=./.arl --exclude=./outputs -cf - . \
+        | tar -xf - -C "$snapshot/repo"
+fi
 cd "$snapshot/repo" || exit 1
+if [ -n "${ENV_FILE:-}" ]; then  # from the snapshot: unpack.sh's env.sh links the current checkout's packages
+    # shellcheck disable=SC1090
+    source "$ENV_FILE"
+fi
 
 exec 9>/tmp/grpo_runs.lock
 flock 9
