@@ -10,12 +10,15 @@
 #   * ARCTIC_RL_URL / ARCTIC_RL_TOKEN, the server to talk to (the token stays out of verl's config, the
 #     trace and the command line -- the runtime_env then travels in a private file; the adapter reads the
 #     token from the environment).
-# The GRPO recipe itself is a run_*.sh script (default: the GSM8K one), run on the cluster with the
+# The GRPO recipe itself is a run_*.sh script (default: the reverse-text one, which builds its own tiny model
+# and data; RECIPE=examples/grpo/run_gsm8k_grpo_arl.sh for GSM8K), run on the cluster with the
 # same Hydra overrides; extra arguments of this script are appended to them. The recipe's knobs
 # (DATA_DIR, MODEL_DIR, OUT_DIR, STEPS, ZORRO, SEED, RUN_NAME, VERBOSE) reach it when they are set here.
 #
+#   ARCTIC_RL_URL=http://127.0.0.1:7000 STEPS=2 bash examples/ray_cluster/submit_grpo.sh   # README: try it here
 #   ARCTIC_RL_URL=http://arctic-head:7000 ARCTIC_RL_TOKEN=... DATA_DIR=/shared/gsm8k \
-#   RAY_ADDRESS=http://ray-head:8265 bash examples/ray_cluster/submit_grpo.sh trainer.total_training_steps=10
+#   RECIPE=examples/grpo/run_gsm8k_grpo_arl.sh RAY_ADDRESS=http://ray-head:8265 \
+#   bash examples/ray_cluster/submit_grpo.sh trainer.total_training_steps=10
 #
 # By default `ray job submit` follows the job and prints its output (the recipe's header, one line per
 # step, its summary); NO_WAIT=1 returns once the job is submitted. VERBOSE=1 traces this script.
@@ -29,7 +32,7 @@ REPO_ROOT="$(cd "${SCRIPT_DIR}/../.." && pwd)"
 # Ray dashboard / job server of the cluster.
 RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 # The recipe to run (a path relative to the checkout, as it will be inside the job's working_dir).
-RECIPE="${RECIPE:-examples/grpo/run_gsm8k_grpo_arl.sh}"
+RECIPE="${RECIPE:-examples/grpo/run_reverse_text_grpo_arl_local.sh}"
 # pip: install this checkout into the job's environment; preinstalled: the nodes already have it.
 PACKAGE_MODE="${PACKAGE_MODE:-pip}"
 # The recipe's knobs that travel to the job when set here (data and model as the cluster nodes see them:

@@ -1,9 +1,11 @@
 """End to end: a GRPO job submitted to a running Ray cluster with ``examples/ray_cluster/submit_grpo.sh``.
 
-The cluster path of the README, on one machine: a Ray head (``ray start --head --block`` on
-127.0.0.1, private temp dir and ports, so it cannot meet another Ray of this machine), the reference
-Arctic RL server as a separate long-lived process (``python -m arctic_rl.server``), and the submit
-script as a user runs it, with the reverse-text recipe for 2 steps, once per ``PACKAGE_MODE``:
+The try-it path of ``examples/ray_cluster/README.md``, as written there: the ``ray start`` line and
+the submit command are read from the README's ``try-it`` block; the test adds only what keeps the
+head private (``--block``, a temp dir, free ports, so it cannot meet another Ray of this machine)
+and the dashboard switch. The reference Arctic RL server runs as a separate long-lived process
+(``python -m arctic_rl.server`` on a free port), and the submit script runs as a user runs it, with
+its default recipe (reverse text) and the README's knobs, once per ``PACKAGE_MODE``:
 
 * ``preinstalled`` -- the nodes' environment (this venv) already has the package;
 * ``pip`` -- Ray clones the venv for the job and pip-installs the uploaded checkout into it.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import pathlib
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,11 +35,9 @@ import pytest
 from server_process import free_port, running_server
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-SUBMIT = REPO_ROOT / "examples" / "ray_cluster" / "submit_grpo.sh"
-RECIPE = "examples/grpo/run_reverse_text_grpo_arl_local.sh"
+README = REPO_ROOT / "examples" / "ray_cluster" / "README.md"
+SUBMIT = "examples/ray_cluster/submit_grpo.sh"
 VENV_BIN = pathlib.Path(sys.executable).parent
-# Logical CPUs of the head: the job driver's forwarder bundle, TransferQueue units and headroom need 5.
-HEAD_CPUS = 8
 CLUSTER_START_S = 240
 RAY_START_ATTEMPTS = 3
 # A job builds the tiny model and its warm start when they are absent (the first one), starts verl on
@@ -103,6 +104,47 @@ def _stop_tree(proc: subprocess.Popen) -> None:
             time.sleep(0.5)
 
 
+@dataclass
+class TryIt:
+    """The README's try-it block: exported variables, ``ray start`` options, the submit command's knobs."""
+
+    exports: dict[str, str]
+    head_options: list[str]
+    submit_env: dict[str, str]
+    submit_args: list[str]
+
+
+def _try_it() -> TryIt:
+    text = README.read_text()
+    assert "<!-- try-it -->" in text, f"{README} lost its try-it block"
+    block = text.split("<!-- try-it -->", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    exports: dict[str, str] = {}
+    head: list[str] | None = None
+    submit: list[str] | None = None
+    for line in block.strip().splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["export"]:
+            exports.update(word.split("=", 1) for word in words[1:])
+        elif words[:3] == ["ray", "start", "--head"]:
+            head = words[2:]
+        elif f"bash {SUBMIT}" in line:
+            at = words.index("bash")
+            submit = words
+            assert words[at + 1] == SUBMIT and all("=" in w for w in words[:at]), line
+    assert head is not None and submit is not None, block
+    at = submit.index("bash")
+    return TryIt(exports, head, dict(w.split("=", 1) for w in submit[:at]), submit[at + 2 :])
+
+
+def test_the_try_it_block_is_what_this_module_runs():
+    """The parts the tests below take from the README, so that a change there shows here."""
+    try_it = _try_it()
+    assert try_it.exports == {"RAY_AUTH_MODE": "disabled"}
+    assert try_it.head_options[0] == "--head" and not any(o.startswith("--block") for o in try_it.head_options)
+    assert set(try_it.submit_env) == {"ARCTIC_RL_URL", "STEPS"} and try_it.submit_env["STEPS"] == "2"
+    assert "RECIPE" not in try_it.submit_env  # the script's default recipe needs no data
+
+
 def _env() -> dict[str, str]:
     """The environment of the head, the submit script and (through the head) the jobs. Ray >= 2.5x turns
     token authentication on for a new cluster whenever a token file exists (~/.ray/auth_token, left by
@@ -110,7 +152,7 @@ def _env() -> dict[str, str]:
     127.0.0.1 runs without, so that no token of another Ray on this machine is involved."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RAY_AUTH_MODE="disabled")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **_try_it().exports)  # RAY_AUTH_MODE=disabled
     return env
 
 
@@ -143,8 +185,8 @@ def _start_head(temp_dir: str) -> tuple[subprocess.Popen, pathlib.Path, str]:
     worker_base = rng.randrange(20000, 32600, 100)
     while any(worker_base <= port <= worker_base + 99 for port in ports.values()):
         worker_base = rng.randrange(20000, 32600, 100)
-    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--num-cpus={HEAD_CPUS}", "--num-gpus=0",
+    # the README's line, plus: block (the fixture owns the process), a private temp dir and ports
+    cmd = [str(VENV_BIN / "ray"), "start", *_try_it().head_options, "--block", "--include-dashboard=true",
            f"--temp-dir={temp_dir}", f"--min-worker-port={worker_base}", f"--max-worker-port={worker_base + 99}",
            "--disable-usage-stats", *(f"--{name}={port}" for name, port in ports.items())]
     with open(log, "w") as out:
@@ -208,12 +250,16 @@ def test_submitted_grpo_job_succeeds(cluster: Cluster, server, out_dir: pathlib.
     _wait_for_job_api(cluster.dashboard_url, cluster.proc, cluster.log, 120)  # still answering (a loaded box)
     submission_id = f"test_{package_mode}_{uuid.uuid4().hex[:8]}"
     run_name = f"ray_{package_mode}"
+    try_it = _try_it()
     env = _env()
-    env.update(RAY_ADDRESS=cluster.dashboard_url, ARCTIC_RL_URL=server.url, RECIPE=RECIPE, PACKAGE_MODE=package_mode,
-               OUT_DIR=str(out_dir), STEPS="2", RUN_NAME=run_name, SUBMISSION_ID=submission_id, NO_WAIT="1",
+    env.pop("RECIPE", None)
+    env.update(try_it.submit_env)  # STEPS=2 and the server's URL, as the README has them ...
+    # ... the URL of this test's server; the head's job API; where the outputs go; return once submitted
+    env.update(ARCTIC_RL_URL=server.url, RAY_ADDRESS=cluster.dashboard_url, PACKAGE_MODE=package_mode,
+               OUT_DIR=str(out_dir), RUN_NAME=run_name, SUBMISSION_ID=submission_id, NO_WAIT="1",
                PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(SUBMIT)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
+    proc = subprocess.run(["bash", SUBMIT, *try_it.submit_args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     client = JobSubmissionClient(cluster.dashboard_url)

@@ -8,7 +8,8 @@ arrays work unchanged), plus ``remote_backend=<name>``; no plugin variable, no `
 1. rewrite the overrides: settings a remote-backend run needs (``settings.forced_settings``)
    replace the recipe's values, each replacement reported on stderr;
 2. compose ``remote_backend_ppo_trainer`` (verl's ``ppo_trainer`` + the backend's option group);
-3. size Ray's logical CPUs for a local run, validate with verl's own ``validate_config``;
+3. size Ray's logical CPUs for a local run (on a running cluster: check that it has them, naming
+   ``ray start --num-cpus`` when it has not), validate with verl's own ``validate_config``;
 4. create the backend once, in this process (a local reference server is our child), write its
    handle into the config, run verl's V1 (or, with ``trainer.use_v1=False``, legacy) trainer
    through Ray, and destroy the backend at the end -- also on failure, Ctrl-C, SIGTERM and SIGHUP
@@ -29,7 +30,7 @@ from omegaconf import DictConfig
 
 from verl.remote_backend.command_line import check_command_line, exit_on_usage_error
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.settings import ensure_ray_cpus, rewrite_overrides
+from verl.remote_backend.settings import check_cluster_cpus, ensure_ray_cpus, joins_running_cluster, rewrite_overrides
 
 __all__ = ["CONFIG_DIR", "CONFIG_NAME", "main", "register_searchpath_plugin", "run", "start_ray"]
 
@@ -94,6 +95,9 @@ def run(config: DictConfig) -> None:
     with signals_raise(), BackendOwner.create(config):
         try:
             start_ray(config)
+            if joins_running_cluster(config):  # its CPUs are what `ray start` gave it: refuse now, not in minutes
+                resources, free = ray.cluster_resources(), ray.available_resources()
+                check_cluster_cpus(config, total=resources.get("CPU", 0.0), free=free.get("CPU", 0.0))
             run_ppo(config, task_runner_class=runner)
         finally:
             if ray.is_initialized():

@@ -13,7 +13,9 @@ of :func:`forced_settings`. Two ways to apply them:
 
 :func:`required_ray_cpus` / :func:`ensure_ray_cpus` size Ray's logical CPUs for a local run:
 stock verl leaves ``ray_init.num_cpus`` at the machine's core count, and on a small machine the
-worker and TransferQueue placement groups then wait forever without an error.
+worker and TransferQueue placement groups then wait forever without an error. On a running
+cluster (``ray job submit``) the run cannot size them: :func:`check_cluster_cpus` refuses to start
+on too few, naming the ``ray start`` option that sets them.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.remote_backend.errors import RemoteBackendConfigError
 
 __all__ = [
+    "RAY_START_OPTION",
     "TRAINER_MODE",
     "apply_forced_settings",
+    "check_cluster_cpus",
     "ensure_ray_cpus",
     "forced_settings",
+    "joins_running_cluster",
     "required_ray_cpus",
     "rewrite_overrides",
     "selected_backend",
@@ -43,6 +48,8 @@ TRAINER_MODE = "remote_backend"
 FORWARDER_BUNDLE_CPUS = 1
 #: headroom for actors that need one CPU to be *scheduled* (task runner, agent-loop and reward workers)
 SCHEDULING_HEADROOM_CPUS = 2
+#: where a running cluster's logical CPUs are set (the run itself cannot change them)
+RAY_START_OPTION = "ray start --num-cpus"
 
 _OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2}|~)(?P<key>[A-Za-z0-9_.@/\-]+)=(?P<value>.*)$", re.DOTALL)
 
@@ -127,19 +134,26 @@ def required_ray_cpus(config: DictConfig) -> int:
     return cpus
 
 
-def ensure_ray_cpus(config: DictConfig) -> str | None:
-    """Raise ``ray_kwargs.ray_init.num_cpus`` to :func:`required_ray_cpus` for a local cluster.
-
-    Left alone when ``ray_init.address`` or ``RAY_ADDRESS`` (set by Ray in a submitted job's
-    driver) names an existing cluster: its resources are what they are, and ``ray.init`` refuses
-    ``num_cpus`` when it connects to one. Returns a note when the value changed.
-    """
+def joins_running_cluster(config: DictConfig) -> bool:
+    """Whether ``ray.init`` will join a running cluster: ``ray_kwargs.ray_init.address``, or
+    ``RAY_ADDRESS`` (set by Ray in a submitted job's driver), names one (``local`` does not)."""
     ray_init = OmegaConf.select(config, "ray_kwargs.ray_init", default=None)
     address = ray_init.get("address") if ray_init is not None else None
     if address in (None, ""):
         address = os.environ.get("RAY_ADDRESS")
-    if address not in (None, "", "local"):
+    return address not in (None, "", "local")
+
+
+def ensure_ray_cpus(config: DictConfig) -> str | None:
+    """Raise ``ray_kwargs.ray_init.num_cpus`` to :func:`required_ray_cpus` for a local cluster.
+
+    Left alone when the run joins a running cluster (:func:`joins_running_cluster`): its
+    resources are what ``ray start`` gave it (:func:`check_cluster_cpus`), and ``ray.init``
+    refuses ``num_cpus`` when it connects to one. Returns a note when the value changed.
+    """
+    if joins_running_cluster(config):
         return None
+    ray_init = OmegaConf.select(config, "ray_kwargs.ray_init", default=None)
     needed = required_ray_cpus(config)
     current = None if ray_init is None else ray_init.get("num_cpus")
     effective = int(current) if current is not None else (os.cpu_count() or 1)  # Ray's own default
@@ -150,4 +164,27 @@ def ensure_ray_cpus(config: DictConfig) -> str | None:
     return (
         f"ray_kwargs.ray_init.num_cpus: {current!r} -> {needed} (forwarder bundle + TransferQueue + "
         "scheduling headroom; logical CPUs, not cores)"
+    )
+
+
+def check_cluster_cpus(config: DictConfig, *, total: float, free: float) -> None:
+    """Refuse to start on a running Ray cluster with fewer free logical CPUs than the run needs.
+
+    Without them verl's placement groups and actors wait forever; the fix is on the cluster's side
+    (``ray start --num-cpus``: logical CPUs are the slots Ray hands out, not cores; a node started
+    without the option gets one per core), never in this run's config.
+    """
+    needed = required_ray_cpus(config)
+    if free >= needed:
+        return
+    if total < needed:
+        remedy = f"start the head with `ray start --head --num-cpus={needed}` (or more)"
+    else:
+        remedy = "wait for the cluster's other jobs to finish, or add a node (`ray start --address <head>:6379`)"
+    raise RemoteBackendConfigError(
+        RAY_START_OPTION,
+        f"the running Ray cluster has {free:g} of {total:g} logical CPUs free and this run needs {needed} "
+        "(TransferQueue controller and storage units, the forwarder worker, room to place verl's task runner, "
+        f"agent-loop and reward workers; logical CPUs are Ray's scheduling slots, not cores): {remedy}",
+        allowed=f">= {needed} free", received=free,
     )

@@ -39,6 +39,7 @@ from verl.remote_backend.lifecycle import BackendOwner, backend_name
 from verl.remote_backend.progress import StepClock, format_progress
 from verl.remote_backend.settings import (
     FORWARDER_BUNDLE_CPUS,
+    RAY_START_OPTION,
     SCHEDULING_HEADROOM_CPUS,
     TRAINER_MODE,
     apply_forced_settings,
@@ -62,7 +63,7 @@ class CpuResourcePoolManager(ResourcePoolManager):
     """A ``ResourcePoolManager`` whose pools reserve CPUs only (forwarder workers own no GPU).
 
     Checks that Ray has the CPUs before asking for them: a placement group that cannot be
-    placed waits forever, so an error naming ``ray_kwargs.ray_init.num_cpus`` is better.
+    placed waits forever, so an error naming what sets Ray's CPUs is better.
     """
 
     def create_resource_pool(self) -> None:
@@ -76,18 +77,23 @@ class CpuResourcePoolManager(ResourcePoolManager):
             )
 
     def check_cpus(self) -> None:
-        """Raise :class:`RemoteBackendConfigError` when Ray lacks the CPUs of these pools."""
+        """Raise :class:`RemoteBackendConfigError` when Ray lacks the CPUs of these pools, naming
+        what sets them: ``ray start --num-cpus`` on a running cluster (a submitted job cannot set
+        them), ``ray_kwargs.ray_init.num_cpus`` for the Ray this run started."""
         needed = sum(sum(procs) for procs in self.resource_pool_spec.values()) * self.max_colocate_count
         free = ray.available_resources().get("CPU", 0.0)
-        if free < needed:
-            total = ray.cluster_resources().get("CPU", 0.0)
-            raise RemoteBackendConfigError(
-                "ray_kwargs.ray_init.num_cpus",
-                f"Ray has {free:g} of {total:g} logical CPUs free, the forwarder worker pool needs {needed}; "
-                "verl would wait for them forever",
-                allowed=f">= {int(total - free) + needed + SCHEDULING_HEADROOM_CPUS}",
-                received=total,
-            )
+        if free >= needed:
+            return
+        total = ray.cluster_resources().get("CPU", 0.0)
+        enough = int(total - free) + needed + SCHEDULING_HEADROOM_CPUS
+        raise RemoteBackendConfigError(
+            RAY_START_OPTION,
+            f"Ray has {free:g} of {total:g} logical CPUs free, the forwarder worker pool needs {needed}; verl would "
+            f"wait for them forever. On a running cluster start the head with `ray start --head --num-cpus={enough}` "
+            f"(logical CPUs are Ray's scheduling slots, not cores); for the Ray this run starts itself set "
+            f"ray_kwargs.ray_init.num_cpus={enough}",
+            allowed=f">= {enough} logical CPUs in all", received=total,
+        )
 
 
 def prepare_remote_backend_config(config: DictConfig) -> str:
