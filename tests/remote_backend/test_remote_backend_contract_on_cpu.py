@@ -1,7 +1,8 @@
 """The contract every registered remote backend keeps, checked for each one (``arctic``, ``tinker``, ...).
 
 * the adapter class is a concrete ``RemoteBackend`` and offers both compute protocols
-  (``RemoteActor``, ``RemoteSampler``) with the signatures the worker and replica call;
+  (``RemoteActor``, ``RemoteSampler``) with the signatures the worker and replica call; an optional
+  capability it has (``adopt_sampler``) is declared as its Protocol (``SamplerAdopter``);
 * its worker is a ``RemoteActorRolloutRefWorker``, its replica a ``RemoteRolloutReplica``, and
   verl's own ``RolloutReplicaRegistry`` resolves ``rollout.name=<backend>`` to that replica;
 * its Hydra option group file exists (here, or in an installed plug-in's config package), names the
@@ -24,7 +25,7 @@ import yaml
 import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
 from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.plugins import CONFIG_GROUP
-from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_METHODS, RemoteActor, RemoteSampler
+from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_METHODS, RemoteActor, RemoteSampler, SamplerAdopter
 from verl.remote_backend.workers.replica import RemoteRolloutReplica
 from verl.remote_backend.workers.worker import RemoteActorRolloutRefWorker
 
@@ -51,6 +52,10 @@ def test_adapter_is_a_concrete_backend_with_both_protocols(name):
     inspect.signature(cls.update_weights).bind(None)
     inspect.signature(cls.generate).bind(None, [[1, 2]], {"max_tokens": 4})
     inspect.signature(cls.from_config).bind(object(), handle=None)
+    # an optional capability is declared as its Protocol, not found by name at run time
+    if callable(getattr(cls, "adopt_sampler", None)):
+        assert SamplerAdopter in cls.__mro__, f"{name}: adopt_sampler without declaring SamplerAdopter"
+        inspect.signature(cls.adopt_sampler).bind(None, {"model_path": "x"})
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -180,6 +180,26 @@ def test_bad_settings_are_refused_by_name(kwargs, field):
         RequestCoalescer(_Recorder(), **kwargs)
 
 
+def test_the_batching_options_are_read_once_for_every_backend():
+    """``remote_backend.rollout``'s batching keys, as the rollout server reads them (the vendor's other keys
+    of that node ignored); the vendors' config mirrors extend the same class."""
+    from omegaconf import OmegaConf
+
+    from verl.remote_backend.errors import RemoteBackendConfigError
+    from verl.workers.remote_client.common.rollout_batching import RolloutBatching
+    from verl.workers.remote_client.tinker.config import TinkerRolloutConfig
+
+    main = OmegaConf.create({"remote_backend": {"rollout": {"max_batch_size": 8, "max_wait_ms": 2,
+                                                            "max_in_flight": 3, "num_devices": 1}}})
+    assert RolloutBatching.from_main_config(main) == RolloutBatching(max_batch_size=8, max_wait_ms=2.0, max_in_flight=3)
+    assert RolloutBatching.from_main_config(OmegaConf.create({"remote_backend": {"name": "x"}})) == RolloutBatching()
+    assert issubclass(TinkerRolloutConfig, RolloutBatching)
+    for key, bad in (("max_batch_size", 0), ("max_wait_ms", -1), ("max_in_flight", 0), ("max_batch_size", "many")):
+        with pytest.raises(RemoteBackendConfigError) as err:
+            RolloutBatching.from_main_config(OmegaConf.create({"remote_backend": {"rollout": {key: bad}}}))
+        assert err.value.field == f"remote_backend.rollout.{key}" and err.value.received == bad
+
+
 # ------------------------------------------------------------------ sampling parameters
 def test_verl_agent_loop_params_map_to_the_protocol():
     verl_params = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
