@@ -7,12 +7,17 @@ concept per module:
 * ``arctic_config`` -- ``config.remote_backend`` as typed, validated dataclasses (mirrors arctic.yaml);
 * ``builders`` -- ds_config / ds_worker_config / JobConfig / loss config / call meta (pure functions);
 * ``dialect`` -- what differs between wire v1 and v2 (paths, codec, bodies), one object per version;
-* ``session`` -- the run's shared state (job ids, step, instance id, owned jobs) and calls to its jobs;
+* ``state`` -- the run's shared state (job ids, step, instance id, owned and retired jobs);
+* ``request`` -- one call to a job, as data; ``session`` -- the one call path of the roles (``JobCalls``);
+* ``answers`` -- answers read through their models in ``arctic_rl.protocol``;
 * ``training`` -- ``update_actor`` and ``/step``; ``log_probs`` -- ``compute_(ref_)log_prob``;
 * ``generation`` -- ``/generate``; ``checkpoints`` -- weight sync, save, load;
 * ``layout`` -- verl's nested batches <-> the server's ``[left-padded prompt | response]`` layout;
 * ``http`` -- session, time limits, retries, error mapping; ``wire`` -- protocol detection;
-* ``jobs`` -- health, job creation/destruction, handles; ``recovery``/``journal`` -- lost answers, restarts;
+* ``jobs`` -- health, job creation/destruction, handles;
+* ``recovery`` -- the retry rule every call goes through, by role: ``settle`` (was a lost call applied?),
+  ``restart`` (did the server restart?), ``restore`` (restore, rebuild, adopt), ``checkpoint_schedule``,
+  ``watcher``; ``journal`` -- the updates since the last checkpoint;
 * ``metrics`` -- verl metric names and MFU; ``local_server`` -- a local reference server process;
 * ``worker`` -- ``ArcticRLActorRolloutRefWorker``, verl's forwarder worker under its documented name;
 * ``replica`` -- the ``arctic`` rollout replica and server (verl's sampling parameters -> the protocol's).

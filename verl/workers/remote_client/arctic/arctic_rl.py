@@ -338,8 +338,4 @@ class ArcticRLClient(RemoteBackend):
 
 
 def _tagged_bodies(verl: VerlSettings, arctic: ArcticConfig, tag: str | None) -> dict[JobType, dict]:
-    bodies = {t: build_job_config(t, verl, arctic) for t in JOB_ORDER}
-    if tag:
-        for body in bodies.values():
-            body["client_tag"] = tag  # ignored by servers that do not know it (JobConfig is tolerant)
-    return bodies
+    return {t: build_job_config(t, verl, arctic, client_tag=tag) for t in JOB_ORDER}

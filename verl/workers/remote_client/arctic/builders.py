@@ -254,8 +254,10 @@ def resolve_attn_implementation(verl: VerlSettings, arctic: ArcticConfig) -> str
     return verl.attn_implementation or "flash_attention_2"
 
 
-def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: ArcticConfig) -> dict:
-    """The ``/initialize`` body of one job, validated by ``arctic_rl.protocol.JobConfig``."""
+def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: ArcticConfig, *,
+                     client_tag: str | None = None) -> dict:
+    """The ``/initialize`` body of one job, validated by ``arctic_rl.protocol.JobConfig``. ``client_tag``
+    labels the run's jobs (servers that do not know it ignore it: ``JobConfig`` is tolerant)."""
     job_type = JobType(job_type)
     seed = arctic.train.seed if arctic.train.seed is not None else verl.data_loader_seed
     body: dict[str, Any] = {
@@ -264,6 +266,8 @@ def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: Arctic
         "seed": seed,
         "full_determinism": arctic.train.full_determinism,
     }
+    if client_tag:
+        body["client_tag"] = client_tag
     if job_type is JobType.TRAINING:
         checkpoint_path = arctic.train.checkpoint_path or verl.default_local_dir
         if not checkpoint_path:

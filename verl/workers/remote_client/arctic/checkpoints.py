@@ -7,21 +7,33 @@
   server that can load it back becomes the base a restore starts from (the journal is reset to it).
 
 Routes and bodies come from the run's :class:`~.dialect.Dialect`; every call is harmless to repeat,
-so an unanswered one is re-sent. What is not here: recovery checkpoints' schedule (:mod:`.recovery`).
+so an unanswered one is re-sent (:class:`~.session.JobCalls`). Answers are read through their models
+(:class:`~arctic_rl.protocol.WeightSyncResponse`, :class:`~arctic_rl.protocol.SaveResponse`,
+:class:`~arctic_rl.protocol.LoadCheckpointResponse`). What is not here: recovery checkpoints' schedule
+(:mod:`.checkpoint_schedule`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-from arctic_rl.protocol import JobType, LoadCheckpointResponse, Paths, ResetPrefixCacheRequest, SaveResponse
+from arctic_rl.protocol import (
+    JobType,
+    LoadCheckpointResponse,
+    Paths,
+    ResetPrefixCacheRequest,
+    SaveResponse,
+    WeightSyncResponse,
+)
 from verl.remote_backend.errors import RemoteProtocolError
 
 from .answers import parse_answer
 from .arctic_config import ArcticConfig
+from .dialect import Payload, Route
 from .journal import CheckpointRef
+from .request import JobRequest
 from .session import JobCalls
+from .state import RunState
 
 __all__ = ["Checkpoints"]
 
@@ -34,21 +46,17 @@ class Checkpoints:
         self.state = calls.state
         self.recovery = calls.recovery
         self.arctic = arctic
+        self._sync = JobRequest("POST", "weight sync", op="weight_sync", idempotent=True, route=self._sync_route)
 
     def update_weights(self) -> dict:
         """Push the weights, then drop the sampler's prefix cache where the server can."""
-        state = self.state
         with self.calls.training_call():
-            out = self.recovery.call("weight sync", lambda _id: self.sync_weights_now(), safe=True)
+            out = self.calls.read(self._sync, WeightSyncResponse)
             if Paths.RESET_PREFIX_CACHE in self.server_paths:
-                sampling = state.job(JobType.SAMPLING)
                 body = ResetPrefixCacheRequest().model_dump(mode="json")
-                self.recovery.call(
-                    f"POST {Paths.RESET_PREFIX_CACHE}",
-                    lambda _id: state.http.post_json(Paths.RESET_PREFIX_CACHE, body, params={"job_id": sampling},
-                                                     op="weight_sync", idempotent=True),
-                    safe=True)
-            return out
+                self.calls.call(JobRequest("POST", Paths.RESET_PREFIX_CACHE, op="weight_sync", idempotent=True,
+                                           job=JobType.SAMPLING, payload=Payload(json=body)))
+            return out.model_dump() if out is not None else {}
 
     @functools.cached_property
     def server_paths(self) -> frozenset[str]:
@@ -58,15 +66,17 @@ class Checkpoints:
         return frozenset(paths) if isinstance(paths, dict) else frozenset()
 
     def sync_weights_now(self) -> dict:
-        """One weight-sync call (no retry around it: :class:`~.recovery.Recovery` calls this too)."""
-        state, ws = self.state, self.arctic.weight_sync
-        route = state.dialect.weight_sync(
+        """One weight-sync call, no recovery around it (a restore calls this while it recovers)."""
+        resp = self._sync.send(self.state)
+        return parse_answer(WeightSyncResponse, resp.json(), self._sync.what).model_dump()
+
+    def _sync_route(self, state: RunState) -> Route:
+        """The weight sync between the run's current jobs (they change with a restore)."""
+        ws = self.arctic.weight_sync
+        return state.dialect.weight_sync(
             training=state.job(JobType.TRAINING), sampling=state.job(JobType.SAMPLING),
             log_prob=state.job(JobType.LOG_PROB) if ws.sync_log_prob else None, cuda_ipc=ws.cuda_ipc,
             low_memory=ws.low_memory)
-        resp = state.http.post_json(route.path, route.body, params=route.params, op="weight_sync",
-                                    idempotent=True)  # re-sending the same weights is harmless
-        return dict(resp.json())
 
     def save_checkpoint(self, step: int | None = None, *, path: str | None = None, export_hf: bool = False,
                         save_total_limit: int | None = None) -> dict:
@@ -74,34 +84,29 @@ class Checkpoints:
         state = self.state
         with self.calls.training_call():
             route = state.dialect.save(step=step, path=path, export_hf=export_hf, save_total_limit=save_total_limit)
-
-            def send(request_id: str):
-                return state.http.request("POST", route.path, op="save", params={"job_id": state.job(JobType.TRAINING)},
-                                          json=route.body, idempotent=True, request_id=request_id)
-
-            out = dict(self.recovery.call(f"POST {route.path}", send, safe=True).json())
-            if state.dialect.can_load_checkpoints and out.get("path"):
-                saved = parse_answer(SaveResponse, out, f"POST {route.path}")
+            request = JobRequest("POST", route.path, op="save", idempotent=True, job=JobType.TRAINING,
+                                 payload=Payload(json=route.body))
+            out = state.dialect.decode(self.calls.call(request), request.what)
+            if not isinstance(out, dict):
+                raise RemoteProtocolError(request.what, f"expected an object, got {type(out).__name__}")
+            if state.dialect.can_load_checkpoints:  # only a save that can be loaded back anchors a restore
+                saved = parse_answer(SaveResponse, out, request.what)
                 step_saved = saved.global_step if saved.global_step is not None else state.step
                 self.recovery.journal.reset(CheckpointRef(str(saved.path), int(step_saved)))
-            return out
+            return dict(out)
 
     def load_checkpoint(self, step: int | None = None, *, path: str | None = None, sync_weights: bool = True) -> dict:
         """Restore model + optimizer + step (servers that can), then refresh the sampler's weights."""
         state = self.state
-        if not state.dialect.can_load_checkpoints:
-            raise RemoteProtocolError(Paths.LOAD_CHECKPOINT, f"v{int(state.dialect.version)} servers cannot load "
-                                      "checkpoints")
-        body: dict[str, Any] = state.dialect.load_checkpoint_body(step=step, path=path)
+        body = state.dialect.load_checkpoint_body(step=step, path=path)  # raises where checkpoints cannot load
+        request = JobRequest("POST", Paths.LOAD_CHECKPOINT, op="save", idempotent=True, job=JobType.TRAINING,
+                             payload=Payload(json=body))
         with self.calls.training_call():
-            def send(request_id: str):  # loading the same state twice is harmless
-                return state.http.request("POST", Paths.LOAD_CHECKPOINT, op="save", json=body, idempotent=True,
-                                          params={"job_id": state.job(JobType.TRAINING)}, request_id=request_id)
-
-            resp = self.recovery.call(f"POST {Paths.LOAD_CHECKPOINT}", send, safe=True)
-            out = parse_answer(LoadCheckpointResponse, resp.json(), f"POST {Paths.LOAD_CHECKPOINT}")
-            state.set_step(out.global_step)
-            self.recovery.journal.reset(CheckpointRef(str(out.path), state.step))
+            loaded = self.calls.read(request, LoadCheckpointResponse)
+            if loaded is None:  # a harmless call is never settled as applied; kept for the type
+                raise RemoteProtocolError(request.what, "no answer")
+            state.set_step(loaded.global_step)
+            self.recovery.journal.reset(CheckpointRef(str(loaded.path), state.step))
             if sync_weights:
                 self.update_weights()
-            return dict(resp.json())
+            return loaded.model_dump()

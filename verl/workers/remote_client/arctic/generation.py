@@ -32,9 +32,18 @@ import threading
 from collections import Counter
 from typing import Any
 
-from arctic_rl.protocol import Features, GenerateResult, JobType, Paths, SamplingParams, sampled_logprobs
+from arctic_rl.protocol import (
+    Features,
+    GenerateResponse,
+    GenerateResult,
+    JobType,
+    Paths,
+    SamplingParams,
+    sampled_logprobs,
+)
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 
+from .answers import parse_answer
 from .session import JobCalls, ModelTokens
 
 __all__ = ["Sampler", "SeedDeriver", "clean_sampling_params", "ordered_results"]
@@ -85,12 +94,9 @@ class SeedDeriver:
         return int.from_bytes(hashlib.sha256(f"{key}:{occurrence}".encode()).digest()[:8], "big") >> 1
 
 
-def ordered_results(raw: Any, num_prompts: int, n: int, *, expanded: bool) -> list[GenerateResult]:
-    """Validated results, prompt-major (prompt ``i``'s samples at ``[i*n, (i+1)*n)``), indices filled in."""
-    try:
-        results = [GenerateResult.model_validate(r) for r in raw["results"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RemoteProtocolError("POST /generate", f"bad results: {exc}") from None
+def ordered_results(answer: GenerateResponse, num_prompts: int, n: int, *, expanded: bool) -> list[GenerateResult]:
+    """The answer's results, prompt-major (prompt ``i``'s samples at ``[i*n, (i+1)*n)``), indices filled in."""
+    results = list(answer.results)
     if len(results) != num_prompts * n:
         raise RemoteProtocolError("POST /generate", f"expected {num_prompts * n} results ({num_prompts} prompts x "
                                   f"n={n}), got {len(results)}")
@@ -136,4 +142,5 @@ class Sampler:
             wire_prompts = [self.tokens.tokenizer.decode(r, skip_special_tokens=False) for r in rows]
         payload = self.calls.state.dialect.generate_payload(wire_prompts, wire_params)
         out = self.calls.post(Paths.GENERATE, JobType.SAMPLING, payload, op="generate", idempotent=True)
-        return ordered_results(out, len(prompts), n, expanded=expand)
+        answer = parse_answer(GenerateResponse, out, f"POST {Paths.GENERATE}")
+        return ordered_results(answer, len(prompts), n, expanded=expand)

@@ -31,8 +31,10 @@ from verl.remote_backend.errors import RemoteBackendError, RemoteConnectionError
 
 from .answers import parse_answer
 from .arctic_config import RecoveryConfig
+from .dialect import Payload
 from .jobs import JOB_ORDER, create_job, destroy_jobs, status_jobs
 from .journal import UpdateJournal
+from .request import JobRequest
 from .restart import RestartDetector
 from .state import RunState
 
@@ -136,12 +138,12 @@ class Restorer:
 
     def _load_and_replay(self, training: int) -> int:
         """Load the journal's base into job ``training`` and replay the journal; the step reached."""
-        journal, http = self.journal, self.state.http
+        state, journal = self.state, self.journal
         step = 0
         if journal.base is not None:
             body = LoadCheckpointRequest(path=journal.base.path).model_dump(mode="json", exclude_none=True)
-            resp = http.post_json(Paths.LOAD_CHECKPOINT, body, params={"job_id": training}, op="save", idempotent=True)
-            step = parse_answer(LoadCheckpointResponse, resp.json(), f"POST {Paths.LOAD_CHECKPOINT}").global_step
+            load = JobRequest("POST", Paths.LOAD_CHECKPOINT, op="save", idempotent=True, payload=Payload(json=body))
+            step = parse_answer(LoadCheckpointResponse, load.send(state, job_id=training).json(), load.what).global_step
             self.stats["checkpoints_loaded"] += 1
         elif not journal.complete:
             raise RemoteBackendError(
@@ -149,12 +151,14 @@ class Restorer:
                 "since its start: the training state cannot be restored; resume the run from its last checkpoint")
         if not journal.complete:
             return step
-        for entry in journal.entries:
-            resp = http.request("POST", entry.path, op="step" if entry.is_step else "forward_backward",
-                                params={"job_id": training}, data=entry.body if entry.content_type else None,
-                                json=None if entry.content_type else entry.body, content_type=entry.content_type)
+        for entry in journal.entries:  # each sent once: a lost answer here makes the caller start over
+            payload = Payload(content_type=entry.content_type, data=entry.body) if entry.content_type else \
+                Payload(json=entry.body)
+            replay = JobRequest("POST", entry.path, op="step" if entry.is_step else "forward_backward",
+                                idempotent=False, payload=payload)
+            resp = replay.send(state, job_id=training)
             if entry.is_step:
-                got = parse_answer(StepResponse, resp.json(), f"POST {entry.path}").metrics.get("global_step")
+                got = parse_answer(StepResponse, resp.json(), replay.what).metrics.get("global_step")
                 step = got if isinstance(got, int) and not isinstance(got, bool) else step + 1
             self.stats["journal_replayed"] += 1
         return step

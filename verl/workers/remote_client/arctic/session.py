@@ -1,8 +1,10 @@
 """How the client's roles reach the run's jobs: :class:`JobCalls`, and the run's tokenizer.
 
-:class:`JobCalls` sends a body to a job of the run's :class:`~.state.RunState` through
-:class:`~.recovery.Recovery` in the run's :class:`~.dialect.Dialect`; :class:`ModelTokens` loads the
-tokenizer once, when a role first needs it.
+:class:`JobCalls` is the one call path of the roles: it sends a :class:`~.request.JobRequest` to a
+job of the run's :class:`~.state.RunState` through :class:`~.recovery.Recovery` (its retry rule) in
+the run's :class:`~.dialect.Dialect`, journals acknowledged updates, and reads answers through their
+models in :mod:`arctic_rl.protocol`. :class:`ModelTokens` loads the tokenizer once, when a role first
+needs it.
 
 What is not here: the bodies (the role modules, from :mod:`arctic_rl.protocol`), HTTP retries
 (:mod:`.http`), restart handling (:mod:`.recovery`).
@@ -13,7 +15,10 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any
+from typing import Any, TypeVar
+
+import requests
+from pydantic import BaseModel
 
 from arctic_rl.protocol import OCTET_STREAM, JobType, Paths
 from verl.remote_backend.errors import (
@@ -23,17 +28,25 @@ from verl.remote_backend.errors import (
     RemoteServerError,
 )
 
-from .dialect import Payload
-from .recovery import APPLIED, Recovery
+from .answers import parse_answer
+from .dialect import Payload, Route
+from .recovery import Recovery
+from .request import JobRequest
+from .settle import APPLIED
 from .state import RunState
 
 __all__ = ["JobCalls", "ModelTokens"]
 
 logger = logging.getLogger(__name__)
 
+M = TypeVar("M", bound=BaseModel)
+
 
 class JobCalls:
-    """Tensor calls to the run's jobs, through :class:`~.recovery.Recovery` and in the run's dialect."""
+    """The one call path of the client's roles: every call to a job, through :class:`~.recovery.Recovery`
+    (its retry rule: re-send what is harmless, settle or rebuild what is not, restore after a restart)
+    and in the run's dialect. A call that is not ``idempotent`` (``/forward-backward``, ``/step``) is
+    journalled once acknowledged (:mod:`.journal`)."""
 
     def __init__(self, state: RunState, recovery: Recovery) -> None:
         self.state = state
@@ -44,6 +57,26 @@ class JobCalls:
         self.recovery.become_primary()
         return self.recovery.lock
 
+    def call(self, request: JobRequest, *, counter: tuple[str, int] | None = None) -> requests.Response | object:
+        """Send ``request``; :data:`~.settle.APPLIED` for a call applied whose answer was lost. ``counter``:
+        ``(name, value before the call)`` of the training job's ``GET /job`` counter the call increments."""
+        resp = self.recovery.call(request.what, functools.partial(self._send, request), safe=request.idempotent,
+                                  counter=counter)
+        if not request.idempotent:
+            body = request.payload
+            self.recovery.journal.record(request.path, body.data if body.data is not None else body.json,
+                                         body.content_type if body.data is not None else None,
+                                         is_step=request.path == Paths.STEP)
+        return resp
+
+    def read(self, request: JobRequest, model: type[M], *, counter: tuple[str, int] | None = None) -> M | None:
+        """:meth:`call`, its JSON answer read through the protocol's ``model``; ``None`` when it was
+        applied but its answer was lost."""
+        resp = self.call(request, counter=counter)
+        if resp is APPLIED:
+            return None
+        return parse_answer(model, self.state.dialect.decode(resp, request.what), request.what)
+
     def post_tensors(self, path: str, job_type: JobType, body: dict, *, op: str, idempotent: bool,
                      counter: tuple[str, int] | None = None) -> dict:
         """POST a tensor body (encoded by the dialect) to the job of ``job_type``; see :meth:`post`."""
@@ -52,48 +85,40 @@ class JobCalls:
 
     def post(self, path: str, job_type: JobType, payload: Payload, *, op: str, idempotent: bool,
              counter: tuple[str, int] | None = None) -> dict:
-        """POST ``payload`` to the job of ``job_type`` through :class:`~.recovery.Recovery`; a call that is
-        not ``idempotent`` (``/forward-backward``) is journalled. The answer decoded by the dialect;
-        ``{}`` for a call applied whose answer was lost."""
-        state, dialect = self.state, self.state.dialect
-
-        def send(request_id: str):
-            job_id = state.job(job_type)
-            try:
-                return state.http.request("POST", path, op=op, params={"job_id": job_id}, data=payload.data,
-                                          json=payload.json, content_type=payload.content_type,
-                                          idempotent=idempotent, request_id=request_id)
-            except RemoteServerError as exc:
-                if path == dialect.forward_path and exc.status == 500 and not isinstance(exc, RemoteJobNotFoundError):
-                    self._raise_if_job_gone(f"POST {path}", job_id, exc)
-                raise
-
-        resp = self.recovery.call(f"POST {path}", send, safe=idempotent, counter=counter)
-        if not idempotent:
-            journalled = payload.data if payload.data is not None else payload.json
-            self.recovery.journal.record(path, journalled, payload.content_type if payload.data is not None else None,
-                                         is_step=False)
+        """POST ``payload`` to the job of ``job_type``; the answer decoded by the dialect, ``{}`` for a
+        call applied whose answer was lost."""
+        request = JobRequest("POST", path, op=op, idempotent=idempotent, job=job_type, payload=payload)
+        resp = self.call(request, counter=counter)
         if resp is APPLIED:
             logger.warning("arctic: the metrics of an applied %s are lost (its answer never came)", path)
             return {}
-        out = dialect.decode(resp, f"POST {path}")
+        out = self.state.dialect.decode(resp, request.what)
         if not isinstance(out, dict):
-            raise RemoteProtocolError(f"POST {path}", f"expected an object, got {type(out).__name__}")
+            raise RemoteProtocolError(request.what, f"expected an object, got {type(out).__name__}")
         return out
 
     def job_info(self, job_type: JobType) -> dict:
-        """``GET /job/{id}`` of the run's job of ``job_type``, surviving a restart like any other call (a
-        restore re-reads the new job)."""
-        state = self.state
-        info = self.recovery.call(f"GET {Paths.JOB}", lambda _id: state.http.get_json(Paths.job(state.job(job_type))),
-                                  safe=True)
+        """``GET /job/{id}`` of the run's job of ``job_type`` (after a restore: the new job's)."""
+        request = JobRequest("GET", Paths.JOB, op="default", idempotent=True,
+                             route=lambda state: Route(Paths.job(state.job(job_type)), None, None))
+        resp = self.call(request)
+        info = resp.json() if resp is not APPLIED else None
         return info if isinstance(info, dict) else {}
+
+    def _send(self, request: JobRequest, request_id: str) -> requests.Response:
+        try:
+            return request.send(self.state, request_id)
+        except RemoteServerError as exc:
+            if (request.job is not None and request.path == self.state.dialect.forward_path and exc.status == 500
+                    and not isinstance(exc, RemoteJobNotFoundError)):
+                self._raise_if_job_gone(request.what, self.state.job(request.job), exc)
+            raise
 
     def _raise_if_job_gone(self, endpoint: str, job_id: int, exc: RemoteServerError) -> None:
         """The vendor's ``/forward`` (v1: ``/fwd-no-grad``) indexes its job table before checking the id: an
         unknown job is a plain 500 there. ``GET /job/{id}`` tells: a 404 makes it :class:`RemoteJobNotFoundError`."""
         try:
-            self.state.http.request("GET", Paths.job(job_id), op="default")
+            JobRequest("GET", Paths.job(job_id), op="default", idempotent=True).send(self.state)
         except RemoteJobNotFoundError as gone:
             raise RemoteJobNotFoundError(endpoint, 404, f"job {job_id} not found (the server answered HTTP "
                                          f"{exc.status} and GET {Paths.job(job_id)} 404)",

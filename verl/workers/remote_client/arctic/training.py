@@ -27,10 +27,11 @@ from ..common.verl_settings import VerlSettings
 from .answers import parse_answer
 from .arctic_config import ArcticConfig
 from .builders import BatchPlan, build_loss_config, build_meta
+from .dialect import Payload
 from .layout import RESPONSE_KEYS, dense_batch, fold_is_weights, plan_layout, shuffled_rows, split_rows
 from .metrics import FlopsEstimator, mini_batch_metrics
+from .request import JobRequest
 from .session import JobCalls, ModelTokens
-from .settle import APPLIED
 
 __all__ = ["TRAIN_POST", "Trainer", "sampling_temperature"]
 
@@ -140,24 +141,19 @@ class Trainer:
 
     def optimizer_step(self) -> dict:
         """One ``/step``; its metrics (``global_step``, ``last_lr``, ``grad_norm`` where the server says)."""
-        state, recovery = self.state, self.recovery
-        body = state.dialect.step_body()
-
-        def send(request_id: str):
-            return state.http.request("POST", Paths.STEP, op="step", params={"job_id": state.job(JobType.TRAINING)},
-                                      json=body, request_id=request_id)
-
-        resp = recovery.call(f"POST {Paths.STEP}", send, safe=False, counter=("global_step", state.step))
-        recovery.journal.record(Paths.STEP, body, None, is_step=True)
-        if resp is APPLIED:  # applied, answer lost: what the server's job info still tells
+        state = self.state
+        request = JobRequest("POST", Paths.STEP, op="step", idempotent=False, job=JobType.TRAINING,
+                             payload=Payload(json=state.dialect.step_body()))
+        answer = self.calls.read(request, StepResponse, counter=("global_step", state.step))  # journalled
+        if answer is None:  # applied, answer lost: what the server's job info still tells
             # count the step first: a restart during the read replays the journal, which now holds it
             state.set_step(state.step + 1)
             info = self.calls.job_info(JobType.TRAINING)
             metrics = {"global_step": state.step, "last_lr": info.get("lr"), "grad_norm": None}
         else:
-            metrics = dict(parse_answer(StepResponse, resp.json(), f"POST {Paths.STEP}").metrics)
+            metrics = dict(answer.metrics)
         step = metrics.get("global_step")
         state.set_step(int(step) if isinstance(step, int) and not isinstance(step, bool) else state.step + 1)
         if state.dialect.can_load_checkpoints:  # a recovery checkpoint is only useful where it can be loaded
-            recovery.after_step(state.step, self._save_checkpoint)
+            self.recovery.after_step(state.step, self._save_checkpoint)
         return metrics

@@ -1,0 +1,57 @@
+"""One call to a job of the run, as data: :class:`JobRequest`.
+
+A request names its method, path, time-limit operation and whether repeating it is harmless, plus
+*which* job it goes to -- ``job`` (sent as ``?job_id=``) or ``route`` (path, query and JSON body built
+from the run's state, for calls that name several jobs: weight sync). It is addressed afresh at every
+send, so a re-send after a restore or a rebuild reaches the new jobs. :meth:`JobRequest.send` is one
+HTTP call (with the transport's retries of transient failures, :mod:`.http`); the retry rule for
+lost answers and restarts is applied by :class:`~.session.JobCalls`, the one call path of the roles.
+The restore itself (:mod:`.restore`) sends requests directly to a job it has not published yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import requests
+
+from arctic_rl.protocol import JobType
+
+from .dialect import Payload, Route
+from .state import RunState
+
+__all__ = ["JobRequest"]
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """See the module docstring. ``op`` picks the time limit (``timeouts.<op>_s``); with ``route``,
+    ``path`` only names the call in logs and errors."""
+
+    method: str
+    path: str
+    op: str
+    idempotent: bool
+    job: JobType | None = None
+    payload: Payload = field(default_factory=Payload)
+    route: Callable[[RunState], Route] | None = None
+
+    @property
+    def what(self) -> str:
+        return f"{self.method} {self.path}"
+
+    def target(self, state: RunState, *, job_id: int | None = None) -> tuple[str, dict | None, Payload]:
+        """Path, query and body of the request against ``state``'s jobs (``job_id`` overrides ``job``'s)."""
+        if self.route is not None:
+            route = self.route(state)
+            return route.path, route.params, Payload(json=route.body)
+        if job_id is None and self.job is not None:
+            job_id = state.job(self.job)
+        return self.path, ({"job_id": job_id} if job_id is not None else None), self.payload
+
+    def send(self, state: RunState, request_id: str | None = None, *, job_id: int | None = None) -> requests.Response:
+        """One HTTP call (the transport retries only what is harmless to repeat)."""
+        path, params, body = self.target(state, job_id=job_id)
+        return state.http.request(self.method, path, op=self.op, params=params, data=body.data, json=body.json,
+                                  content_type=body.content_type, idempotent=self.idempotent, request_id=request_id)
