@@ -20,6 +20,10 @@ character tokenizer), so the ratios compare like with like:
 
 Results: ``OUT/gen_results.json`` and a markdown table ``OUT/gen_table.md`` (each cell is one timed
 call; the server's vLLM engine and the bare one are separate engine instances, built one after the other).
+
+``--cpu-smoke`` checks the script without a GPU, in seconds: the server on ``--device cpu`` with the
+``transformers`` sampler only, a tiny Qwen3, one shape (2 prompts of 8 tokens x 4 new tokens), one timed
+call, the weight sync too; any error fails the run (exit status 1) instead of being recorded.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(64, 128), (64, 512), (256, 128), (256, 512)]
 PROMPT_LEN = 256
 REPEATS = 3
+DEVICE = "cuda"
 VLLM_CONFIG = {"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 256}
 
 
@@ -69,7 +74,7 @@ class Server:
         self.port = 7400 + random.randrange(500)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / f"server-{sampler}.log"
-        cmd = [sys.executable, "-m", "arctic_rl.server", "--device", "cuda", "--sampler", sampler, "--port",
+        cmd = [sys.executable, "-m", "arctic_rl.server", "--device", DEVICE, "--sampler", sampler, "--port",
                str(self.port), "--checkpoint-root", str(workdir / f"ck-{sampler}"), "--generate-batch-size", "256"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         with open(self.log, "wb") as f:
@@ -113,7 +118,7 @@ def bench_server(sampler: str, model: Path, workdir: Path, shapes, deadline: flo
     try:
         t0 = time.perf_counter()
         job = server.post("/initialize", {"model_name": str(model), "job_type": "sampling",
-                                          "vllm_config": VLLM_CONFIG})["job_id"]
+                                          **({"vllm_config": VLLM_CONFIG} if sampler == "vllm" else {})})["job_id"]
         out[f"{sampler}_init_s"] = time.perf_counter() - t0
         for batch, new in shapes:
             if time.monotonic() > deadline:
@@ -133,7 +138,7 @@ def bench_server(sampler: str, model: Path, workdir: Path, shapes, deadline: flo
             out[f"{sampler}_b{batch}_n{new}"] = {"tok_s": tokens / dt, "s": dt, "tokens": tokens, "first_call_s": warm,
                                                  "times_s": times}
             print(json.dumps({sampler: [batch, new], **out[f"{sampler}_b{batch}_n{new}"]}), flush=True)
-        if sampler == "vllm" and time.monotonic() < deadline:
+        if (sampler == "vllm" or DEVICE == "cpu") and time.monotonic() < deadline:
             train = server.post("/initialize", {"model_name": str(model), "job_type": "training",
                                                 "ds_worker_config": {"attn_implementation": "sdpa"}})["job_id"]
             syncs = []
@@ -204,12 +209,21 @@ def main() -> None:
     p.add_argument("--transformers-shapes", default="64x128,64x512,256x128")
     p.add_argument("--budget-s", type=float, default=520)
     p.add_argument("--repeats", type=int, default=REPEATS, help="timed calls per shape (the median is reported)")
+    p.add_argument("--cpu-smoke", action="store_true", help="check the script on a CPU: tiny model, transformers only")
     args = p.parse_args()
     globals()["REPEATS"] = max(1, args.repeats)
+    if args.cpu_smoke:
+        globals().update(DEVICE="cpu", PROMPT_LEN=8, SHAPES=[(2, 4)], REPEATS=1)
+        args.samplers, args.transformers_shapes = "transformers", "2x4"
     deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="genbench-"))
-    model = build_model(work / "qwen3_06b")
+    if args.cpu_smoke:
+        from arctic_rl.tiny_models import build_tiny_model
+
+        model = build_tiny_model(work / "tiny_qwen3", "qwen3", seed=0)
+    else:
+        model = build_model(work / "qwen3_06b")
     out: dict[str, Any] = {"prompt_len": PROMPT_LEN, "vllm_config": VLLM_CONFIG}
     samplers = args.samplers.split(",")
     try:
@@ -221,15 +235,19 @@ def main() -> None:
                     bench_bare_vllm(model, shapes, deadline, out)
                 else:
                     bench_server(sampler, model, work, shapes, deadline, out)
-            except Exception as exc:  # noqa: BLE001 - record and go on to the next engine
+            except Exception as exc:  # recorded, then the next engine (the smoke run raises it)
                 out[f"{sampler}_error"] = repr(exc)[:3000]
                 print(out[f"{sampler}_error"], flush=True)
+                if args.cpu_smoke:
+                    raise
     finally:
         (args.out / "gen_results.json").write_text(json.dumps(out, indent=2))
         (args.out / "gen_table.md").write_text(table(out, SHAPES) + "\n")
         for log in work.glob("server-*.log"):
             (args.out / log.name).write_text(log.read_text()[-200_000:])
         print(table(out, SHAPES), flush=True)
+    if args.cpu_smoke and not ("transformers_b2_n4" in out and "weight_sync" in out):
+        raise SystemExit(f"cpu smoke: no timing or no weight sync recorded: {sorted(out)}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/step_overhead.py            # 64 rows x (512 prompt + 512 response), ~10 min on 1 core
     python benchmarks/step_overhead.py --quick    # 16 rows x (128 + 128), a smaller model: ~1-2 min
+    python benchmarks/step_overhead.py --smoke    # a CPU check of the script (tiny sizes, seconds; run by the tests)
 
 One real ``python -m arctic_rl.server`` subprocess (CPU, one torch thread; started like the tests
 start it, ``tests/server_process.py``) serves a locally built Qwen3 (``--hidden``/``--layers``;
@@ -67,8 +68,19 @@ from verl.workers.utils.padding import no_padding_2_padding
 from arctic_rl import dssst1
 from arctic_rl.protocol import Paths
 
-CLIENT_MOD = "verl.workers.remote_client.arctic.arctic_rl"
-LAYOUT_FNS = ("plan_layout", "dense_batch", "nested_from_server")
+#: the Arctic adapter's package: its modules import the wire and layout functions by name
+CLIENT_PACKAGE = "verl.workers.remote_client.arctic"
+#: (defining module, function, bucket) timed inside the adapter
+TIMED_FUNCTIONS = (
+    ("verl.workers.remote_client.arctic.layout", "plan_layout", "layout"),
+    ("verl.workers.remote_client.arctic.layout", "dense_batch", "layout"),
+    ("verl.workers.remote_client.arctic.layout", "nested_from_server", "layout"),
+)
+#: (module, method, bucket): the wire codecs, methods of each protocol generation's dialect class there
+TIMED_METHODS = (
+    ("verl.workers.remote_client.arctic.dialect", "encode_tensors", "encode"),
+    ("verl.workers.remote_client.arctic.dialect", "decode_tensors", "decode"),
+)
 
 
 def loadavg() -> str:
@@ -78,40 +90,52 @@ def loadavg() -> str:
 # ---------------------------------------------------------------------------------------- probes
 
 class Probe:
-    """Times the adapter's wire functions and records every HTTP exchange of the current phase."""
+    """Times the adapter's wire and layout functions and records every HTTP exchange of the current phase.
 
-    def __init__(self, client: Any) -> None:
+    The functions are wrapped wherever the adapter's modules hold them (they import them by name), the
+    codecs on each dialect class that defines them, and
+    every call of :meth:`ArcticHttp.request` -- the adapter's one HTTP path -- is recorded; :meth:`close`
+    puts everything back.
+    """
+
+    def __init__(self) -> None:
         import importlib
 
-        self.mod = importlib.import_module(CLIENT_MOD)
-        self.client = client
+        from verl.workers.remote_client.arctic.http import ArcticHttp
+
         self.t: dict[str, float] = defaultdict(float)
         self.exchanges: list[dict[str, Any]] = []
-        self._originals: dict[str, Any] = {}
-        for name, bucket in [(n, "layout") for n in LAYOUT_FNS] + [("encode_body", "encode"), ("decode_response", "decode")]:
-            self._wrap_module_fn(name, bucket)
-        http = client._http
-        original_request = http.request
+        self._patched: list[tuple[Any, str, Any]] = []
+        for module_name, name, bucket in TIMED_FUNCTIONS:
+            original = getattr(importlib.import_module(module_name), name)
+            timed = self._timed(original, bucket)
+            for module in [m for k, m in sorted(sys.modules.items()) if k.startswith(CLIENT_PACKAGE) and m is not None]:
+                if getattr(module, name, None) is original:
+                    self._patch(module, name, timed)
+        for module_name, name, bucket in TIMED_METHODS:
+            module = importlib.import_module(module_name)
+            for cls in [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module_name]:
+                if name in vars(cls):
+                    self._patch(cls, name, self._timed(vars(cls)[name], bucket))
+        original_request = ArcticHttp.request
+        probe = self
 
-        def request(method, path, **kw):
+        def request(http, method, path, **kw):
             t0 = time.perf_counter()
-            resp = original_request(method, path, **kw)
+            resp = original_request(http, method, path, **kw)
             _ = resp.content  # the body is read inside the round trip
             dt = time.perf_counter() - t0
-            self.t["http_round_trip"] += dt
+            probe.t["http_round_trip"] += dt
             body = kw.get("data")
             sent = len(body) if body is not None else len(str(kw.get("json") or ""))
-            self.exchanges.append({"method": method, "path": path, "s": dt, "sent": sent, "received": len(resp.content),
-                                   "body": bytes(body) if body is not None else None, "resp": resp,
-                                   "params": dict(kw.get("params") or {})})
+            probe.exchanges.append({"method": method.upper(), "path": path, "s": dt, "sent": sent,
+                                    "received": len(resp.content), "body": bytes(body) if body is not None else None,
+                                    "resp": resp, "params": dict(kw.get("params") or {})})
             return resp
 
-        http.request = request
+        self._patch(ArcticHttp, "request", request)
 
-    def _wrap_module_fn(self, name: str, bucket: str) -> None:
-        fn = getattr(self.mod, name)
-        self._originals[name] = fn
-
+    def _timed(self, fn: Any, bucket: str) -> Any:
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
@@ -119,15 +143,20 @@ class Probe:
             finally:
                 self.t[bucket] += time.perf_counter() - t0
 
-        setattr(self.mod, name, timed)
+        return timed
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
 
     def reset(self) -> None:
         self.t.clear()
         self.exchanges.clear()
 
     def close(self) -> None:
-        for name, fn in self._originals.items():
-            setattr(self.mod, name, fn)
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched.clear()
 
 
 def server_side_replay(exchanges: list[dict[str, Any]], vocab: int, rtt_json: float) -> dict[str, float]:
@@ -217,16 +246,23 @@ def ray_hop(data: Any, outs: dict[str, Any], repeats: int) -> dict[str, float]:
         ray.shutdown()
 
 
-def part_a(args, client, vocab: int, http) -> dict[str, Any]:
+def part_a(args, client, vocab: int) -> dict[str, Any]:
     rows, n = args.rows, args.n
     # baseline round trip of a trivial JSON call (for /step, whose compute the server does not report)
+    from verl.workers.remote_client.arctic.arctic_config import RetryConfig, TimeoutsConfig
+    from verl.workers.remote_client.arctic.http import ArcticHttp
+
+    http = ArcticHttp(client.url, timeouts=TimeoutsConfig(), retry=RetryConfig())
     rtts = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        http.get_json(Paths.HEALTH)
-        rtts.append(time.perf_counter() - t0)
+    try:
+        for _ in range(20):
+            t0 = time.perf_counter()
+            http.get_json(Paths.HEALTH)
+            rtts.append(time.perf_counter() - t0)
+    finally:
+        http.close()
     rtt_json = statistics.median(rtts)
-    probe = Probe(client)
+    probe = Probe()
     steps = []
     try:
         for i in range(args.warmup + args.steps):
@@ -345,6 +381,8 @@ def part_b(args, client, cfg) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="16 rows x (128+128), hidden 128, 2 layers, 1 step")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of the script in seconds: 4 rows x (16+8), hidden 64, 1 layer, 1 step, no Ray")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--n", type=int, default=8, help="GRPO group size (rollout.n)")
     ap.add_argument("--prompt", type=int, default=512)
@@ -363,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rows, args.prompt, args.response, args.micro = 16, 128, 128, 8
         args.hidden, args.layers, args.steps, args.gen_samples = 128, 2, 1, 64
+    if args.smoke:
+        args.rows, args.n, args.prompt, args.response, args.micro = 4, 2, 16, 8, 2
+        args.hidden, args.layers, args.steps, args.warmup = 64, 1, 1, 0
+        args.gen_samples, args.gen_tokens, args.ray, args.quick = 4, 4, False, True
     import verl.remote_backend.builtin  # noqa: F401 - registers "arctic"
     from verl.remote_backend import RemoteBackendRegistry
 
@@ -370,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="step_overhead_") as tmp:
         model = tiny_model_dir(Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers,
                                num_heads=max(4, args.hidden // 64), num_kv_heads=max(2, args.hidden // 128),
-                               max_position_embeddings=2 * (args.prompt + args.response))
+                               max_position_embeddings=max(2 * (args.prompt + args.response), 128))
         with running_server(Path(tmp) / "srv") as srv:
             rollout = {"max_batch_size": 64, "max_wait_ms": 5}
             if args.max_num_seqs:
@@ -395,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"vocab {vocab}", flush=True)
                 lines: list[str] = []
                 if "a" not in args.skip:
-                    lines += print_part_a(part_a(args, client, vocab, client._http), args)
+                    lines += print_part_a(part_a(args, client, vocab), args)
                 if "b" not in args.skip:
                     lines += [""] + part_b(args, client, cfg)
             finally:
