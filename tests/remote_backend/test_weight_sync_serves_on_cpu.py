@@ -12,6 +12,8 @@ log-probs) is compared with the training job's log-probs of the same tokens:
 * after ``update_weights`` the sampler's log-probs equal the trainer's again and differ from before.
 
 The end-to-end runs catch a skipped sync only as a flat reward curve after minutes; this catches it here.
+The same holds for a backend whose ``update_weights`` is a coroutine function (the interface of verl's
+PR #7102): the worker awaits it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from verl.remote_backend.context import read_context
 from verl.remote_backend.lifecycle import BackendOwner
+from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.arctic.replica import ArcticRLRolloutServer
 from verl.workers.remote_client.arctic.worker import ArcticRLActorRolloutRefWorker
 
@@ -57,7 +60,7 @@ def parts(reference_server, tiny_model_dir, tmp_path, monkeypatch):
         worker = ArcticRLActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout_ref")
         worker.init_model()
         server = ArcticRLRolloutServer(context=read_context(cfg).to_dict(), replica_rank=0)
-        yield worker, server
+        yield worker, server, cfg
 
 
 def trainer_logprobs(worker, tokens: list[int]) -> torch.Tensor:
@@ -85,8 +88,18 @@ def grpo_update(worker) -> None:
     worker.update_actor(data)
 
 
-def test_a_weight_sync_changes_what_the_sampler_serves(parts):
-    worker, server = parts
+class AsyncWeightSync(ArcticRLClient):
+    """The Arctic adapter with ``update_weights`` as a coroutine function, as PR #7102's interface has it."""
+
+    async def update_weights(self):
+        return await asyncio.to_thread(ArcticRLClient.update_weights, self)
+
+
+@pytest.mark.parametrize("interface", ["sync", "async"])
+def test_a_weight_sync_changes_what_the_sampler_serves(parts, interface):
+    worker, server, cfg = parts
+    if interface == "async":  # the worker holds a re-attached adapter of the same jobs whose sync is awaitable
+        worker._backend = AsyncWeightSync.from_config(cfg, handle=read_context(cfg).handle)
 
     async def scenario():
         before = await server.generate("before", PROMPT, GREEDY)
