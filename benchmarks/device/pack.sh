@@ -68,7 +68,8 @@ say "checking the requirements (benchmarks/device/deps.py check)"
 bundle_wheels=$(mktemp -d)
 tar -xf "$bundle/bundle.tar" -C "$bundle_wheels" deps.tar && tar -xf "$bundle_wheels/deps.tar" -C "$bundle_wheels"
 cp "$bundle"/wheels/vllm-0.26.0-*.whl "$bundle_wheels/" 2>/dev/null || true
-ds_meta=$("$py" -c 'import importlib.metadata as m; print(m.distribution("deepspeed")._path)')
+ds_meta=$(ls -d "$venv"/lib/python3*/site-packages/deepspeed-0.19.8.dist-info 2>/dev/null | head -1)
+[ -n "$ds_meta" ] || { echo "pack.sh: $venv has no deepspeed 0.19.8 (its requirements are read from there)" >&2; exit 2; }
 "$py" "$here/deps.py" check --bundle-reqs "$tool/requirements-device.txt" --bundle-wheels "$bundle_wheels" \
   --wheels "$payload/wheels" --sdist-meta "deepspeed=$ds_meta" > "$payload/meta/deps-check.txt" \
   || { cat "$payload/meta/deps-check.txt" >&2; rm -rf "$bundle_wheels"; exit 1; }
@@ -77,7 +78,8 @@ rm -rf "$bundle_wheels"
 
 # 4. One stream, split; a manifest of every part and of the whole.
 rm -rf .devparts && mkdir -p .devparts/stream
-tar -C "$payload" -cf - . | split -b "${part_size}M" -d -a 2 - .devparts/stream/part
+# the same inputs give the same stream (names sorted, times and owners fixed)
+tar -C "$payload" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - . | split -b "${part_size}M" -d -a 2 - .devparts/stream/part
 (cd .devparts/stream && sha256sum part?? > ../MANIFEST.sha256 && cat part?? | sha256sum | sed 's/-$/stream.tar/' >> ../MANIFEST.sha256)
 i=0
 for part in .devparts/stream/part??; do
