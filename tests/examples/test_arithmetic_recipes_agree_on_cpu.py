@@ -174,3 +174,29 @@ def test_a_drifting_script_is_caught(configs, tmp_path, side, overrides, env_ext
     drifted[side] = compose(side, tmp_path, overrides, env_extra)
     found = mismatches(drifted["stock"], drifted["remote"])
     assert any(line.startswith(key + ":") for line in found), found
+
+
+def _run_stock(tmp_path: pathlib.Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in {"DEVICE", "ATTN", "RUN_DIR", "RUN_NAME", "PROMPT_STYLE"}}
+    env.update(PYTHON=sys.executable, OUT_DIR=str(tmp_path / "out"), **env_extra)
+    return subprocess.run(["bash", str(GRPO_DIR / SCRIPTS["stock"]), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_stock_script_refuses_to_run_without_cuda(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = _run_stock(tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "stock verl needs a CUDA GPU" in proc.stderr and "--cfg job" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing built, nothing started
+    proc = _run_stock(tmp_path, DEVICE="cpu")
+    assert proc.returncode == 2 and "DEVICE=cpu" in proc.stderr
+
+
+def test_the_stock_script_names_a_bad_attention_setting(tmp_path):
+    proc = _run_stock(tmp_path, "--cfg", "job", ATTN="flash")
+    assert proc.returncode == 2
+    assert "ATTN: expected auto, flash_attention_2, sdpa or eager, got 'flash'" in proc.stderr
