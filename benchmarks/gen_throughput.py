@@ -71,7 +71,9 @@ def build_model(path: Path) -> Path:
 
 class Server:
     def __init__(self, sampler: str, workdir: Path) -> None:
-        self.port = 7400 + random.randrange(500)
+        from arctic_rl.server.launcher import free_port
+
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / f"server-{sampler}.log"
         cmd = [sys.executable, "-m", "arctic_rl.server", "--device", DEVICE, "--sampler", sampler, "--port",
