@@ -15,9 +15,10 @@
 # fewshot), RUN_NAME, RUN_DIR, PYTHON, PROJECT_NAME; MODEL_DIR and DATA_DIR when set (defaults under OUT_DIR).
 # Environment knobs, each with a CPU and a GPU default (GPU / CPU):
 #   DEVICE=auto|cuda|cpu   auto: cuda when torch sees one
-#   BATCH  prompts per step (64 / 8)           N        samples per prompt (8 / 4)
+#   BATCH  prompts per step (64 / 8; fewshot on cpu 4)   N  samples per prompt (8 / 4)
 #   MINI_BATCH  prompts per optimizer update (= BATCH: one update per step)
-#   MICRO  rows per forward/backward micro-batch (16 / 32)
+#   MICRO  rows per forward/backward micro-batch (16 / 32; fewshot on cpu 2), or the largest divisor of
+#          MINI_BATCH x N below that
 #   RESP_LEN  max response tokens (128 / 48)   PROMPT_LEN  max prompt tokens (256; fewshot 2048: its prompts are ~1.5K)
 #   LR  learning rate (1e-5, constant)         TEMPERATURE  sampling temperature (1.0)
 #   N_TRAIN / N_VAL  rows of the generated data (4096 / 256)
@@ -37,27 +38,44 @@ arithmetic_settings() {
             DEVICE=cpu
         fi
     fi
+    local micro_default
     case "${DEVICE}" in
         cuda)
-            BATCH="${BATCH:-64}" N="${N:-8}" RESP_LEN="${RESP_LEN:-128}" MICRO="${MICRO:-16}" ;;
+            BATCH="${BATCH:-64}" N="${N:-8}" RESP_LEN="${RESP_LEN:-128}" micro_default=16 ;;
         cpu)
-            BATCH="${BATCH:-8}" N="${N:-4}" RESP_LEN="${RESP_LEN:-48}" MICRO="${MICRO:-32}" ;;
+            if [ "${PROMPT_STYLE}" = fewshot ]; then
+                # 1.5K-token rows: the fp32 vocabulary logits of a 32-row micro-batch alone would take ~10 GB
+                BATCH="${BATCH:-4}" N="${N:-4}" RESP_LEN="${RESP_LEN:-48}" micro_default=2
+            else
+                BATCH="${BATCH:-8}" N="${N:-4}" RESP_LEN="${RESP_LEN:-48}" micro_default=32
+            fi ;;
         *) echo "DEVICE: expected auto, cuda or cpu, got '${DEVICE}'" >&2; exit 2 ;;
     esac
     if [ "${PROMPT_STYLE}" = fewshot ]; then PROMPT_LEN="${PROMPT_LEN:-2048}"; else PROMPT_LEN="${PROMPT_LEN:-256}"; fi
     MINI_BATCH="${MINI_BATCH:-${BATCH}}"
+    MICRO="${MICRO:-}"
     LR="${LR:-1e-5}"
     TEMPERATURE="${TEMPERATURE:-1.0}"
     N_TRAIN="${N_TRAIN:-4096}"
     N_VAL="${N_VAL:-256}"
     local name
-    for name in BATCH N MINI_BATCH MICRO RESP_LEN PROMPT_LEN N_TRAIN N_VAL; do
+    for name in BATCH N MINI_BATCH RESP_LEN PROMPT_LEN N_TRAIN N_VAL; do
         if ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then
             echo "${name}: expected a positive integer, got '${!name}'" >&2; exit 2
         fi
     done
     if (( BATCH % MINI_BATCH != 0 )); then
         echo "MINI_BATCH: expected a divisor of BATCH=${BATCH}, got ${MINI_BATCH}" >&2; exit 2
+    fi
+    # a micro-batch must divide a mini-batch's rows (MINI_BATCH x N); by default the largest such size up to
+    # the device's default (the greatest common divisor)
+    local rows=$((MINI_BATCH * N)) a b r
+    if [ -z "${MICRO}" ]; then
+        a="${micro_default}" b="${rows}"
+        while (( b != 0 )); do r=$((a % b)); a="${b}"; b="${r}"; done
+        MICRO="${a}"
+    elif ! [[ "${MICRO}" =~ ^[1-9][0-9]*$ ]] || (( rows % MICRO != 0 )); then
+        echo "MICRO: expected a positive divisor of MINI_BATCH x N = ${rows}, got '${MICRO}'" >&2; exit 2
     fi
     MODEL_DIR="${MODEL_DIR:-${OUT_DIR}/smollm2_135m_instruct}"
     DATA_DIR="${DATA_DIR:-${OUT_DIR}/data_${PROMPT_STYLE}_seed${SEED}}"

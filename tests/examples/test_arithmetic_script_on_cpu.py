@@ -89,6 +89,8 @@ def test_env_knobs_then_hydra_overrides_win(tmp_path):
                     "SEED": "5"}, tmp_path, "actor_rollout_ref.rollout.n=5")
     assert _get(cfg, "data.train_batch_size") == 6
     assert _get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size") == 2
+    # the micro-batch divides a mini-batch's 2 x 3 rows: the largest such size up to the CPU default 32
+    assert _get(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu") == 2
     assert _get(cfg, "data.max_response_length") == 20
     assert _get(cfg, "actor_rollout_ref.actor.optim.lr") == 3e-6
     assert _get(cfg, "data.seed") == 5 and _get(cfg, "actor_rollout_ref.rollout.seed") == 5
@@ -103,6 +105,7 @@ def test_env_knobs_then_hydra_overrides_win(tmp_path):
         ({"DEVICE": "cpu", "BATCH": "0"}, "BATCH: expected a positive integer, got '0'"),
         ({"DEVICE": "cpu", "BATCH": "8", "MINI_BATCH": "3"}, "MINI_BATCH: expected a divisor of BATCH=8, got 3"),
         ({"ZORRO": "yes"}, "ZORRO: expected true or false, got 'yes'"),
+        ({"DEVICE": "cpu", "MICRO": "5"}, "MICRO: expected a positive divisor of MINI_BATCH x N = 32, got '5'"),
     ],
 )
 def test_bad_knobs_stop_the_script_with_the_reason(tmp_path, env, message):
