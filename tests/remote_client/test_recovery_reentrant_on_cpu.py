@@ -14,7 +14,8 @@ same server ends: the same ``/forward`` log-probs of a fixed batch and the vendo
 (v2: its ``/save`` answer; v1: the engine's count in the server's trace). Along the way the adapter
 never asks for a job it still holds (every ``/initialize`` answered 200, never the vendor's 409) and
 never mistakes the training job it replaced itself for a server restart (no restore, no "the server ...
-restarted (...)" in the log, although a 0.2 s watcher runs throughout).
+restarted (...)" in the log, although a 0.2 s watcher runs throughout). A rebuild whose every attempt
+loses an answer gives up after ``MAX_ATTEMPTS`` with an error naming each attempt, leaving no half-built job.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+import requests
 import torch
 from _helpers_reliability import DropProxy, client_config, final_logprobs, train_batch
 from conformance.conftest import (  # the vendor servers' launchers and where their code is found
@@ -35,7 +37,9 @@ from conformance.conftest import (  # the vendor servers' launchers and where th
     vendor_v1_src,  # noqa: F401 - fixture
 )
 
+from verl.remote_backend.errors import RemoteBackendError
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
+from verl.workers.remote_client.arctic.restore import MAX_ATTEMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -150,3 +154,23 @@ def test_a_lost_answer_while_recovering_ends_like_an_undisturbed_run(vendor, tin
     statuses = [r["status"] for r in vendor.server.trace_lines("/initialize")[initialized:]]
     assert statuses and all(s == 200 for s in statuses), statuses
     assert len(statuses) == 3 + 1 + int(during_replay)  # the run's 3 jobs, the rebuilt one, the restarted build
+
+
+def test_a_rebuild_that_keeps_losing_answers_gives_up_with_a_clear_error(vendor, tiny_model_dir):
+    """The lost /forward-backward 3, then the first replayed /forward-backward of every rebuild attempt."""
+    with DropProxy(vendor.port) as proxy:
+        for nth in range(3, 3 + 1 + MAX_ATTEMPTS):
+            proxy.drop("POST", vendor.fb_path, nth)
+        client = ArcticRLClient.from_config(config(vendor, tiny_model_dir, proxy.url))
+        try:
+            client.update_actor(train_batch(0))
+            with pytest.raises(RemoteBackendError, match=f"in {MAX_ATTEMPTS} attempts") as err:
+                client.update_actor(train_batch(1))
+            assert str(err.value).count("attempt ") >= MAX_ATTEMPTS and "resume it from its last checkpoint" in \
+                str(err.value)
+            assert client.reliability_stats()["recovery/rebuild_interrupted"] == MAX_ATTEMPTS
+        finally:
+            client.destroy()
+        assert len(proxy.fired) == 1 + MAX_ATTEMPTS
+    jobs = requests.get(f"{vendor.server.url}/status", timeout=30).json()["jobs"]
+    assert jobs == {}, f"jobs left on the vendor server: {jobs}"  # no half-built job, none of the run's

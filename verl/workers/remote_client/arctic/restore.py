@@ -86,6 +86,11 @@ class Restorer:
         self.stats["training_rebuilds"] += 1
 
     def _build_until_done(self, reason: str, *, only_training: bool) -> None:
+        if self.journal.base is None and not self.journal.complete:  # before any job is created
+            raise RemoteBackendError(
+                f"arctic: the training state must be rebuilt ({reason}), but this client knows no checkpoint of the "
+                "run and not every update since its start: the training state cannot be restored; resume the run "
+                "from its last checkpoint")
         deadline = time.monotonic() + self.config.wait_s
         failures: list[str] = []
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -145,10 +150,6 @@ class Restorer:
             load = JobRequest("POST", Paths.LOAD_CHECKPOINT, op="save", idempotent=True, payload=Payload(json=body))
             step = parse_answer(LoadCheckpointResponse, load.send(state, job_id=training).json(), load.what).global_step
             self.stats["checkpoints_loaded"] += 1
-        elif not journal.complete:
-            raise RemoteBackendError(
-                "arctic: the server restarted and this client knows no checkpoint of the run and not every update "
-                "since its start: the training state cannot be restored; resume the run from its last checkpoint")
         if not journal.complete:
             return step
         for entry in journal.entries:  # each sent once: a lost answer here makes the caller start over
