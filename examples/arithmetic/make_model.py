@@ -180,9 +180,6 @@ def convert(gguf_path: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
         model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")
-    for attr in ("is_quantized", "quantization_method"):
-        if getattr(model, attr, None):
-            setattr(model, attr, False if attr == "is_quantized" else None)
     model = model.to(getattr(torch, dtype))
     model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     model.generation_config.eos_token_id = model.config.eos_token_id
