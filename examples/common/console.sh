@@ -89,11 +89,11 @@ console_run() {
 }
 
 # The error's own message, wherever it is in the log: Python's `pkg.SomeError: message` lines (the last
-# of a traceback, and Ray's copy of a worker's), the entry point's `[remote_backend] error:` line, Hydra's
-# `Error ...` lines -- the last few distinct ones, in order, after the tail (which may not reach them).
+# of a traceback, and Ray's copy of a worker's; Hydra's with HYDRA_FULL_ERROR=1), the entry point's
+# `[remote_backend] error:` line -- the last few distinct ones, in order, after the tail (which may not reach them).
 _console_error_lines() {
     { set +x; } 2>/dev/null
-    local pattern='^([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception)(\([A-Za-z0-9_.]*\))?: |^\[remote_backend\] error: |^Error (executing|merging|composing|in call)'
+    local pattern='^([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception)(\([A-Za-z0-9_.]*\))?: |^\[remote_backend\] error: '
     local lines
     lines="$(grep -v -E '^\++ ' "${CONSOLE_LOG}" | _console_clean | grep -E -- "${pattern}" | awk '!seen[$0]++' | tail -n 3 || true)"
     if [ -n "${lines}" ]; then

@@ -11,12 +11,15 @@ its default recipe (reverse text) and the README's knobs, once per ``PACKAGE_MOD
 * ``pip`` -- Ray clones the venv for the job and pip-installs the uploaded checkout into it.
 
 Each job must reach SUCCEEDED through Ray's job API, its logs must hold the recipe's progress line
-for both steps, and verl's metrics file must have the two steps. Everything started here (the Ray
+for both steps, and verl's metrics file must have the two steps. The same line without its
+``--num-cpus`` (2 logical CPUs, as ``ray start --head`` gives on a 2-core machine) must fail the job
+before the server is contacted, with the error naming ``ray start --num-cpus``. Everything started here (the Ray
 head and every process under it, the server) is stopped at the end, also when a test fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import random
@@ -172,8 +175,8 @@ def _wait_for_job_api(url: str, proc: subprocess.Popen, log: pathlib.Path, timeo
             time.sleep(2)
 
 
-def _start_head(temp_dir: str) -> tuple[subprocess.Popen, pathlib.Path, str]:
-    """``ray start --head --block`` on free ports; returns once the node is up (the command blocks)."""
+def _start_head(temp_dir: str, head_options: list[str]) -> tuple[subprocess.Popen, pathlib.Path, str]:
+    """``ray start <head_options> --block`` on free ports; returns once the node is up (the command blocks)."""
     log = pathlib.Path(temp_dir) / "head.log"
     ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
                                              "dashboard-agent-grpc-port", "ray-client-server-port",
@@ -186,7 +189,7 @@ def _start_head(temp_dir: str) -> tuple[subprocess.Popen, pathlib.Path, str]:
     while any(worker_base <= port <= worker_base + 99 for port in ports.values()):
         worker_base = rng.randrange(20000, 32600, 100)
     # the README's line, plus: block (the fixture owns the process), a private temp dir and ports
-    cmd = [str(VENV_BIN / "ray"), "start", *_try_it().head_options, "--block", "--include-dashboard=true",
+    cmd = [str(VENV_BIN / "ray"), "start", *head_options, "--block", "--include-dashboard=true",
            f"--temp-dir={temp_dir}", f"--min-worker-port={worker_base}", f"--max-worker-port={worker_base + 99}",
            "--disable-usage-stats", *(f"--{name}={port}" for name, port in ports.items())]
     with open(log, "w") as out:
@@ -198,8 +201,8 @@ def _start_head(temp_dir: str) -> tuple[subprocess.Popen, pathlib.Path, str]:
     return proc, log, f"http://127.0.0.1:{ports['dashboard-port']}"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def _running_head(tmp_path_factory, head_options: list[str]) -> Iterator[Cluster]:
     from ray.job_submission import JobSubmissionClient
 
     temp_dir = tempfile.mkdtemp(prefix="rayt", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
@@ -207,7 +210,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     # Ray gives its node a fixed 30 s to register (on a loaded machine `ray start` then gives up), and a port
     # picked free can be taken before Ray binds it: try again, on fresh ports.
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        proc, log, url = _start_head(temp_dir)
+        proc, log, url = _start_head(temp_dir, head_options)
         retry = ("timed out during startup", "used by other components")  # a loaded machine; a port taken meanwhile
         if proc.poll() is None or not any(r in log.read_text() for r in retry) or attempt == RAY_START_ATTEMPTS:
             break
@@ -231,6 +234,13 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    """A head started with the README's `ray start` line."""
+    with _running_head(tmp_path_factory, _try_it().head_options) as head:
+        yield head
+
+
+@pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with running_server(tmp_path_factory.mktemp("arctic_server")) as srv:
         yield srv
@@ -242,20 +252,18 @@ def out_dir(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("ray_jobs")
 
 
-@pytest.mark.timeout(JOB_TIMEOUT_S + 300)
-@pytest.mark.parametrize("package_mode", ["preinstalled", "pip"])
-def test_submitted_grpo_job_succeeds(cluster: Cluster, server, out_dir: pathlib.Path, package_mode: str):
-    from ray.job_submission import JobStatus, JobSubmissionClient
+def _submit_and_wait(cluster: Cluster, out_dir: pathlib.Path, *, server_url: str, package_mode: str, run_name: str,
+                     submission_id: str, timeout_s: float = JOB_TIMEOUT_S):
+    """The README's submit command against ``cluster``; returns the job's final status, info and logs."""
+    from ray.job_submission import JobSubmissionClient
 
     _wait_for_job_api(cluster.dashboard_url, cluster.proc, cluster.log, 120)  # still answering (a loaded box)
-    submission_id = f"test_{package_mode}_{uuid.uuid4().hex[:8]}"
-    run_name = f"ray_{package_mode}"
     try_it = _try_it()
     env = _env()
     env.pop("RECIPE", None)
     env.update(try_it.submit_env)  # STEPS=2 and the server's URL, as the README has them ...
     # ... the URL of this test's server; the head's job API; where the outputs go; return once submitted
-    env.update(ARCTIC_RL_URL=server.url, RAY_ADDRESS=cluster.dashboard_url, PACKAGE_MODE=package_mode,
+    env.update(ARCTIC_RL_URL=server_url, RAY_ADDRESS=cluster.dashboard_url, PACKAGE_MODE=package_mode,
                OUT_DIR=str(out_dir), RUN_NAME=run_name, SUBMISSION_ID=submission_id, NO_WAIT="1",
                PYTHON=sys.executable)
     proc = subprocess.run(["bash", SUBMIT, *try_it.submit_args], cwd=REPO_ROOT, env=env, capture_output=True,
@@ -263,7 +271,7 @@ def test_submitted_grpo_job_succeeds(cluster: Cluster, server, out_dir: pathlib.
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     client = JobSubmissionClient(cluster.dashboard_url)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     status = client.get_job_status(submission_id)
     while not status.is_terminal() and time.monotonic() < deadline:
         time.sleep(5)
@@ -272,7 +280,18 @@ def test_submitted_grpo_job_succeeds(cluster: Cluster, server, out_dir: pathlib.
     (out_dir / f"{submission_id}.log").write_text(logs)
     if not status.is_terminal():
         client.stop_job(submission_id)
-    info = client.get_job_info(submission_id)
+    return status, client.get_job_info(submission_id), logs
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 300)
+@pytest.mark.parametrize("package_mode", ["preinstalled", "pip"])
+def test_submitted_grpo_job_succeeds(cluster: Cluster, server, out_dir: pathlib.Path, package_mode: str):
+    from ray.job_submission import JobStatus
+
+    submission_id = f"test_{package_mode}_{uuid.uuid4().hex[:8]}"
+    run_name = f"ray_{package_mode}"
+    status, info, logs = _submit_and_wait(cluster, out_dir, server_url=server.url, package_mode=package_mode,
+                                          run_name=run_name, submission_id=submission_id)
     assert status == JobStatus.SUCCEEDED, f"{status}: {info.message}\n{logs[-6000:]}"
 
     run_dir = out_dir / "runs" / run_name
@@ -281,3 +300,23 @@ def test_submitted_grpo_job_succeeds(cluster: Cluster, server, out_dir: pathlib.
     assert f"log:     {run_dir}/run.log" in logs  # the recipe's header; its full output went to that file
     assert "step:1 -" not in logs and "step:1 -" in (run_dir / "run.log").read_text()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.timeout(900)
+def test_a_head_with_too_few_logical_cpus_is_refused_naming_ray_start(tmp_path_factory, out_dir: pathlib.Path):
+    """The README's `ray start` line without its --num-cpus, as on a 2-core machine: the job fails as soon
+    as verl joins the cluster, before it contacts the server (the URL here answers nothing), naming the
+    `ray start` option and the number to give it -- not a key of the run's config."""
+    from ray.job_submission import JobStatus
+
+    options = [o for o in _try_it().head_options if not o.startswith("--num-cpus")] + ["--num-cpus=2"]
+    with _running_head(tmp_path_factory, options) as small:
+        status, info, logs = _submit_and_wait(small, out_dir, server_url=f"http://127.0.0.1:{free_port()}",
+                                              package_mode="preinstalled", run_name="ray_small_head",
+                                              submission_id=f"test_small_{uuid.uuid4().hex[:8]}", timeout_s=600)
+    assert status == JobStatus.FAILED, f"{status}: {info.message}\n{logs[-6000:]}"
+    errors = [line for line in logs.splitlines() if "RemoteBackendConfigError: ray start --num-cpus:" in line]
+    assert errors, logs[-6000:]
+    assert "2 of 2 logical CPUs free and this run needs 5" in errors[-1]
+    assert "`ray start --head --num-cpus=5`" in errors[-1] and "ray_kwargs" not in errors[-1]
+    assert "cannot reach the server" not in logs  # refused before the backend was created

@@ -10,10 +10,11 @@ arrays work unchanged), plus ``remote_backend=<name>``; no plugin variable, no `
 2. compose ``remote_backend_ppo_trainer`` (verl's ``ppo_trainer`` + the backend's option group);
 3. size Ray's logical CPUs for a local run (on a running cluster: check that it has them, naming
    ``ray start --num-cpus`` when it has not), validate with verl's own ``validate_config``;
-4. create the backend once, in this process (a local reference server is our child), write its
-   handle into the config, run verl's V1 (or, with ``trainer.use_v1=False``, legacy) trainer
-   through Ray, and destroy the backend at the end -- also on failure, Ctrl-C, SIGTERM and SIGHUP
-   (see :func:`start_ray` for the two Ray start-up details this needs).
+4. create the backend once, in this process (a local reference server is our child; on a running
+   cluster after joining it and checking its CPUs), write its handle into the config, run verl's V1
+   (or, with ``trainer.use_v1=False``, legacy) trainer through Ray, and destroy the backend at the
+   end -- also on failure, Ctrl-C, SIGTERM and SIGHUP (see :func:`start_ray` for the two Ray
+   start-up details this needs).
 """
 
 from __future__ import annotations
@@ -92,16 +93,30 @@ def run(config: DictConfig) -> None:
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     resolve_total_training_steps(config)
     runner = RemoteBackendTaskRunnerV1 if config.trainer.use_v1 else RemoteBackendTaskRunnerV0
-    with signals_raise(), BackendOwner.create(config):
+    cluster = joins_running_cluster(config)
+    with signals_raise():
         try:
-            start_ray(config)
-            if joins_running_cluster(config):  # its CPUs are what `ray start` gave it: refuse now, not in minutes
-                resources, free = ray.cluster_resources(), ray.available_resources()
-                check_cluster_cpus(config, total=resources.get("CPU", 0.0), free=free.get("CPU", 0.0))
-            run_ppo(config, task_runner_class=runner)
+            if cluster:  # its CPUs are what `ray start` gave it: refuse before creating anything on the server
+                start_ray(config)
+                _check_cluster_cpus(config)
+            with BackendOwner.create(config):
+                try:
+                    if not cluster:
+                        start_ray(config)
+                    run_ppo(config, task_runner_class=runner)
+                finally:
+                    if ray.is_initialized():
+                        ray.shutdown()  # stop the workers before the backend they talk to goes away
         finally:
             if ray.is_initialized():
-                ray.shutdown()  # stop the workers before the backend they talk to goes away
+                ray.shutdown()  # the cluster check failed, or the backend could not be created
+
+
+def _check_cluster_cpus(config: DictConfig) -> None:
+    import ray
+
+    total, free = ray.cluster_resources().get("CPU", 0.0), ray.available_resources().get("CPU", 0.0)
+    check_cluster_cpus(config, total=total, free=free)
 
 
 class _NoTask:
