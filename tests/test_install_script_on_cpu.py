@@ -91,12 +91,15 @@ def test_install_prints_a_few_plain_lines_on_a_terminal(chained_venv):
 
 
 def test_a_failing_pip_is_shown_in_full_with_its_status(chained_venv, tmp_path):
-    """No index and no way to get the build backend: pip fails while building the checkout."""
+    """No index, and a constraint nothing can meet: pip fails (on the build backend it cannot fetch, or,
+    without build isolation, on the constraint) and its whole report reaches the terminal."""
     constraint = tmp_path / "constraints.txt"
-    constraint.write_text("verl==0.9.1\n")
+    constraint.write_text("verl==0.0.1\n")
     env = _env(chained_venv, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path), PIP_CONSTRAINT=str(constraint))
     rc, output = _run_on_a_terminal(["bash", str(INSTALL)], env, timeout_s=600)
     assert rc != 0, output
     assert f"[install] FAILED (pip exit status {rc}): pip install -c constraints.txt -e" in output, output
-    assert "ERROR: " in output and "[end of output]" in output, output  # pip's own report, all of it
+    report = output[: output.index("[install] FAILED")]
+    assert "ERROR: " in report and "[install] verl-remote-backend" in report, output  # pip's own report
+    assert len(report.splitlines()) >= 3, output  # all of it, not a filtered line
     assert not ANSI.search(output), output
