@@ -17,7 +17,7 @@
 #   DEVICE=auto|cuda|cpu   auto: cuda when torch sees one
 #   BATCH  prompts per step (64 / 8; fewshot on cpu 4)   N  samples per prompt (8 / 4)
 #   MINI_BATCH  prompts per optimizer update (= BATCH: one update per step)
-#   MICRO  rows per forward/backward micro-batch (16 / 32; fewshot on cpu 2), or the largest divisor of
+#   MICRO  rows per forward/backward micro-batch (16 / 32; fewshot on cpu 4), or the largest divisor of
 #          MINI_BATCH x N below that
 #   RESP_LEN  max response tokens (128 / 48)   PROMPT_LEN  max prompt tokens (256; fewshot 2048: its prompts are ~1.5K)
 #   LR  learning rate (1e-5, constant)         TEMPERATURE  sampling temperature (1.0)
@@ -44,8 +44,9 @@ arithmetic_settings() {
             BATCH="${BATCH:-64}" N="${N:-8}" RESP_LEN="${RESP_LEN:-128}" micro_default=16 ;;
         cpu)
             if [ "${PROMPT_STYLE}" = fewshot ]; then
-                # 1.5K-token rows: the fp32 vocabulary logits of a 32-row micro-batch alone would take ~10 GB
-                BATCH="${BATCH:-4}" N="${N:-4}" RESP_LEN="${RESP_LEN:-48}" micro_default=2
+                # 1.5K-token rows: the fp32 vocabulary logits of a 32-row micro-batch alone would take ~10 GB; one
+                # prompt's N samples per micro-batch still let ZoRRO compute the shared prompt once
+                BATCH="${BATCH:-4}" N="${N:-4}" RESP_LEN="${RESP_LEN:-48}" micro_default=4
             else
                 BATCH="${BATCH:-8}" N="${N:-4}" RESP_LEN="${RESP_LEN:-48}" micro_default=32
             fi ;;
