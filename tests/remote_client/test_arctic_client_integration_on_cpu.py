@@ -194,11 +194,14 @@ class TestFullCycleV2:
     def test_destroy_removes_the_jobs_and_is_idempotent(self, client, cfg, server):
         """Last in the class. A client attached before the destroy finds its jobs gone."""
         attached = ArcticRLClient.from_config(cfg, handle=client.reconnect_handle())
-        client.destroy()
-        assert server_jobs(server) == {}
-        client.destroy()
-        with pytest.raises(RemoteJobNotFoundError):
-            attached.compute_log_prob(grpo_batch()[2])
+        try:
+            client.destroy()
+            assert server_jobs(server) == {}
+            client.destroy()
+            with pytest.raises(RemoteJobNotFoundError):
+                attached.compute_log_prob(grpo_batch()[2])
+        finally:
+            attached.destroy()  # its watcher thread must not outlive the test (later tests restart the server)
 
 
 @pytest.mark.slow
