@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from verl.remote_backend.errors import RemoteBackendConfigError
 
+from ..common.rollout_batching import RolloutBatching
 from ..common.strict_config import build as _build
 from ..common.strict_config import require as _require
 from ..common.strict_config import to_plain as _to_plain
@@ -238,18 +239,15 @@ class WeightSyncConfig:
 
 
 @dataclass(frozen=True)
-class RolloutJobConfig:
+class RolloutJobConfig(RolloutBatching):
+    """The sampling job (devices, vLLM options) and the shared rollout batching options."""
+
     num_devices: int = 1
     vllm_config: dict = field(default_factory=dict)
-    max_batch_size: int = 64
-    max_wait_ms: float = 5.0
-    max_in_flight: int = 1
 
     def _validate(self, p: str) -> None:
+        super()._validate(p)
         _require(self.num_devices >= 1, f"{p}.num_devices", "must be positive", ">= 1", self.num_devices)
-        _require(self.max_batch_size >= 1, f"{p}.max_batch_size", "must be positive", ">= 1", self.max_batch_size)
-        _require(self.max_wait_ms >= 0, f"{p}.max_wait_ms", "negative", ">= 0", self.max_wait_ms)
-        _require(self.max_in_flight >= 1, f"{p}.max_in_flight", "must be positive", ">= 1", self.max_in_flight)
 
 
 @dataclass(frozen=True)
