@@ -12,7 +12,8 @@
 # later call that lays a new working tree does not change the scripts under a running job. Runs never overlap
 # (a lock), so a second invocation queues behind the first. Environment: TREE_TAR (a `git archive` of the tree to
 # run; default: a copy of the current directory), ENV_FILE (sourced in that copy; what unpack.sh wrote), OUT_BASE (model, data and run directories; default /tmp/arith), STEPS (default 50), RUN_TIMEOUT (s per
-# run, default 1200), SMOLLM2_WHEEL (the model wheel), and any knob of examples/common/arithmetic.sh.
+# run, default 3000: stock verl measured 35 s a step on an H200, ~31 min for 50), SMOLLM2_WHEEL (the model wheel),
+# and any knob of examples/common/arithmetic.sh.
 set -uo pipefail
 results=${1:?usage: grpo_runs.sh RESULTS_DIR SPEC...}
 shift
@@ -58,7 +59,7 @@ for spec in "$@"; do
     start=$(date +%s)
     echo "$(date -u +%H:%M:%S) start $name ($spec)" >>"$results/status"
     OUT_DIR="$OUT_BASE" RUN_NAME="$name" STEPS="${STEPS:-50}" SEED="$seed" PROMPT_STYLE="$style" ZORRO="$zorro" \
-        PYTHON=python3 timeout "${RUN_TIMEOUT:-1200}" bash "$script" >"$out/console.txt" 2>&1
+        PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" >"$out/console.txt" 2>&1
     rc=$?
     kill "$smi" 2>/dev/null
     run_dir="$OUT_BASE/runs/$name"
