@@ -70,23 +70,13 @@ PLUGIN = '''\
 
 from __future__ import annotations
 
-from typing import Any
-
-from omegaconf import OmegaConf
-
 from verl.remote_backend.plugins import register_backend
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
 
 class MirrorClient(ArcticRLClient):
-    """Arctic's adapter as is; its config mirror accepts only the name ``arctic`` today, so the
-    options (``remote_backend.*``, Arctic's keys) reach it under that name."""
-
-    @classmethod
-    def from_config(cls, main_config: Any, *, handle: dict | None = None) -> "MirrorClient":
-        config = OmegaConf.create(OmegaConf.to_container(main_config, resolve=True))
-        config.remote_backend.name = "arctic"
-        return super().from_config(config, handle=handle)
+    """Arctic's adapter as is, under another name: its config mirror (``remote_backend.*``, Arctic's keys)
+    accepts any name registered to it or a subclass."""
 
 
 def register() -> None:

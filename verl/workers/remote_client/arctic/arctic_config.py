@@ -260,6 +260,16 @@ class MfuConfig:
                      "> 0 or null", self.peak_tflops_per_device)
 
 
+def arctic_backend_names() -> list[str]:
+    """The registered backend names whose adapter takes this config (``arctic`` and plug-ins built on it)."""
+    from verl.remote_backend.base import RemoteBackendRegistry
+    from verl.remote_backend.context import ensure_backends_registered
+
+    ensure_backends_registered()
+    return [n for n in RemoteBackendRegistry.list()
+            if getattr(RemoteBackendRegistry.get(n), "config_class", None) is ArcticConfig]
+
+
 @dataclass(frozen=True)
 class ArcticConfig:
     """``config.remote_backend`` for ``remote_backend=arctic`` (see arctic.yaml for each key)."""
@@ -276,7 +286,9 @@ class ArcticConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def _validate(self, p: str) -> None:
-        _require(self.name == "arctic", f"{p}.name", "this adapter is the `arctic` backend", ["arctic"], self.name)
+        if self.name != "arctic":  # a plug-in may register this adapter (or a subclass) under a name of its own
+            names = arctic_backend_names()
+            _require(self.name in names, f"{p}.name", "not a backend built on the Arctic adapter", names, self.name)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, prefix: str = ROOT) -> ArcticConfig:

@@ -78,6 +78,10 @@ def _destroy_at_exit(ref: weakref.ref) -> None:
 class ArcticRLClient(RemoteBackend):
     """The Arctic RL adapter (see the module docstring). Build it with :meth:`from_config`."""
 
+    #: the config mirror of ``remote_backend.*``; a backend registered under another name with this class (or a
+    #: subclass) is accepted by it under that name
+    config_class = ArcticConfig
+
     def __init__(self, *, arctic: ArcticConfig, verl: VerlSettings, http: ArcticHttp, protocol: ProtocolVersion,
                  health: HealthResponse, job_ids: dict[str, int], owned: bool, step: int = 0,
                  local_server: LocalServer | None = None, client_tag: str | None = None) -> None:
