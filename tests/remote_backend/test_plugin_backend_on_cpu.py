@@ -142,6 +142,26 @@ def test_the_installed_plugin_is_registered_everywhere(plugin_site):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def test_a_misspelt_key_of_the_plugins_group_fails_before_hydra(plugin_site):
+    """The command-line check finds the plug-in's yaml group through its config package, so a typo under
+    ``remote_backend.*`` is named in one line (with the closest key) before anything starts."""
+    probe = textwrap.dedent(f"""
+        from verl.remote_backend.command_line import check_command_line, option_group_file
+        from verl.remote_backend.errors import RemoteBackendConfigError
+        print(option_group_file("{NAME}"))
+        try:
+            check_command_line(["remote_backend={NAME}", "remote_backend.server.urll=http://x:1"])
+        except RemoteBackendConfigError as exc:
+            print("refused:", exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], env=env_with(plugin_site), cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert f"mirror_backend/config/remote_backend/{NAME}.yaml" in out, out[-3000:]
+    assert "refused:" in out and "urll" in out and "url" in out.split("urll", 1)[1], out[-3000:]
+
+
 def test_the_backend_contract_holds_for_the_plugin(plugin_site):
     contract = REPO / "tests" / "remote_backend" / "test_remote_backend_contract_on_cpu.py"
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:xdist",

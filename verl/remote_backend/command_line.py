@@ -108,19 +108,29 @@ def check_backend_keys(args: Sequence[str], group: DictConfig) -> None:
             walked = f"{walked}.{part}"
 
 
+def _package_dirs(package: str) -> list[Path]:
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return [Path(p) for p in spec.submodule_search_locations]
+
+
 def option_group_file(name: str) -> Path | None:
-    """``remote_backend/<name>.yaml`` of this distribution or of verl's config folder, if present."""
+    """``remote_backend/<name>.yaml`` of this distribution, of verl's config folder or of an installed
+    plug-in's config package (``verl_remote_backend.configs`` entry points), if present."""
+    from verl.remote_backend.plugins import config_packages
+
     roots = []
     ours = importlib.util.find_spec("verl.remote_backend")
     if ours is not None and ours.submodule_search_locations:
         package = Path(next(iter(ours.submodule_search_locations))).resolve()
         roots.append(package.parent / "trainer" / "config")
-    try:
-        verl_config = importlib.util.find_spec("verl.trainer.config")
-    except ImportError:
-        verl_config = None
-    if verl_config is not None and verl_config.submodule_search_locations:
-        roots.extend(Path(p) for p in verl_config.submodule_search_locations)
+    roots.extend(_package_dirs("verl.trainer.config"))
+    for package in config_packages():
+        roots.extend(_package_dirs(package))
     for root in roots:
         path = root / _GROUP / f"{name}.yaml"
         if path.is_file():
