@@ -28,7 +28,7 @@ import pytest
 import requests
 import torch
 from _helpers_reliability import DropProxy, client_config, final_logprobs, train_batch
-from conformance.conftest import (  # the vendor servers' launchers and where their code is found
+from _helpers_vendor import (  # the vendor servers' launchers and where their code is found
     VendorServer,
     running_vendor_server,
     running_vendor_v1_server,
