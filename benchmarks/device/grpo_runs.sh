@@ -38,9 +38,10 @@ fi
 exec 9>/tmp/grpo_runs.lock
 flock 9
 
-cleanup_gpu() {  # whatever a run left behind: Ray, the reference server, vLLM engines
+cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference server, vLLM engines
     ray stop --force >/dev/null 2>&1 || true
-    pkill -f "arctic_rl.server" >/dev/null 2>&1 || true
+    # only servers of these runs (their checkpoint root is under OUT_BASE), never another user's
+    pkill -f -- "arctic_rl.server .*--checkpoint-root ${OUT_BASE}/" >/dev/null 2>&1 || true
     pkill -f "VLLM::EngineCore" >/dev/null 2>&1 || true
     sleep 3
 }
