@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import math
 import statistics
@@ -49,24 +50,25 @@ class Run:
         return statistics.median(values) if values else None
 
 
+def _load_metrics():
+    """``load_metrics`` of the examples' plot script (one reader of verl's metrics file), loaded by path."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "reverse_text" / "plot.py"
+    spec = importlib.util.spec_from_file_location("_examples_plot", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.load_metrics
+
+
 def load_run(label: str, run_dir: Path) -> Run:
     """One run directory: its ``metrics.jsonl`` merged per step, and the peak of its ``gpu_mem.csv``."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise SystemExit(f"--run {label}={run_dir}: no metrics.jsonl there")
-    rows: dict[int, dict[str, float]] = {}
-    for lineno, line in enumerate(metrics.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"{metrics}:{lineno}: not a JSON line ({exc.msg})") from None
-        row = rows.setdefault(int(rec["step"]), {})
-        for key, value in rec.get("data", {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                row[key] = float(value)
-    run = Run(label, dict(sorted(rows.items())))
+    try:
+        rows = _load_metrics()(metrics)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    run = Run(label, rows)
     mem = run_dir / "gpu_mem.csv"
     if mem.is_file():
         used = []

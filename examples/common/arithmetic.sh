@@ -164,12 +164,5 @@ arithmetic_describe() {
 }
 
 arithmetic_finish() {
-    console_run '^\[plot\]' "${PYTHON}" "${TASK_DIR}/../reverse_text/plot.py" "${VERL_FILE_LOGGER_PATH}" \
-        --out-dir "${RUN_DIR}" --title "$2" --window 10
-    console_header "$1 Results in ${RUN_DIR}:" \
-        "  metrics.jsonl    verl's per-step metrics (file logger)" \
-        "  metrics.csv      the same, one row per step" \
-        "  reward_curve.png critic/score/mean per step" \
-        "  summary.json     first-10 / last-10 mean reward, gain, peak" \
-        "  run.log          the full output of this run"
+    recipe_finish "$1" 10 --title "$2"
 }

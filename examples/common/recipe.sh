@@ -12,8 +12,12 @@
 #   recipe_trainer_group PROJECT           # TRAINER=(verl's trainer options every example sets; a file logger)
 #   recipe_launch BACKEND GROUP... -- "$@"  # LAUNCH=(verl's entry point, the groups' overrides, remote_backend=BACKEND,
 #                                           #         hydra.run.dir=RUN_DIR/hydra, the user's overrides)
+#   recipe_finish "title" WINDOW [opts]     # metrics.csv, reward_curve.png, summary.json; the closing lines
 
 source "$(dirname "${BASH_SOURCE[0]}")/console.sh"
+
+# verl's metrics file -> metrics.csv, reward_curve.png, summary.json (every task's examples use it)
+RECIPE_PLOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../reverse_text" && pwd)/plot.py"
 
 # `--cfg job` / `--help` (Hydra) only print the composed config: nothing to build, start, run or plot.
 recipe_print_only() {
@@ -100,4 +104,21 @@ recipe_trainer_group() {
         trainer.test_freq=-1
         trainer.default_local_dir="${RUN_DIR}/checkpoints"
     )
+}
+
+# The end of every example run: metrics.csv, reward_curve.png and summary.json (first-WINDOW / last-WINDOW mean
+# reward) from verl's metrics file, then the closing lines naming them. Reads PYTHON, RUN_DIR and
+# VERL_FILE_LOGGER_PATH; further arguments go to plot.py (e.g. --title).
+#   recipe_finish "title line" WINDOW [plot.py options...]
+recipe_finish() {
+    local line="$1" window="$2"
+    shift 2
+    console_run '^\[plot\]' "${PYTHON}" "${RECIPE_PLOT}" "${VERL_FILE_LOGGER_PATH}" --out-dir "${RUN_DIR}" \
+        --window "${window}" "$@"
+    console_header "${line} Results in ${RUN_DIR}:" \
+        "  metrics.jsonl    verl's per-step metrics (file logger)" \
+        "  metrics.csv      the same, one row per step" \
+        "  reward_curve.png critic/score/mean per step" \
+        "  summary.json     first-${window} / last-${window} mean reward, gain, peak" \
+        "  run.log          the full output of this run"
 }

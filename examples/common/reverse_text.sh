@@ -81,11 +81,5 @@ reverse_text_groups() {
 }
 
 reverse_text_finish() {
-    console_run '^\[plot\]' "${PYTHON}" "${TASK_DIR}/plot.py" "${VERL_FILE_LOGGER_PATH}" --out-dir "${RUN_DIR}"
-    console_header "$1 Results in ${RUN_DIR}:" \
-        "  metrics.jsonl    verl's per-step metrics (file logger)" \
-        "  metrics.csv      the same, one row per step" \
-        "  reward_curve.png critic/score/mean per step" \
-        "  summary.json     first-5 / last-5 mean reward, gain, peak" \
-        "  run.log          the full output of this run"
+    recipe_finish "$1" 5
 }
