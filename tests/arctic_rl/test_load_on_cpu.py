@@ -8,10 +8,8 @@ a margin). The 60 s version with a table is ``python benchmarks/load.py``.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from _helpers_modules import load_script
 from server_process import running_server
 
 pytestmark = pytest.mark.slow
@@ -21,11 +19,7 @@ CLIENTS = 32
 
 
 def _load_module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "load.py"
-    spec = importlib.util.spec_from_file_location("arctic_load_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/load.py")
 
 
 def test_32_generate_clients_and_training_for_15_s(tmp_path, tiny_model_dir):

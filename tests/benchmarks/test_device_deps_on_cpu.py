@@ -3,12 +3,12 @@ vLLM bundle, on small wheels built here (no network), and the committed pin list
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import zipfile
 
 import pytest
+from _helpers_modules import load_script
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEVICE = REPO / "benchmarks" / "device"
@@ -18,9 +18,7 @@ SHARED = pathlib.Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", REPO.parent /
 @pytest.fixture
 def deps(monkeypatch, tmp_path):
     """The module, with its image list in tmp_path/image-packages.txt."""
-    spec = importlib.util.spec_from_file_location("device_deps", DEVICE / "deps.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(DEVICE / "deps.py")
     monkeypatch.setattr(module, "HERE", tmp_path)
     (tmp_path / "image-packages.txt").write_text("# image\ntorch==2.11.0\ntokenizers==0.23.2\npyyaml\nfsspec\n")
     return module

@@ -21,7 +21,6 @@ Run by hand (prints the command it runs)::
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from _helpers_e2e import (
     run_in_own_session,
     tiny_grpo_overrides,
 )
+from _helpers_modules import load_script
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -44,10 +44,7 @@ RUN_TIMEOUT_S = 1500
 
 
 def _example_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"reverse_text_{name}", EXAMPLE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

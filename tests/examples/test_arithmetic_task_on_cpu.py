@@ -8,24 +8,17 @@ tokenizer (``smollm2_model_dir``, slow the first time on a machine: it downloads
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
+from _helpers_modules import load_script
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TASK_DIR = REPO_ROOT / "examples" / "arithmetic"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"arithmetic_{name}", TASK_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_data = _load("make_data")
-reward = _load("reward")
+make_data = load_script("examples/arithmetic/make_data.py")
+reward = load_script("examples/arithmetic/reward.py")
 
 
 def _problem_key(row: dict) -> tuple[str, frozenset]:

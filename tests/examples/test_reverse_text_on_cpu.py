@@ -8,12 +8,12 @@ where the example promises compatibility with them.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import pathlib
 import sys
 
 import pytest
+from _helpers_modules import load_script
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TASK_DIR = REPO_ROOT / "examples" / "reverse_text"
@@ -23,10 +23,7 @@ def _load(name: str):
     """Import ``examples/reverse_text/<name>.py`` as module ``reverse_text_<name>``."""
     if str(TASK_DIR) not in sys.path:  # warm_start imports its siblings by name, as when run as a script
         sys.path.insert(0, str(TASK_DIR))
-    spec = importlib.util.spec_from_file_location(f"reverse_text_{name}", TASK_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TASK_DIR / f"{name}.py")
 
 
 make_data = _load("make_data")

@@ -12,26 +12,15 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import pathlib
 import zipfile
 
 import pytest
 import requests
+from _helpers_modules import load_script
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-TASK_DIR = REPO_ROOT / "examples" / "arithmetic"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"arithmetic_{name}", TASK_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_model = _load("make_model")
+make_model = load_script("examples/arithmetic/make_model.py")
 
 
 def _fake_wheel(path: pathlib.Path, gguf_bytes: bytes | None, record_hash: bytes | None = None) -> pathlib.Path:

@@ -17,7 +17,6 @@ advantages that never reach the server, weights that never reach the sampler) st
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import pathlib
@@ -25,6 +24,7 @@ import sys
 
 import pytest
 from _helpers_e2e import run_in_own_session
+from _helpers_modules import load_script
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "examples" / "grpo" / "run_reverse_text_grpo_arl_local.sh"
@@ -39,11 +39,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def _plot_module():
-    path = REPO_ROOT / "examples" / "reverse_text" / "plot.py"
-    spec = importlib.util.spec_from_file_location("reverse_text_plot", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/reverse_text/plot.py")
 
 
 @pytest.fixture(scope="module")
