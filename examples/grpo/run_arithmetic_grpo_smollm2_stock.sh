@@ -37,6 +37,9 @@ PYTHON="${PYTHON:-python3}"
 SMOLLM2_WHEEL="${SMOLLM2_WHEEL:-}"
 # vLLM's share of the GPU: the reference server's default (arctic_rl/server/engines/vllm_sampler.py).
 GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.4}"
+# A fixed KV-cache size in bytes instead of what vLLM's memory profiling leaves (empty: profile); lets several runs
+# start side by side on one GPU.
+KV_CACHE_BYTES="${KV_CACHE_BYTES:-}"
 # Attention of the FSDP actor: auto = flash_attention_2 when flash_attn imports, else sdpa (the H200 image has none).
 ATTN="${ATTN:-auto}"
 # Stock verl only runs on a GPU here: the recipe's GPU sizes unless DEVICE says otherwise (print-only).
@@ -44,6 +47,7 @@ DEVICE="${DEVICE:-cuda}"
 
 source "${SCRIPT_DIR}/../common/arithmetic.sh"  # with recipe.sh and console.sh
 recipe_local_env
+recipe_optional_count KV_CACHE_BYTES "${KV_CACHE_BYTES}"
 PRINT_ONLY="$(recipe_print_only "$@")"
 if [ "${PRINT_ONLY}" = false ]; then
     if [ "${DEVICE}" != cuda ] \
@@ -100,6 +104,9 @@ ROLLOUT+=(
     actor_rollout_ref.rollout.max_model_len=$((PROMPT_LEN + RESP_LEN))
     actor_rollout_ref.rollout.max_num_seqs=$((BATCH * N))
 )
+if [ -n "${KV_CACHE_BYTES}" ]; then
+    ROLLOUT+=(+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="${KV_CACHE_BYTES}")
+fi
 REF+=(
     actor_rollout_ref.ref.fsdp_config.param_offload=False
 )

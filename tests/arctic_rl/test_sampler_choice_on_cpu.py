@@ -61,11 +61,14 @@ def test_vllm_where_it_cannot_run_is_a_start_up_error(tmp_path):
 def test_vllm_config_is_validated_by_field():
     assert engine_options(None) == {"gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION}
     opts = engine_options({"gpu_memory_utilization": 0.3, "max_model_len": 2048, "tensor_parallel_size": 1,
-                           "enforce_eager": True, "some_future_key": 3})
-    assert opts == {"gpu_memory_utilization": 0.3, "max_model_len": 2048, "enforce_eager": True}
+                           "enforce_eager": True, "some_future_key": 3, "kv_cache_memory_bytes": 4 << 30})
+    assert opts == {"gpu_memory_utilization": 0.3, "max_model_len": 2048, "enforce_eager": True,
+                    "kv_cache_memory_bytes": 4 << 30}
     for bad, field in (({"gpu_memory_utilization": 1.5}, "vllm_config.gpu_memory_utilization"),
                        ({"gpu_memory_utilization": "half"}, "vllm_config.gpu_memory_utilization"),
                        ({"max_num_seqs": 0}, "vllm_config.max_num_seqs"),
+                       ({"kv_cache_memory_bytes": 0}, "vllm_config.kv_cache_memory_bytes"),
+                       ({"kv_cache_memory_bytes": "4G"}, "vllm_config.kv_cache_memory_bytes"),
                        ({"enforce_eager": 1}, "vllm_config.enforce_eager"),
                        ({"tensor_parallel_size": 2}, "vllm_config.tensor_parallel_size")):
         with pytest.raises(BadRequest) as info:

@@ -74,6 +74,9 @@ VLLM_OPTIONS: dict[str, type | tuple[type, ...]] = {
     "enable_prefix_caching": bool,
     "quantization": str,
     "kv_cache_dtype": str,
+    # a fixed KV-cache size instead of the share left after vLLM's memory profiling: several engines can then
+    # start side by side on one GPU (profiling assumes no other process frees memory meanwhile)
+    "kv_cache_memory_bytes": int,
 }
 #: ``vllm_config`` keys that are accepted and not used (one GPU, one engine)
 _IGNORED_OPTIONS = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")
@@ -103,7 +106,7 @@ def engine_options(vllm_config: dict[str, Any] | None) -> dict[str, Any]:
     if not 0 < share <= 1:
         raise BadRequest("vllm_config.gpu_memory_utilization: the share of GPU memory vLLM may take",
                          field="vllm_config.gpu_memory_utilization", allowed="(0, 1]", received=share)
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
         if key in options and options[key] < 1:
             raise BadRequest(f"vllm_config.{key}: must be positive", field=f"vllm_config.{key}", allowed=">= 1",
                              received=options[key])
