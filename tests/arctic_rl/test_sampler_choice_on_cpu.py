@@ -23,7 +23,12 @@ from arctic_rl.server.engines.fast_generation import generate_batch_static
 from arctic_rl.server.engines.generation import generate_batch
 from arctic_rl.server.engines.sampler_choice import SamplerUnavailable, resolve_sampler
 from arctic_rl.server.engines.sampling import SamplingEngine
-from arctic_rl.server.engines.vllm_sampler import DEFAULT_GPU_MEMORY_UTILIZATION, _apply_stop_strings, engine_options
+from arctic_rl.server.engines.vllm_sampler import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    _apply_stop_strings,
+    engine_options,
+    prompt_seeds,
+)
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.settings import ServerSettings
 
@@ -74,6 +79,17 @@ def test_vllm_config_is_validated_by_field():
         with pytest.raises(BadRequest) as info:
             engine_options(bad)
         assert info.value.field == field and info.value.received == next(iter(bad.values()))
+
+
+def test_each_prompt_of_a_call_gets_its_own_vllm_seed():
+    # no seed asked: every prompt samples from the engine's generator (copies of a prompt differ)
+    assert prompt_seeds(None, 3, 8) == [None, None, None]
+    # a seed: reproducible, and no two (prompt, sample) pairs share one (sample j of prompt i: seed + i*n + j)
+    seeds = prompt_seeds(11, 16, 8)
+    assert seeds == prompt_seeds(11, 16, 8) and seeds[:3] == [11, 19, 27]
+    per_sample = {s + j for s in seeds for j in range(8)}
+    assert len(per_sample) == 16 * 8
+    assert prompt_seeds(2**62 - 1, 2, 1) == [2**62 - 1, 0]  # kept in vLLM's range
 
 
 def _engine(tiny_model_dir, tmp_path) -> SamplingEngine:

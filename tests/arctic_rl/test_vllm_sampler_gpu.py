@@ -96,6 +96,11 @@ def test_sampling_params(engines):
     assert [r["token_ids"] for r in seeded[0]] == [r["token_ids"] for r in seeded[1]]
     assert [(r["prompt_index"], r["sample_index"]) for r in seeded[0]] == [(p, s) for p in range(2) for s in range(3)]
     assert len({tuple(r["token_ids"]) for r in seeded[0][:3]}) > 1  # n samples differ
+    # copies of one prompt in one call (verl's n samples, batched by the rollout server) must differ, with a
+    # seed and without: one seed for the whole call made every copy identical and GRPO's advantages zero
+    for seed in (None, 11):
+        copies = gen(sampler, [prompt] * 8, n=1, temperature=1.0, max_tokens=16, ignore_eos=True, seed=seed)
+        assert len({tuple(r["token_ids"]) for r in copies}) >= 6, seed
 
     stop_tok = a["token_ids"][5]
     first = a["token_ids"].index(stop_tok)

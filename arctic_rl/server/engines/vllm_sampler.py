@@ -8,7 +8,7 @@ Chosen by ``--sampler vllm`` (or ``auto`` on a CUDA machine with ``vllm``; see
   vLLM as ``TokensPrompt``; vLLM's tokenizer is never loaded (``skip_tokenizer_init``);
 * ``n``, ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (-1/0 = off), ``max_tokens``,
   ``stop_token_ids``, ``ignore_eos``, ``seed`` and ``logprobs`` map onto vLLM's
-  ``SamplingParams``; the EOS ids are stop tokens unless ``ignore_eos``; the stop token is kept in
+  ``SamplingParams``, one per prompt (a seed is per prompt: :func:`prompt_seeds`); the EOS ids are stop tokens unless ``ignore_eos``; the stop token is kept in
   ``token_ids`` as in the ``transformers`` sampler;
 * a sampled token's log-prob is vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)``
   (temperature 1 when greedy), the distribution verl recomputes and the ``transformers``
@@ -34,7 +34,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,8 @@ from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.settings import ServerSettings
 
-__all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "MAX_LOGPROBS", "VLLM_OPTIONS", "VllmSamplingEngine", "engine_options"]
+__all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "MAX_LOGPROBS", "VLLM_OPTIONS", "VllmSamplingEngine", "engine_options",
+           "prompt_seeds"]
 
 logger = logging.getLogger("arctic_rl.server")
 
@@ -111,6 +111,22 @@ def engine_options(vllm_config: dict[str, Any] | None) -> dict[str, Any]:
             raise BadRequest(f"vllm_config.{key}: must be positive", field=f"vllm_config.{key}", allowed=">= 1",
                              received=options[key])
     return options
+
+
+def prompt_seeds(seed: int | None, n_prompts: int, n: int) -> list[int | None]:
+    """vLLM seeds for the prompts of one ``/generate`` call.
+
+    A seed in vLLM is per request: two requests with the same prompt and the same seed sample the same
+    tokens. A call carries many prompts -- verl's ``n`` samples of a prompt usually arrive as ``n`` copies
+    of it, batched into one call by the rollout server -- so one seed for the whole call would make every
+    copy identical and every GRPO group's advantages zero. Without a seed each prompt draws from the
+    engine's generator (the samples of a group differ, as in stock verl); with one, prompt ``i`` gets
+    ``seed + i * n`` (vLLM gives its sample ``j`` that plus ``j``), so the call is reproducible and no two
+    samples share a seed.
+    """
+    if seed is None:
+        return [None] * n_prompts
+    return [(int(seed) + i * n) % (2**62) for i in range(n_prompts)]
 
 
 def _model_weight_norm(worker: Any) -> dict[str, float | int]:
@@ -213,6 +229,8 @@ class VllmSamplingEngine:
         return ids
 
     def _vllm_params(self, params: SamplingParams, prompts: list[list[int]]):
+        """One ``vllm.SamplingParams`` per prompt (their seeds: :func:`prompt_seeds`), and whether log-probs
+        were asked for."""
         from vllm import SamplingParams as VllmParams
 
         longest = max(len(p) for p in prompts)
@@ -236,19 +254,19 @@ class VllmSamplingEngine:
         if n_top is not None and not 0 <= n_top <= MAX_LOGPROBS:
             raise BadRequest("sampling_params.logprobs: how many top tokens to report per generated token",
                              field="sampling_params.logprobs", allowed=f"0..{MAX_LOGPROBS}", received=params.logprobs)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return VllmParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=max(0, params.top_k),
-            max_tokens=params.max_tokens,
-            stop_token_ids=sorted(stop_ids),
-            ignore_eos=params.ignore_eos,
-            seed=int(seed) % (2**62),  # vLLM gives sample i of a prompt seed + i
-            logprobs=n_top,
-            detokenize=False,
-        ), want_lps
+        common = {
+            "n": params.n,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": max(0, params.top_k),
+            "max_tokens": params.max_tokens,
+            "stop_token_ids": sorted(stop_ids),
+            "ignore_eos": params.ignore_eos,
+            "logprobs": n_top,
+            "detokenize": False,
+        }
+        seeds = prompt_seeds(params.seed, len(prompts), params.n)
+        return [VllmParams(seed=seed, **common) for seed in seeds], want_lps
 
     # ------------------------------------------------------------------ generate
 
