@@ -205,6 +205,34 @@ class TestFullCycleV2:
 
 
 @pytest.mark.slow
+def test_full_determinism_samples_copies_of_a_prompt_apart_and_repeats_across_runs(server, tiny_model_dir,
+                                                                                   monkeypatch):
+    """Under rollout.full_determinism the adapter derives the seeds; copies of a prompt in one call (verl's n
+    samples, batched by the rollout server) go in separate calls with their own seeds, and a second run with
+    the same rollout.seed samples the same tokens in the same order."""
+    monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
+    cfg = main_config(tiny_model_dir, server.url)
+    cfg.actor_rollout_ref.rollout.full_determinism = True
+    cfg.actor_rollout_ref.rollout.seed = 5
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7], [5, 6, 7]]
+    params = {"n": 2, "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    runs = []
+    for _ in range(2):
+        client = RemoteBackendRegistry.create("arctic", cfg)
+        try:
+            runs.append([client.generate(prompts, params), client.generate(prompts, params)])
+        finally:
+            client.destroy()
+    first = runs[0][0]
+    assert [(r.prompt_index, r.sample_index) for r in first] == [(p, s) for p in range(4) for s in range(2)]
+    assert [r.prompt_len for r in first] == [3, 3, 2, 2, 3, 3, 3, 3]
+    assert [[r.token_ids for r in call] for call in runs[0]] == [[r.token_ids for r in call] for call in runs[1]]
+    copies = [tuple(r.token_ids) for r in first if r.prompt_len == 3]
+    assert len(set(copies)) >= 5  # six samples of one prompt
+    assert [r.token_ids for r in runs[0][0]] != [r.token_ids for r in runs[0][1]]  # a second call samples anew
+
+
+@pytest.mark.slow
 def test_destroy_touches_only_own_jobs_and_restart_is_detected(server, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("ARCTIC_RL_TOKEN", "t0ken")
     # the server rejects the training job (created last): the two jobs made before it are cleaned up

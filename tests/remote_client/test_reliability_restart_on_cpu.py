@@ -188,3 +188,14 @@ def test_derived_sampling_seeds_repeat_across_runs_and_differ_across_samples():
     assert run1 == run2  # a re-run (or a re-sent call) samples the same tokens
     assert len(set(run1)) == 3  # GRPO's n samples of one prompt differ
     assert SeedDeriver(8)([[5, 6]]) != run1[0] and all(0 <= s < 2**63 for s in run1)
+
+
+def test_copies_of_a_prompt_never_share_a_derived_seed():
+    from verl.workers.remote_client.arctic.generation import unique_layers
+
+    rows = [[1, 2], [1, 2], [3], [1, 2], [3], [4]]
+    layers = unique_layers(rows)
+    assert layers == [[0, 2, 5], [1, 4], [3]]  # layer k: the k-th copy of each prompt, in order
+    assert sorted(i for layer in layers for i in layer) == list(range(len(rows)))
+    assert all(len({tuple(rows[i]) for i in layer}) == len(layer) for layer in layers)
+    assert unique_layers([[5], [6]]) == [[0, 1]]  # no repeat: one call, as before

@@ -15,7 +15,9 @@ validated here, so a bad value is a config error naming the knob rather than a 4
 :class:`SeedDeriver` gives reproducible sampling under verl's ``rollout.full_determinism``: a call
 without a seed gets one derived from ``rollout.seed``, its prompts and how many times this client
 already generated for exactly those prompts -- so a re-run, or a call re-sent after a server restart,
-samples the same tokens, while repeated samples of one prompt (GRPO's ``n``) still differ.
+samples the same tokens, while repeated samples of one prompt (GRPO's ``n``) still differ: copies of a
+prompt within one call go in separate calls (:func:`unique_layers`), since a server applies the call's one
+seed to each of its prompts.
 Log-probs come back per token as ``{str(token_id): {"logprob", "rank"}}`` (the sampled token and the
 top-k, the vendor's format); :func:`ordered_results` keeps the sampled token's value, one float per
 generated token, which is what verl's rollout expects.
@@ -46,7 +48,7 @@ from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolE
 from .answers import parse_answer
 from .session import JobCalls, ModelTokens
 
-__all__ = ["Sampler", "SeedDeriver", "clean_sampling_params", "ordered_results"]
+__all__ = ["Sampler", "SeedDeriver", "clean_sampling_params", "ordered_results", "unique_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,24 +125,59 @@ class Sampler:
         self._warned: set[str] = set()
 
     def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[GenerateResult]:
-        """One ``/generate`` call; results in prompt order, ``n`` samples of a prompt adjacent."""
+        """One ``/generate`` call (one per :func:`unique_layers` layer when a seed is derived); results in
+        prompt order, ``n`` samples of a prompt adjacent."""
         if not prompts:
             return []
         features = self.calls.state.features
         params = clean_sampling_params(sampling_params or {}, self._warned)
         n = params.n
         expand = n > 1 and Features.N_SAMPLES not in features
+        per_row = 1 if expand else n
         rows = [[int(t) for t in p] for p in prompts for _ in range(n if expand else 1)]
         wire_params = params.model_dump(mode="json", exclude_none=True)
-        if self.seeds is not None and params.seed is None:  # verl's rollout.full_determinism
-            wire_params["seed"] = self.seeds(prompts)
         if expand:
             wire_params["n"] = 1
-        if Features.TOKEN_PROMPTS in features:
+        derive = self.seeds is not None and params.seed is None  # verl's rollout.full_determinism
+        if not derive:
+            answer = self._post(rows, wire_params)
+            return ordered_results(answer, len(prompts), n, expanded=expand)
+        by_row: list[list[GenerateResult]] = [[] for _ in rows]
+        for layer in unique_layers(rows):
+            layer_rows = [rows[i] for i in layer]
+            answer = self._post(layer_rows, {**wire_params, "seed": self.seeds(layer_rows)})
+            got = ordered_results(answer, len(layer_rows), per_row, expanded=expand)
+            for k, i in enumerate(layer):
+                by_row[i] = got[k * per_row : (k + 1) * per_row]
+        results = [r for chunk in by_row for r in chunk]
+        for i, r in enumerate(results):
+            r.prompt_index, r.sample_index = i // n, i % n
+        return results
+
+    def _post(self, rows: list[list[int]], wire_params: dict[str, Any]) -> GenerateResponse:
+        if Features.TOKEN_PROMPTS in self.calls.state.features:
             wire_prompts: list = rows
         else:  # the vendor's servers take text only
             wire_prompts = [self.tokens.tokenizer.decode(r, skip_special_tokens=False) for r in rows]
         payload = self.calls.state.dialect.generate_payload(wire_prompts, wire_params)
         out = self.calls.post(Paths.GENERATE, JobType.SAMPLING, payload, op="generate", idempotent=True)
-        answer = parse_answer(GenerateResponse, out, f"POST {Paths.GENERATE}")
-        return ordered_results(answer, len(prompts), n, expanded=expand)
+        return parse_answer(GenerateResponse, out, f"POST {Paths.GENERATE}")
+
+
+def unique_layers(rows: list[list[int]]) -> list[list[int]]:
+    """Row indices in layers without a repeated prompt: layer ``k`` holds the ``k``-th copy of each prompt.
+
+    A seed in ``sampling_params`` is one per call, and a vLLM-backed server (the vendor's) applies it to each
+    prompt of the call: two copies of a prompt in one seeded call would sample the same tokens, and a GRPO
+    group of them would have zero advantages. So a call with a derived seed is sent one layer at a time, each
+    layer with its own seed; with no repeated prompt that is the one call as before.
+    """
+    seen: Counter[tuple[int, ...]] = Counter()
+    layers: list[list[int]] = []
+    for i, row in enumerate(rows):
+        k = seen[tuple(row)]
+        seen[tuple(row)] += 1
+        if k == len(layers):
+            layers.append([])
+        layers[k].append(i)
+    return layers
