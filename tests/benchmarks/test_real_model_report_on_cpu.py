@@ -49,3 +49,20 @@ def test_bad_arguments_are_named(tmp_path):
         rmr.main(["--run", "no-equals-sign"])
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         rmr.main(["--run", f"x={tmp_path}"])
+
+
+def test_steps_without_a_learning_signal_are_counted(tmp_path):
+    """Steps with a mixed reward but all-zero advantages (the samples of every group identical) are counted."""
+    d = tmp_path / "flat"
+    d.mkdir()
+    steps = [(0.375, 0.0, 0.0), (0.5, 1.62, -0.72), (0.0, 0.0, 0.0), (0.25, 0.0, 0.0), (1.0, 0.0, 0.0)]
+    with (d / "metrics.jsonl").open("w", encoding="utf-8") as f:
+        for step, (reward, hi, lo) in enumerate(steps, 1):
+            data = {"critic/score/mean": reward, "critic/advantages/max": hi, "critic/advantages/min": lo,
+                    "timing_s/step": 1.0}
+            f.write(json.dumps({"step": step, "data": data}) + "\n")
+    flat = rmr.load_run("flat", d)
+    assert rmr.zero_signal_steps(flat) == (2, 3)  # steps 1 and 4; steps 3 and 5 had nothing to learn from
+    assert "| flat | not reached | - | - | 2 of 3 |" in rmr.report([flat], flat, 0.9)
+    plain = rmr.load_run("plain", _write(tmp_path / "p", [0.2] * 3, 1.0))
+    assert rmr.zero_signal_steps(plain) is None
