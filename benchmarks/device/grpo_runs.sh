@@ -56,7 +56,7 @@ cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference serv
     sleep 3
 }
 
-run_one() {  # SPEC [TOTAL_MEMORY]: one run, its files copied into RESULTS/NAME
+run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SMI=1: the GPU total in its gpu_mem.csv)
     local spec=$1 own_smi=$2 name backend style zorro seed script out smi="" start rc run_dir f steps
     IFS=: read -r name backend style zorro seed <<<"$spec"
     case "$backend" in

@@ -8,8 +8,9 @@ Chosen by ``--sampler vllm`` (or ``auto`` on a CUDA machine with ``vllm``; see
   vLLM as ``TokensPrompt``; vLLM's tokenizer is never loaded (``skip_tokenizer_init``);
 * ``n``, ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (-1/0 = off), ``max_tokens``,
   ``stop_token_ids``, ``ignore_eos``, ``seed`` and ``logprobs`` map onto vLLM's
-  ``SamplingParams``, one per prompt (a seed is per prompt: :func:`prompt_seeds`); the EOS ids are stop tokens unless ``ignore_eos``; the stop token is kept in
-  ``token_ids`` as in the ``transformers`` sampler;
+  ``SamplingParams``, one per prompt (a seed is per prompt: :func:`prompt_seeds`); the EOS ids are
+  stop tokens unless ``ignore_eos``; the stop token is kept in ``token_ids`` as in the
+  ``transformers`` sampler;
 * a sampled token's log-prob is vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)``
   (temperature 1 when greedy), the distribution verl recomputes and the ``transformers``
   sampler reports. With ``top_k``/``top_p`` truncation on, vLLM renormalises over the kept
