@@ -19,7 +19,7 @@
 #   MINI_BATCH  prompts per optimizer update (= BATCH: one update per step)
 #   MICRO  rows per forward/backward micro-batch (16 / 32; fewshot on cpu 4), or the largest divisor of
 #          MINI_BATCH x N below that
-#   RESP_LEN  max response tokens (128 / 48)   PROMPT_LEN  max prompt tokens (256; fewshot 2048: its prompts are ~1.5K)
+#   RESP_LEN  max response tokens (128 / 48)   PROMPT_LEN  max prompt tokens (256; fewshot 1600: its prompts are 1,516-1,518)
 #   LR  learning rate (1e-5, constant)         TEMPERATURE  sampling temperature (1.0)
 #   N_TRAIN / N_VAL  rows of the generated data (4096 / 256)
 
@@ -52,7 +52,7 @@ arithmetic_settings() {
             fi ;;
         *) echo "DEVICE: expected auto, cuda or cpu, got '${DEVICE}'" >&2; exit 2 ;;
     esac
-    if [ "${PROMPT_STYLE}" = fewshot ]; then PROMPT_LEN="${PROMPT_LEN:-2048}"; else PROMPT_LEN="${PROMPT_LEN:-256}"; fi
+    if [ "${PROMPT_STYLE}" = fewshot ]; then PROMPT_LEN="${PROMPT_LEN:-1600}"; else PROMPT_LEN="${PROMPT_LEN:-256}"; fi
     MINI_BATCH="${MINI_BATCH:-${BATCH}}"
     MICRO="${MICRO:-}"
     LR="${LR:-1e-5}"

@@ -72,7 +72,7 @@ def test_cpu_and_gpu_sizes_and_backend_keys(tmp_path):
     sizes = ("data.train_batch_size", "actor_rollout_ref.rollout.n", "data.max_response_length",
              "data.max_prompt_length")
     assert [_get(cpu, k) for k in sizes] == [8, 4, 48, 256]
-    assert [_get(gpu, k) for k in sizes] == [64, 8, 128, 2048]
+    assert [_get(gpu, k) for k in sizes] == [64, 8, 128, 1600]
     assert _get(cpu, "remote_backend.server.local.device") == "cpu"
     assert _get(cpu, "remote_backend.train.deepspeed.bf16") is False
     assert _get(cpu, "remote_backend.train.zorro_train.enable") is False
