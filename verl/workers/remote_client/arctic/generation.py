@@ -126,7 +126,7 @@ class Sampler:
 
     def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[GenerateResult]:
         """One ``/generate`` call (one per :func:`unique_layers` layer when a seed is derived); results in
-        prompt order, ``n`` samples of a prompt adjacent."""
+        prompt order, ``n`` samples of a prompt adjacent, indices filled in."""
         if not prompts:
             return []
         features = self.calls.state.features
@@ -139,13 +139,11 @@ class Sampler:
         if expand:
             wire_params["n"] = 1
         derive = self.seeds is not None and params.seed is None  # verl's rollout.full_determinism
-        if not derive:
-            answer = self._post(rows, wire_params)
-            return ordered_results(answer, len(prompts), n, expanded=expand)
         by_row: list[list[GenerateResult]] = [[] for _ in rows]
-        for layer in unique_layers(rows):
+        for layer in unique_layers(rows) if derive else [list(range(len(rows)))]:
             layer_rows = [rows[i] for i in layer]
-            answer = self._post(layer_rows, {**wire_params, "seed": self.seeds(layer_rows)})
+            seed = {"seed": self.seeds(layer_rows)} if derive else {}
+            answer = self._post(layer_rows, {**wire_params, **seed})
             got = ordered_results(answer, len(layer_rows), per_row, expanded=expand)
             for k, i in enumerate(layer):
                 by_row[i] = got[k * per_row : (k + 1) * per_row]
