@@ -114,6 +114,9 @@ arithmetic_groups() {
     )
     MODEL=(
         actor_rollout_ref.model.path="${MODEL_DIR}"
+        # packed rows need flash-attn's varlen kernels (not on the H200 image); padded rows on both sides
+        actor_rollout_ref.model.use_remove_padding=False
+        actor_rollout_ref.model.enable_gradient_checkpointing=False
     )
     ACTOR=(
         actor_rollout_ref.actor.optim.lr="${LR}"
@@ -143,18 +146,7 @@ arithmetic_groups() {
     REF=(
         actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="${MICRO}"
     )
-    ALGO=(
-        algorithm.adv_estimator=grpo
-        algorithm.norm_adv_by_std_in_grpo=True
-        algorithm.use_kl_in_reward=False
-    )
-    REWARD=(
-        reward.custom_reward_function.path="${TASK_DIR}/reward.py"
-        reward.custom_reward_function.name=compute_score
-        reward.num_workers=1
-    )
-    recipe_trainer_group "${PROJECT_NAME}"
-    TRAINER+=(trainer.total_epochs=1000 trainer.save_freq=-1)
+    recipe_generated_task_groups "${PROJECT_NAME}"  # ALGO REWARD TRAINER
 }
 
 # The settings in one line, for the run's header.

@@ -11,6 +11,8 @@
 #   recipe_bool NAME "${VALUE}"             # exits 2 unless VALUE is true or false, naming NAME
 #   recipe_optional_count NAME "${VALUE}"   # exits 2 unless VALUE is empty or a positive integer, naming NAME
 #   recipe_trainer_group PROJECT           # TRAINER=(verl's trainer options every example sets; a file logger)
+#   recipe_generated_task_groups PROJECT   # ALGO, REWARD (TASK_DIR/reward.py) and TRAINER of a task generated
+#                                           #   here (GRPO, no KL in the reward, run by steps, no checkpoints)
 #   recipe_launch BACKEND GROUP... -- "$@"  # LAUNCH=(verl's entry point, the groups' overrides, remote_backend=BACKEND,
 #                                           #         hydra.run.dir=RUN_DIR/hydra, the user's overrides)
 #   recipe_finish "title" WINDOW [opts]     # metrics.csv, reward_curve.png, summary.json; the closing lines
@@ -111,6 +113,21 @@ recipe_trainer_group() {
         trainer.test_freq=-1
         trainer.default_local_dir="${RUN_DIR}/checkpoints"
     )
+}
+
+recipe_generated_task_groups() {
+    ALGO=(
+        algorithm.adv_estimator=grpo
+        algorithm.norm_adv_by_std_in_grpo=True
+        algorithm.use_kl_in_reward=False
+    )
+    REWARD=(
+        reward.custom_reward_function.path="${TASK_DIR}/reward.py"
+        reward.custom_reward_function.name=compute_score
+        reward.num_workers=1
+    )
+    recipe_trainer_group "$1"
+    TRAINER+=(trainer.total_epochs=1000 trainer.save_freq=-1)
 }
 
 # The end of every example run: metrics.csv, reward_curve.png and summary.json (first-WINDOW / last-WINDOW mean

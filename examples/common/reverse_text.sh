@@ -66,18 +66,7 @@ reverse_text_groups() {
         actor_rollout_ref.rollout.agent.num_workers=1
         actor_rollout_ref.rollout.seed="${SEED}"
     )
-    ALGO=(
-        algorithm.adv_estimator=grpo
-        algorithm.norm_adv_by_std_in_grpo=True
-        algorithm.use_kl_in_reward=False
-    )
-    REWARD=(
-        reward.custom_reward_function.path="${TASK_DIR}/reward.py"
-        reward.custom_reward_function.name=compute_score
-        reward.num_workers=1
-    )
-    recipe_trainer_group "${PROJECT_NAME}"
-    TRAINER+=(trainer.total_epochs=1000 trainer.save_freq=-1)
+    recipe_generated_task_groups "${PROJECT_NAME}"  # ALGO REWARD TRAINER
 }
 
 reverse_text_finish() {

@@ -70,11 +70,6 @@ fi
 PROJECT_NAME=arithmetic_grpo_smollm2
 arithmetic_groups  # DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER: the recipe of every backend
 
-MODEL+=(
-    actor_rollout_ref.model.use_remove_padding=False
-    actor_rollout_ref.model.enable_gradient_checkpointing=False
-)
-
 ROLLOUT+=(actor_rollout_ref.rollout.name=arctic)
 
 REMOTE_BACKEND=(

@@ -86,9 +86,6 @@ arithmetic_groups  # DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER: the recip
 
 # Only the keys of stock verl's colocated FSDP + vLLM backend below; everything learned is in arithmetic.sh.
 MODEL+=(
-    # packed rows need flash-attn's varlen kernels; with sdpa each row stays padded (as on the reference server)
-    actor_rollout_ref.model.use_remove_padding=False
-    actor_rollout_ref.model.enable_gradient_checkpointing=False
     +actor_rollout_ref.model.override_config.attn_implementation="${ATTN}"
 )
 ACTOR+=(
