@@ -85,20 +85,22 @@ run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SM
     echo "$(date -u +%H:%M:%S) done $name rc=$rc wall=$(( $(date +%s) - start ))s metric_lines=$steps" >>"$results/status"
 }
 
-prepare_all() {  # the model and each data set once, before runs that would otherwise build them side by side
-    local spec name backend style zorro seed wheel=() key done_keys=" "
-    [ -n "${SMOLLM2_WHEEL:-}" ] && wheel=(--wheel "$SMOLLM2_WHEEL")
-    python3 examples/arithmetic/make_model.py --out "$OUT_BASE/smollm2_135m_instruct" "${wheel[@]}" \
-        >>"$results/prepare.log" 2>&1 || return 1
+prepare_all() {  # the model and each data set once, as the scripts build them, before runs that would race for them
+    local spec name backend style zorro seed key done_keys=" "
     for spec in "$@"; do
         [ "$spec" = -- ] && continue
         IFS=: read -r name backend style zorro seed <<<"$spec"
         key="${style}_seed${seed}"
         case "$done_keys" in *" $key "*) continue ;; esac
         done_keys+="$key "
-        python3 examples/arithmetic/make_data.py --out "$OUT_BASE/data_$key" --style "$style" \
-            --n-train "${N_TRAIN:-4096}" --n-val "${N_VAL:-256}" --seed "$seed" \
-            --model "$OUT_BASE/smollm2_135m_instruct" >>"$results/prepare.log" 2>&1 || return 1
+        (   # examples/common/arithmetic.sh's own settings and build, in a subshell of their own
+            TASK_DIR="$PWD/examples/arithmetic" OUT_DIR="$OUT_BASE" PROMPT_STYLE="$style" SEED="$seed" PYTHON=python3
+            RUN_DIR="$OUT_BASE/prepare/$key"
+            source examples/common/arithmetic.sh
+            arithmetic_settings
+            console_init "$RUN_DIR/prepare.log"
+            arithmetic_prepare
+        ) >>"$results/prepare.log" 2>&1 || return 1
     done
 }
 
