@@ -33,9 +33,10 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
     os.environ.setdefault(_var, "1" if _var != "TOKENIZERS_PARALLELISM" else "false")
 
 # Servers the tests start take the ZoRRO pass whenever a call asks for ZoRRO (the tests' tiny batches would
-# otherwise take the plain pass by the server's rule, arctic_rl/server/zorro_rule.py); the rule's own tests pass
-# --zorro-min-saving explicitly.
+# otherwise take the plain pass by the server's rule, arctic_rl/server/zorro_rule.py, or the pass their timings
+# favour, arctic_rl/server/zorro_tuner.py); the rule's and the tuner's own tests pass their flags explicitly.
 os.environ.setdefault("ARCTIC_RL_ZORRO_MIN_SAVING", "0")
+os.environ.setdefault("ARCTIC_RL_ZORRO_TRIALS", "0")
 
 if str(TESTS_DIR) not in sys.path:  # test helper modules (server_process.py, ...) import by name
     sys.path.insert(0, str(TESTS_DIR))

@@ -22,6 +22,8 @@ __all__ = ["main", "parse_args"]
 TOKEN_ENV = "ARCTIC_RL_SERVER_TOKEN"
 #: the default of ``--zorro-min-saving`` when the flag is not given
 ZORRO_MIN_SAVING_ENV = "ARCTIC_RL_ZORRO_MIN_SAVING"
+#: the default of ``--zorro-trials`` when the flag is not given
+ZORRO_TRIALS_ENV = "ARCTIC_RL_ZORRO_TRIALS"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a ZoRRO request takes the ZoRRO pass only when it saves at least this share of the tokens, "
                    f"else the plain pass (same log-probs, faster there); 0 = always (default ${ZORRO_MIN_SAVING_ENV} "
                    "or 0.55; see docs/SERVER.md)")
+    p.add_argument("--zorro-trials", type=_count, default=None, metavar="N",
+                   help="for the calls the rule above sends to ZoRRO, each job times N calls of each pass (after "
+                   "a warm-up call each) and keeps the faster; 0 = no timing, ZoRRO whenever the rule says "
+                   f"(default ${ZORRO_TRIALS_ENV} or 2; see docs/SERVER.md)")
     p.add_argument("--body-timeout-s", type=float, default=300.0,
                    help="longest time to receive one request body; slower clients get a 408 (default 300)")
     p.add_argument("--head-timeout-s", type=float, default=30.0,
@@ -74,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.zorro_min_saving = _share(os.environ.get(ZORRO_MIN_SAVING_ENV, "0.55"))
         except argparse.ArgumentTypeError as exc:
             p.error(f"${ZORRO_MIN_SAVING_ENV}: {exc}")
+    if args.zorro_trials is None:
+        try:
+            args.zorro_trials = _count(os.environ.get(ZORRO_TRIALS_ENV, "2"))
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"${ZORRO_TRIALS_ENV}: {exc}")
     return args
 
 
@@ -85,6 +96,17 @@ def _share(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -170,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         limit_concurrency=args.limit_concurrency,
         sampler=args.sampler,
         zorro_min_saving=args.zorro_min_saving,
+        zorro_trials=args.zorro_trials,
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     from arctic_rl.server.app import create_app

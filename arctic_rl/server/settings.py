@@ -65,6 +65,9 @@ class ServerSettings:
     #: share of tokens ZoRRO must save for a ZoRRO request to take the ZoRRO pass (else the plain pass, same
     #: numbers; see :mod:`arctic_rl.server.zorro_rule`); 0 = always when asked
     zorro_min_saving: float = 0.55
+    #: timed calls of each pass before a job keeps the faster for the calls the rule sends to ZoRRO (after a
+    #: warm-up call each; see :mod:`arctic_rl.server.zorro_tuner`); 0 = no timing, ZoRRO whenever the rule says
+    zorro_trials: int = 2
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -85,6 +88,11 @@ class ServerSettings:
         if not 0.0 <= self.zorro_min_saving <= 1.0:
             raise ValueError(
                 f"zorro_min_saving: expected a share between 0 and 1 (0 = ZoRRO whenever asked), got {self.zorro_min_saving!r}"
+            )
+        if isinstance(self.zorro_trials, bool) or not isinstance(self.zorro_trials, int) or self.zorro_trials < 0:
+            raise ValueError(
+                f"zorro_trials: expected an integer >= 0 (0 = no timing, ZoRRO whenever the rule says), "
+                f"got {self.zorro_trials!r}"
             )
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler: expected one of {list(SAMPLERS)}, got {self.sampler!r}")

@@ -209,3 +209,45 @@ def test_the_adapter_passes_its_threshold_to_a_local_server():
     assert parse_args(list(_extra_args(local))).zorro_min_saving == 0.3
     with pytest.raises(RemoteBackendConfigError, match=r"server\.local\.zorro_min_saving.*1\.5"):
         ArcticConfig.from_dict({"server": {"local": {"zorro_min_saving": 1.5}}})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The timing of both passes (arctic_rl/server/zorro_tuner.py) through a real server
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_job_times_both_passes_and_keeps_the_faster_with_the_same_numbers(tmp_path, tiny_model_dir):
+    """``--zorro-trials 1``: the calls the rule sends to ZoRRO run ZoRRO, plain, ZoRRO, plain (two warm-ups, one
+    timed call each), then the faster pass; every call gives the same loss, gradient and log-probs (lr 0)."""
+    shape = SHAPES["long_shared_prompt"]
+    batch = _batch(shape["groups"], shape["n"], shape["prompt_len"], shape["response_len"])
+    batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
+    batch["advantages"] *= batch["response_mask"]
+    batch["old_log_probs"] = torch.zeros(batch["input_ids"].shape)
+    args = ("--zorro-min-saving", "0.55", "--zorro-trials", "1")
+    with running_server(tmp_path, extra_args=args) as srv, _training_job(srv, tiny_model_dir) as jid:
+        updates, forwards = [], []
+        for _ in range(6):
+            metrics = decode(post_frame(srv, f"/forward-backward?job_id={jid}", _body(batch, True)))["metrics"]
+            grad = decode(requests.post(f"{srv.url}/step?job_id={jid}", json={}, timeout=120))["metrics"]["grad_norm"]
+            updates.append((metrics, grad))
+            forwards.append(decode(post_frame(srv, f"/forward?job_id={jid}", _body(batch, True))))
+        log = "\n".join(p.read_text(errors="replace") for p in srv.log_dir.glob("*.log"))
+    for calls in ([m for m, _ in updates], [f["metrics"] for f in forwards]):
+        applied = [m["zorro_applied"] for m in calls]
+        assert applied[:4] == [1.0, 0.0, 1.0, 0.0]
+        assert all("zorro_time_ratio" not in m for m in calls[:3])
+        ratio = calls[3]["zorro_time_ratio"]
+        assert ratio > 0 and applied[4:] == [float(ratio <= 1.0)] * 2
+        tokens = {m["tokens_computed"] for m in calls}
+        assert len(tokens) == 2  # the two passes' token counts
+    first_metrics, first_grad = updates[0]
+    for metrics, grad in updates[1:]:
+        assert metrics["loss"] == pytest.approx(first_metrics["loss"], abs=1e-5)
+        assert grad == pytest.approx(first_grad, rel=1e-4)
+    mask = batch["response_mask"].bool()
+    for f in forwards[1:]:
+        torch.testing.assert_close(f["batch"]["logprobs"][mask], forwards[0]["batch"]["logprobs"][mask],
+                                   atol=1e-5, rtol=1e-5)
+    assert "training job, /forward-backward: timed" in log and "training job, /forward: timed" in log

@@ -12,6 +12,7 @@ What is not here: optimizer steps (training), generation (sampling), HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -24,7 +25,8 @@ import torch
 from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.validation import ParsedBatch
-from arctic_rl.server.zorro_rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
+from arctic_rl.server.zorro_rule import DEFAULT_MIN_SAVING, ZorroChoice, ZorroChoiceLog, choose_zorro, row_slices
+from arctic_rl.server.zorro_tuner import ZorroTuner
 
 __all__ = [
     "compile_model",
@@ -36,6 +38,7 @@ __all__ = [
     "model_vocab_size",
     "resolve_compile_mode",
     "resolve_device",
+    "tuned_choice",
 ]
 
 logger = logging.getLogger("arctic_rl.server")
@@ -219,6 +222,7 @@ def forward_logprobs(
     max_token_len: int | None = None,
     zorro_min_saving: float = DEFAULT_MIN_SAVING,
     choice_log: ZorroChoiceLog | None = None,
+    tuner: ZorroTuner | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], LogprobAlignment]:
     """No-grad log-probs of a validated batch: ``(batch dict, metrics, alignment)``.
 
@@ -227,7 +231,8 @@ def forward_logprobs(
     off, shifted (column ``c`` = log p(token ``c+1``)). Rows are processed in chunks of at most
     ``max_token_len`` tokens (at least one row) to bound memory. With ZoRRO on, the pass itself is
     chosen by :func:`~arctic_rl.server.zorro_rule.choose_zorro` (the plain pass where deduplicating
-    the prompts would not pay); the layout stays response-aligned either way.
+    the prompts would not pay) and, among the calls it sends to ZoRRO, by ``tuner``'s timings of both
+    passes (:mod:`~arctic_rl.server.zorro_tuner`); the layout stays response-aligned either way.
     """
     from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs
 
@@ -238,9 +243,9 @@ def forward_logprobs(
     lps, ents = [], []
     tokens_computed, unique = 0, 0
     t0 = time.perf_counter()
-    choice = None
+    choice = rule = None
     if zorro:
-        choice = choose_zorro(
+        rule = choose_zorro(
             batch.input_ids,
             batch.attention_mask,
             batch.prompt_len,
@@ -249,7 +254,9 @@ def forward_logprobs(
             position_ids=batch.position_ids,
         )
         if choice_log is not None:
-            choice_log.record("/forward", choice)
+            choice_log.record("/forward", rule)
+        choice = tuned_choice(rule, tuner)
+    t_passes = time.perf_counter()
     with torch.no_grad():
         for start in range(0, rows, step):
             part = batch.slice_rows(start, start + step)
@@ -279,6 +286,8 @@ def forward_logprobs(
             lps.append(lp.float().cpu())
             if ent is not None:
                 ents.append(ent.float().cpu())
+    if rule is not None and rule.use_zorro and tuner is not None:  # the copies to the host synchronised the device
+        tuner.record(choice.use_zorro, time.perf_counter() - t_passes, rule.plain_tokens)
     result = {LOGPROBS_KEY: torch.cat(lps)}
     if want_entropy:
         result[ENTROPY_KEY] = torch.cat(ents)
@@ -290,4 +299,13 @@ def forward_logprobs(
     }
     if choice is not None:
         metrics.update(choice.metrics())
+        if tuner is not None:
+            metrics.update(tuner.metrics())
     return result, metrics, LogprobAlignment.RESPONSE if zorro else LogprobAlignment.SHIFTED
+
+
+def tuned_choice(choice: ZorroChoice, tuner: ZorroTuner | None) -> ZorroChoice:
+    """The token rule's ``choice``, with the pass ``tuner`` picks when the rule sends the call to ZoRRO."""
+    if tuner is None or not choice.use_zorro:
+        return choice
+    return dataclasses.replace(choice, use_zorro=tuner.use_zorro())

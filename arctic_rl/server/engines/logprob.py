@@ -26,6 +26,7 @@ from arctic_rl.server.engines.weights import copy_weights
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro_rule import ZorroChoiceLog
+from arctic_rl.server.zorro_tuner import ZorroTuner
 
 __all__ = ["LogProbEngine"]
 
@@ -40,6 +41,7 @@ class LogProbEngine:
         self.device = resolve_device(settings.device)
         self.zorro_min_saving = settings.zorro_min_saving
         self.zorro_choices = ZorroChoiceLog("log_prob")
+        self.zorro_tuner = ZorroTuner("log_prob", "/forward", trials=settings.zorro_trials)
         self.knobs, _, unknown = parse_worker_knobs(config.ds_worker_config)
         if unknown:
             logger.info("log_prob job: unknown ds_worker_config keys ignored: %s", unknown)
@@ -62,6 +64,7 @@ class LogProbEngine:
             max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
             zorro_min_saving=self.zorro_min_saving,
             choice_log=self.zorro_choices,
+            tuner=self.zorro_tuner,
         )
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:

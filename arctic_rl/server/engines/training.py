@@ -41,6 +41,7 @@ from arctic_rl.server.engines.common import (
     model_vocab_size,
     resolve_compile_mode,
     resolve_device,
+    tuned_choice,
 )
 from arctic_rl.server.engines.config import build_training_ds_config, parse_worker_knobs
 from arctic_rl.server.errors import BadRequest
@@ -49,6 +50,7 @@ from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro import set_response_attention
 from arctic_rl.server.zorro_rule import ZorroChoiceLog, choose_zorro, row_slices
+from arctic_rl.server.zorro_tuner import ZorroTuner
 
 __all__ = ["TrainingEngine"]
 
@@ -97,6 +99,8 @@ class TrainingEngine:
         self.device = resolve_device(settings.device)
         self.zorro_min_saving = settings.zorro_min_saving
         self.zorro_choices = ZorroChoiceLog("training")
+        self.zorro_tuners = {call: ZorroTuner("training", call, trials=settings.zorro_trials)
+                             for call in ("/forward", "/forward-backward")}
         self.knobs, unused, unknown = parse_worker_knobs(config.ds_worker_config)
         if unused:
             logger.info("training job: ds_worker_config keys accepted but not used here: %s", unused)
@@ -221,9 +225,10 @@ class TrainingEngine:
         temperature = self._temperature(batch)
         want_entropy = batch.wants_entropy or cfg.entropy_coeff != 0.0
         rows = batch.rows // self.gas
-        choice = None
-        if self._zorro(batch):  # the pass: ZoRRO where deduplicating each micro-batch's prompts pays, else plain
-            choice = choose_zorro(
+        choice = rule = None
+        tuner = self.zorro_tuners["/forward-backward"]
+        if self._zorro(batch):  # the pass: ZoRRO where deduplicating each micro-batch's prompts pays and is timed
+            rule = choose_zorro(
                 batch.input_ids,
                 batch.attention_mask,
                 batch.prompt_len,
@@ -231,7 +236,8 @@ class TrainingEngine:
                 passes=row_slices(batch.rows, rows),
                 position_ids=batch.position_ids,
             )
-            self.zorro_choices.record("/forward-backward", choice)
+            self.zorro_choices.record("/forward-backward", rule)
+            choice = tuned_choice(rule, tuner)  # faster in this job (zorro_tuner)
         zorro = choice is not None and choice.use_zorro
         t0 = time.perf_counter()
         parts: list[tuple[dict[str, float], float, Any]] = []
@@ -267,6 +273,10 @@ class TrainingEngine:
             tokens = float(metrics.get("num_tokens", rl[mask_key].sum()))
             parts.append(({k: float(v) for k, v in metrics.items()}, tokens, out))
         self.pending = 1
+        if rule is not None and rule.use_zorro:
+            if self.device.type == "cuda":  # the last backward's kernels belong to this call's time
+                torch.cuda.synchronize(self.device)
+            tuner.record(zorro, time.perf_counter() - t0, rule.plain_tokens)
         metrics = _combine_micro_metrics(parts, token_mean=token_mean, denom=cfg.loss_scale_tokens)
         metrics.update(
             tokens_computed=float(sum(out.tokens_computed for _, _, out in parts)),
@@ -280,6 +290,7 @@ class TrainingEngine:
         )
         if choice is not None:
             metrics.update(choice.metrics())
+            metrics.update(tuner.metrics())
         return {"metrics": metrics, "avg_loss": metrics.get("loss")}
 
     def _discard_gradients(self) -> None:
@@ -331,6 +342,7 @@ class TrainingEngine:
                 max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
                 zorro_min_saving=self.zorro_min_saving,
                 choice_log=self.zorro_choices,
+                tuner=self.zorro_tuners["/forward"],
             )
         finally:
             self.engine.train()

@@ -1,0 +1,122 @@
+"""Which of ZoRRO's pass and the plain pass is faster for one job, timed on the job's own calls.
+
+The token rule (:mod:`arctic_rl.server.zorro_rule`) says when ZoRRO *can* pay: its pass computes few
+enough tokens. Whether it *does* pay depends on the model and the device as much as on the token counts.
+ZoRRO's pass is two forwards (the unique prompts, then the responses against their keys) with a graph
+break in every attention layer, so where a call's arithmetic is small next to per-kernel and per-layer
+costs it loses even when it removes most tokens. On one H200, SmolLM2-135M with 1.6K-token few-shot
+prompts (80% of the tokens removed) took 1.30x the plain pass's step time (``benchmarks/RESULTS.md``
+§2f), while a 0.6B-shaped model with 2K-token prompts ran 2.2x faster with ZoRRO (§2.0).
+
+So for the calls the token rule sends to ZoRRO, a :class:`ZorroTuner` (one per job and call kind)
+times both passes and keeps the faster:
+
+1. *Measuring*: the calls alternate between the two passes, ZoRRO first, until each pass has run
+   ``trials + 1`` times. The first call of each pass is a warm-up and is not timed (``torch.compile``,
+   allocator and kernel caches); the others are, as seconds per token of the plain pass
+   (``B * (P+R)``), so calls with other response widths compare.
+2. *Settled*: every call takes the pass with the lower median. Every ``recheck_every``-th call
+   after that re-times the other pass once (its oldest sample is replaced), so a job whose shapes
+   drift (responses lengthen or shorten as it learns) follows the faster pass.
+
+The choice changes speed only: both passes give the same log-probs, losses and gradients (to float
+precision). ``trials=0`` turns the timing off: every call the token rule sends to ZoRRO takes it.
+Verdicts are logged at INFO when they change; a call's metrics carry ``zorro_time_ratio`` (ZoRRO's
+median over the plain pass's) once both passes are timed.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["DEFAULT_RECHECK_EVERY", "DEFAULT_TRIALS", "ZorroTuner"]
+
+logger = logging.getLogger(__name__)
+
+#: timed calls per pass before a job settles (after one untimed warm-up call each)
+DEFAULT_TRIALS = 2
+#: once settled, every this many calls re-time the other pass once
+DEFAULT_RECHECK_EVERY = 25
+
+
+@dataclass
+class _PassTimes:
+    runs: int = 0  # calls that ran this pass (the first is the untimed warm-up)
+    samples: deque[float] = field(default_factory=deque)  # seconds per plain-pass token, newest last
+
+    def median(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
+
+
+class ZorroTuner:
+    """Times ZoRRO's pass against the plain pass on one job's calls and picks the faster (module docstring)."""
+
+    def __init__(
+        self, job: str, call: str, *, trials: int = DEFAULT_TRIALS, recheck_every: int = DEFAULT_RECHECK_EVERY
+    ) -> None:
+        if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
+            raise ValueError(f"trials: expected an integer >= 0 (0 = no timing, ZoRRO whenever it pays), got {trials!r}")
+        if isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 2:
+            raise ValueError(f"recheck_every: expected an integer >= 2, got {recheck_every!r}")
+        self.job, self.call = job, call
+        self.trials, self.recheck_every = trials, recheck_every
+        self._times = {True: _PassTimes(samples=deque(maxlen=max(trials, 1))),
+                       False: _PassTimes(samples=deque(maxlen=max(trials, 1)))}
+        self._since_recheck = 0
+        self._verdict: bool | None = None
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a pass still lacks its warm-up or timed calls."""
+        return self.trials > 0 and any(t.runs < self.trials + 1 for t in self._times.values())
+
+    def use_zorro(self) -> bool:
+        """The pass for a call the token rule sends to ZoRRO: True = ZoRRO's, False = the plain pass."""
+        if self.trials == 0:
+            return True
+        zorro, plain = self._times[True], self._times[False]
+        if self.measuring:
+            return zorro.runs <= plain.runs  # alternate, ZoRRO first
+        faster = self._faster()
+        self._since_recheck += 1
+        if self._since_recheck >= self.recheck_every:
+            self._since_recheck = 0
+            return not faster
+        return faster
+
+    def record(self, used_zorro: bool, seconds: float, plain_tokens: int) -> None:
+        """The wall time of a call's passes (the device synchronised) that :meth:`use_zorro` chose."""
+        if self.trials == 0 or plain_tokens <= 0:
+            return
+        times = self._times[bool(used_zorro)]
+        times.runs += 1
+        if times.runs > 1:  # the first run of a pass is its warm-up
+            times.samples.append(float(seconds) / plain_tokens)
+        if not self.measuring:
+            faster = self._faster()
+            if faster is not self._verdict:
+                self._verdict = faster
+                logger.info(
+                    "%s job, %s: timed %s faster (ZoRRO %.3g s vs plain %.3g s per 1k plain-pass tokens, "
+                    "medians of %d calls each); ZoRRO requests take it",
+                    self.job, self.call, "ZoRRO's pass" if faster else "the plain pass",
+                    1e3 * self._times[True].median(), 1e3 * self._times[False].median(), self.trials,
+                )
+
+    def time_ratio(self) -> float | None:
+        """ZoRRO's median time over the plain pass's (per plain-pass token), once both are timed."""
+        zorro, plain = self._times[True].median(), self._times[False].median()
+        if zorro is None or plain is None or plain <= 0:
+            return None
+        return zorro / plain
+
+    def metrics(self) -> dict[str, float]:
+        ratio = self.time_ratio()
+        return {} if ratio is None else {"zorro_time_ratio": ratio}
+
+    def _faster(self) -> bool:
+        ratio = self.time_ratio()
+        return True if ratio is None else ratio <= 1.0

@@ -1,0 +1,110 @@
+"""The server's ZoRRO tuner: of the calls the token rule sends to ZoRRO, a job times both passes and keeps the faster.
+
+Unit tests of :class:`arctic_rl.server.zorro_tuner.ZorroTuner` with given times (the order of the passes
+while measuring, untimed warm-ups, the verdict either way, re-timing the other pass, ``trials=0``, bad
+settings), and the settings that turn it on (``--zorro-trials``, ``$ARCTIC_RL_ZORRO_TRIALS``, the adapter's
+``server.local.zorro_trials``). ``test_zorro_rule_on_cpu.py`` runs it inside a real server.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from arctic_rl.server.__main__ import parse_args
+from arctic_rl.server.settings import ServerSettings
+from arctic_rl.server.zorro_tuner import DEFAULT_TRIALS, ZorroTuner
+
+
+def _run(tuner: ZorroTuner, calls: int, seconds: dict[bool, float], warm: set[bool] | None = None) -> list[bool]:
+    """``calls`` calls of 1000 plain-pass tokens; a pass takes ``seconds[pass]``, 10x that on its first run.
+
+    ``warm``: the passes already run (a set shared by the calls of one test), updated here.
+    """
+    warm = set() if warm is None else warm
+    taken = []
+    for _ in range(calls):
+        zorro = tuner.use_zorro()
+        tuner.record(zorro, seconds[zorro] * (1 if zorro in warm else 10), 1000)
+        warm.add(zorro)
+        taken.append(zorro)
+    return taken
+
+
+def test_the_passes_alternate_zorro_first_until_each_is_timed():
+    tuner = ZorroTuner("training", "/forward-backward", trials=2)
+    assert tuner.measuring and tuner.time_ratio() is None and tuner.metrics() == {}
+    assert _run(tuner, 6, {True: 1.0, False: 2.0}) == [True, False, True, False, True, False]
+    assert not tuner.measuring
+    # the 10x warm-ups are not in the medians
+    assert tuner.time_ratio() == pytest.approx(0.5)
+    assert tuner.metrics() == {"zorro_time_ratio": pytest.approx(0.5)}
+
+
+@pytest.mark.parametrize("zorro_s, plain_s, keeps", [(1.0, 2.0, True), (1.3, 1.0, False)])
+def test_the_faster_pass_is_kept(zorro_s, plain_s, keeps, caplog):
+    tuner = ZorroTuner("training", "/forward", trials=2, recheck_every=100)
+    with caplog.at_level("INFO", logger="arctic_rl.server.zorro_tuner"):
+        taken = _run(tuner, 30, {True: zorro_s, False: plain_s})
+    assert taken[6:] == [keeps] * 24
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1  # logged once, when the verdict is reached
+    assert ("timed ZoRRO's pass faster" if keeps else "timed the plain pass faster") in lines[0]
+    assert lines[0].startswith("training job, /forward:")
+
+
+def test_times_are_compared_per_plain_pass_token():
+    """A call with twice the tokens may take twice as long without counting as slower."""
+    tuner = ZorroTuner("training", "/forward", trials=1)
+    for zorro, seconds, tokens in [(True, 9.0, 1), (False, 9.0, 1), (True, 3.0, 2000), (False, 2.0, 1000)]:
+        assert tuner.use_zorro() is zorro
+        tuner.record(zorro, seconds, tokens)
+    assert tuner.time_ratio() == pytest.approx(0.75)
+    assert tuner.use_zorro() is True
+
+
+def test_the_other_pass_is_retimed_and_a_drift_flips_the_verdict():
+    tuner, warm = ZorroTuner("training", "/forward-backward", trials=1, recheck_every=4), set()
+    _run(tuner, 4, {True: 1.0, False: 2.0}, warm)  # settled: ZoRRO
+    taken = _run(tuner, 8, {True: 1.0, False: 2.0}, warm)
+    assert taken == [True, True, True, False, True, True, True, False]  # every 4th re-times the plain pass
+    # the responses grew: ZoRRO's pass is now the slower; its next timed call replaces the old sample
+    taken = _run(tuner, 4, {True: 3.0, False: 2.0}, warm)
+    assert taken == [True, False, False, True]  # the plain pass from then on, ZoRRO re-timed on the 4th
+    assert tuner.time_ratio() == pytest.approx(1.5)
+
+
+def test_zero_trials_takes_zorro_always():
+    tuner = ZorroTuner("log_prob", "/forward", trials=0)
+    assert _run(tuner, 5, {True: 5.0, False: 1.0}) == [True] * 5
+    assert not tuner.measuring and tuner.metrics() == {}
+
+
+def test_bad_settings_are_refused_naming_them(monkeypatch):
+    with pytest.raises(ValueError, match=r"trials: expected an integer >= 0 .*got -1"):
+        ZorroTuner("training", "/forward", trials=-1)
+    with pytest.raises(ValueError, match=r"recheck_every: expected an integer >= 2, got 1"):
+        ZorroTuner("training", "/forward", recheck_every=1)
+    with pytest.raises(ValueError, match=r"zorro_trials: expected an integer >= 0 .*got 1.5"):
+        ServerSettings(zorro_trials=1.5)
+    assert ServerSettings().zorro_trials == DEFAULT_TRIALS
+    with pytest.raises(SystemExit):
+        parse_args(["--zorro-trials", "-1"])
+    monkeypatch.setenv("ARCTIC_RL_ZORRO_TRIALS", "5")
+    assert parse_args([]).zorro_trials == 5
+    assert parse_args(["--zorro-trials", "0"]).zorro_trials == 0
+    monkeypatch.setenv("ARCTIC_RL_ZORRO_TRIALS", "some")
+    with pytest.raises(SystemExit):
+        parse_args([])
+
+
+def test_the_adapter_passes_its_trials_to_a_local_server():
+    """``remote_backend.server.local.zorro_trials``: null keeps the server's default; a count becomes the flag."""
+    from verl.remote_backend.errors import RemoteBackendConfigError
+    from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
+    from verl.workers.remote_client.arctic.local_server import _extra_args
+
+    local = ArcticConfig.from_dict({"server": {"local": {"zorro_trials": 3, "zorro_min_saving": 0.5}}}).server.local
+    assert _extra_args(local) == ("--zorro-min-saving", "0.5", "--zorro-trials", "3")
+    assert parse_args(list(_extra_args(local))).zorro_trials == 3
+    with pytest.raises(RemoteBackendConfigError, match=r"server\.local\.zorro_trials.*-2"):
+        ArcticConfig.from_dict({"server": {"local": {"zorro_trials": -2}}})
