@@ -58,12 +58,17 @@ class LocalServerConfig:
     log_dir: str | None = None
     startup_timeout_s: float = 180.0
     zorro_min_saving: float | None = None
+    zorro_trials: int | None = None
 
     def _validate(self, p: str) -> None:
         _require(0 <= self.port <= 65535, f"{p}.port", "not a TCP port", "0 (a free port) .. 65535", self.port)
         if self.zorro_min_saving is not None:
             _require(0.0 <= self.zorro_min_saving <= 1.0, f"{p}.zorro_min_saving", "not a share",
                      "0 .. 1 (0 = ZoRRO whenever asked) or null (the server's default, 0.55)", self.zorro_min_saving)
+        if self.zorro_trials is not None:
+            _require(not isinstance(self.zorro_trials, bool) and isinstance(self.zorro_trials, int)
+                     and self.zorro_trials >= 0, f"{p}.zorro_trials", "not a count",
+                     "an integer >= 0 (0 = no timing) or null (the server's default, 2)", self.zorro_trials)
         _require(self.threads >= 1, f"{p}.threads", "must be positive", ">= 1", self.threads)
         _require(self.startup_timeout_s > 0, f"{p}.startup_timeout_s", "must be positive", "> 0", self.startup_timeout_s)
 

@@ -77,9 +77,12 @@ class LocalServer:
 
 def _extra_args(cfg: LocalServerConfig) -> tuple[str, ...]:
     """Server flags of the options that keep the server's own default when null."""
-    if cfg.zorro_min_saving is None:
-        return ()
-    return ("--zorro-min-saving", repr(float(cfg.zorro_min_saving)))
+    args: tuple[str, ...] = ()
+    if cfg.zorro_min_saving is not None:
+        args += ("--zorro-min-saving", repr(float(cfg.zorro_min_saving)))
+    if cfg.zorro_trials is not None:
+        args += ("--zorro-trials", str(int(cfg.zorro_trials)))
+    return args
 
 
 def start_local_server(cfg: LocalServerConfig, *, token: str | None = None, python: str | None = None) -> LocalServer:

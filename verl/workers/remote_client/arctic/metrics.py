@@ -48,6 +48,7 @@ _COUNTED = {
     "tokens_computed": "arctic/tokens_computed",
     "zorro_applied": "arctic/zorro_applied",
     "zorro_token_saving": "arctic/zorro_token_saving",
+    "zorro_time_ratio": "arctic/zorro_time_ratio",
 }
 
 
