@@ -17,9 +17,11 @@ This is mathematically the plain ``[B, P+R]`` pass (the prompt never attends to 
 log-probs and gradients agree to float precision -- ``tests/arctic_rl/test_zorro_on_cpu.py`` checks that for
 Qwen3, Qwen2 and Llama with eager and sdpa attention. Unlike the vendor's version it patches no
 attention module and no model code: steps 2 and 4 go through ``transformers``' public attention
-registry (``AttentionInterface``). The model's ``sdpa`` or ``eager`` attention is swapped for a
-wrapper of the same function (:func:`install_zorro_attention`), which behaves exactly like it
-outside :func:`zorro_forward`.
+registry (``AttentionInterface``). While :func:`zorro_forward` runs, the model's ``sdpa`` or
+``eager`` attention is swapped for a wrapper of the same function (:func:`install_zorro_attention`),
+which behaves exactly like it outside ZoRRO's passes; afterwards the model's own implementation is
+back, so the plain pass runs as it would without ZoRRO (under ``torch.compile``, without the
+wrapper's graph breaks).
 
 Step 3-4 have two forms (:func:`set_response_attention`). ``expand`` -- the default, any device,
 any kernel -- copies each prompt's keys and values to its rows as described. ``flex`` -- what the
@@ -49,11 +51,13 @@ What is not here: turning logits into log-probs, entropy or losses (:mod:`arctic
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -443,6 +447,39 @@ def install_zorro_attention(model: torch.nn.Module) -> None:
     _unwrap(model).config._attn_implementation = _WRAPPED[impl]
 
 
+_ROUTED_LOCK = threading.Lock()
+#: model (unwrapped) -> [its attention implementation before, ZoRRO passes in flight on it]
+_ROUTED: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def _routed_through_wrapper(model: torch.nn.Module) -> Iterator[None]:
+    """ZoRRO's wrapper as ``model``'s attention for the duration; the implementation before afterwards.
+
+    Under ``torch.compile`` the wrapper is a graph break in every attention layer, so a plain pass that
+    went through it would run as ``2L+1`` graphs instead of one (on one H200, the plain pass is what a
+    ZoRRO request takes where ZoRRO's would be slower). Passes in flight on one model are counted: the
+    last one out restores the implementation (a model on which :func:`install_zorro_attention` was
+    called directly keeps the wrapper).
+    """
+    inner = _unwrap(model)
+    with _ROUTED_LOCK:
+        entry = _ROUTED.get(inner)
+        if entry is None:
+            entry = _ROUTED[inner] = [_attn_implementation(inner), 0]
+            install_zorro_attention(inner)
+        entry[1] += 1
+    try:
+        yield
+    finally:
+        with _ROUTED_LOCK:
+            entry[1] -= 1
+            if entry[1] == 0:
+                _ROUTED.pop(inner, None)
+                if entry[0] in _WRAPPED:  # it was the base implementation
+                    inner.config._attn_implementation = entry[0]
+
+
 #: per model: (its config, the layer-type verdict) -- the config's layer types do not change
 _LAYER_VERDICT: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, str | None]] = weakref.WeakKeyDictionary()
 
@@ -510,9 +547,10 @@ def zorro_forward(
     """The shared-prompt forward of a ``[left-padded prompt | right-padded response]`` batch.
 
     Equal (to float precision) to the plain ``[B, P+R]`` forward at the response positions;
-    differentiable (gradients reach each unique prompt once). Installs ZoRRO's attention wrapper
-    on first use (:func:`install_zorro_attention`). Raises :class:`ZorroUnsupportedError` for a
-    model that cannot take this path.
+    differentiable (gradients reach each unique prompt once). The model's attention goes through
+    ZoRRO's wrapper while the passes run and through its own implementation again afterwards (the
+    backward needs neither), so plain passes stay free of the wrapper's graph breaks. Raises
+    :class:`ZorroUnsupportedError` for a model that cannot take this path.
     """
     _check_batch(input_ids, attention_mask, prompt_len)
     if tuple(position_ids.shape) != tuple(input_ids.shape):
@@ -523,7 +561,18 @@ def zorro_forward(
     reason = zorro_unsupported_reason(model)
     if reason is not None:
         raise ZorroUnsupportedError(f"ZoRRO cannot run on this model: {reason}")
-    install_zorro_attention(model)
+    with _routed_through_wrapper(model):
+        return _zorro_passes(model, input_ids, attention_mask, position_ids, int(prompt_len))
+
+
+def _zorro_passes(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    prompt_len: int,
+) -> ZorroOutput:
+    """:func:`zorro_forward`'s two passes, the batch checked and the attention routed through the wrapper."""
     p = int(prompt_len)
     batch, total = input_ids.shape
     r = total - p

@@ -141,6 +141,35 @@ def test_zorro_does_not_compile_a_graph_per_layer():
 
 
 @pytest.mark.slow
+def test_a_plain_pass_after_zorro_runs_the_plain_graphs():
+    """ZoRRO's attention wrapper is a graph break in every layer; it is the model's attention only while
+    ZoRRO's passes run, so a plain pass after them reuses the plain pass's single graph (no new graphs,
+    no graph breaks) and gives the eager model's numbers, and passes can alternate without recompiling."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    want_lp, want_grad = _run(_model(layers=4), zorro=False)
+    model = _model(layers=4)
+    compile_model(model, "layers")
+    _run(model, zorro=False)
+    plain = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    assert plain == (1, 0)
+    _run(model, zorro=True)
+    assert model.config._attn_implementation == "sdpa"
+    after_zorro = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    assert after_zorro[0] > plain[0] and after_zorro[1] > 0
+    model.zero_grad()
+    got_lp, got_grad = _run(model, zorro=False)
+    for _ in range(2):
+        _run(model, zorro=True)
+        _run(model, zorro=False)
+    assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == after_zorro
+    torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
 def test_training_engine_applies_the_setting_and_trains_like_eager(tmp_path):
     """``TrainingEngine`` under ``torch_compile="layers"`` with ZoRRO: compiled layers, the eager losses."""
     from arctic_rl.protocol import JobConfig, JobType
