@@ -565,15 +565,8 @@ def zorro_forward(
         return _zorro_passes(model, input_ids, attention_mask, position_ids, int(prompt_len))
 
 
-def _zorro_passes(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    prompt_len: int,
-) -> ZorroOutput:
+def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> ZorroOutput:
     """:func:`zorro_forward`'s two passes, the batch checked and the attention routed through the wrapper."""
-    p = int(prompt_len)
     batch, total = input_ids.shape
     r = total - p
     # group on the host: one small copy now instead of device syncs between the two passes
