@@ -27,10 +27,13 @@ median over the plain pass's) once both passes are timed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from arctic_rl.server.zorro_rule import ZorroChoice
 
 __all__ = ["DEFAULT_RECHECK_EVERY", "DEFAULT_TRIALS", "ZorroTuner"]
 
@@ -67,6 +70,23 @@ class ZorroTuner:
                        False: _PassTimes(samples=deque(maxlen=max(trials, 1)))}
         self._since_recheck = 0
         self._verdict: bool | None = None
+
+    @property
+    def timing(self) -> bool:
+        """Whether calls are timed at all (``trials > 0``): a caller synchronises the device only then."""
+        return self.trials > 0
+
+    def choose(self, rule: ZorroChoice) -> ZorroChoice:
+        """The pass of a call: the token ``rule``'s plain pass, or, where the rule sends it to ZoRRO, the
+        pass :meth:`use_zorro` picks (``use_zorro`` of the answer; the token counts stay the rule's)."""
+        if not rule.use_zorro:
+            return rule
+        return dataclasses.replace(rule, use_zorro=self.use_zorro())
+
+    def record_call(self, rule: ZorroChoice, chosen: ZorroChoice, seconds: float) -> None:
+        """The wall time of a call's passes, the device synchronised; only calls the rule sent to ZoRRO count."""
+        if rule.use_zorro:
+            self.record(chosen.use_zorro, seconds, rule.plain_tokens)
 
     @property
     def measuring(self) -> bool:

@@ -12,6 +12,7 @@ import pytest
 
 from arctic_rl.server.__main__ import parse_args
 from arctic_rl.server.settings import ServerSettings
+from arctic_rl.server.zorro_rule import ZorroChoice
 from arctic_rl.server.zorro_tuner import DEFAULT_TRIALS, ZorroTuner
 
 
@@ -73,10 +74,27 @@ def test_the_other_pass_is_retimed_and_a_drift_flips_the_verdict():
     assert tuner.time_ratio() == pytest.approx(1.5)
 
 
+def test_only_calls_the_token_rule_sends_to_zorro_are_chosen_and_timed():
+    tuner = ZorroTuner("training", "/forward-backward", trials=1)
+    plain_rule = ZorroChoice(False, rows=8, unique_prompts=8, prompt_len=4, response_len=4, saving=0.0, min_saving=0.55)
+    assert tuner.choose(plain_rule) is plain_rule
+    tuner.record_call(plain_rule, plain_rule, 99.0)  # not counted: the rule chose the plain pass itself
+    assert tuner.measuring and tuner.time_ratio() is None
+    rule = ZorroChoice(True, rows=8, unique_prompts=2, prompt_len=24, response_len=3, saving=0.67, min_saving=0.55)
+    picked = []
+    for seconds in (9.0, 9.0, 2.16, 4.32):  # warm-ups, then ZoRRO at half the plain pass's time
+        chosen = tuner.choose(rule)
+        assert (chosen.rows, chosen.saving) == (rule.rows, rule.saving)
+        tuner.record_call(rule, chosen, seconds)
+        picked.append(chosen.use_zorro)
+    assert picked == [True, False, True, False]
+    assert tuner.time_ratio() == pytest.approx(0.5) and tuner.choose(rule).use_zorro
+
+
 def test_zero_trials_takes_zorro_always():
     tuner = ZorroTuner("log_prob", "/forward", trials=0)
     assert _run(tuner, 5, {True: 5.0, False: 1.0}) == [True] * 5
-    assert not tuner.measuring and tuner.metrics() == {}
+    assert not tuner.measuring and not tuner.timing and tuner.metrics() == {}
 
 
 def test_bad_settings_are_refused_naming_them(monkeypatch):

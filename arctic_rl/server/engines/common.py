@@ -12,7 +12,6 @@ What is not here: optimizer steps (training), generation (sampling), HTTP.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -25,7 +24,7 @@ import torch
 from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.validation import ParsedBatch
-from arctic_rl.server.zorro_rule import DEFAULT_MIN_SAVING, ZorroChoice, ZorroChoiceLog, choose_zorro, row_slices
+from arctic_rl.server.zorro_rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
 from arctic_rl.server.zorro_tuner import ZorroTuner
 
 __all__ = [
@@ -38,7 +37,6 @@ __all__ = [
     "model_vocab_size",
     "resolve_compile_mode",
     "resolve_device",
-    "tuned_choice",
 ]
 
 logger = logging.getLogger("arctic_rl.server")
@@ -255,7 +253,7 @@ def forward_logprobs(
         )
         if choice_log is not None:
             choice_log.record("/forward", rule)
-        choice = tuned_choice(rule, tuner)
+        choice = tuner.choose(rule) if tuner is not None else rule
     t_passes = time.perf_counter()
     with torch.no_grad():
         for start in range(0, rows, step):
@@ -286,8 +284,8 @@ def forward_logprobs(
             lps.append(lp.float().cpu())
             if ent is not None:
                 ents.append(ent.float().cpu())
-    if rule is not None and rule.use_zorro and tuner is not None:  # the copies to the host synchronised the device
-        tuner.record(choice.use_zorro, time.perf_counter() - t_passes, rule.plain_tokens)
+    if rule is not None and tuner is not None:  # the copies to the host synchronised the device
+        tuner.record_call(rule, choice, time.perf_counter() - t_passes)
     result = {LOGPROBS_KEY: torch.cat(lps)}
     if want_entropy:
         result[ENTROPY_KEY] = torch.cat(ents)
@@ -302,10 +300,3 @@ def forward_logprobs(
         if tuner is not None:
             metrics.update(tuner.metrics())
     return result, metrics, LogprobAlignment.RESPONSE if zorro else LogprobAlignment.SHIFTED
-
-
-def tuned_choice(choice: ZorroChoice, tuner: ZorroTuner | None) -> ZorroChoice:
-    """The token rule's ``choice``, with the pass ``tuner`` picks when the rule sends the call to ZoRRO."""
-    if tuner is None or not choice.use_zorro:
-        return choice
-    return dataclasses.replace(choice, use_zorro=tuner.use_zorro())

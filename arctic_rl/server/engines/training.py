@@ -41,7 +41,6 @@ from arctic_rl.server.engines.common import (
     model_vocab_size,
     resolve_compile_mode,
     resolve_device,
-    tuned_choice,
 )
 from arctic_rl.server.engines.config import build_training_ds_config, parse_worker_knobs
 from arctic_rl.server.errors import BadRequest
@@ -237,7 +236,7 @@ class TrainingEngine:
                 position_ids=batch.position_ids,
             )
             self.zorro_choices.record("/forward-backward", rule)
-            choice = tuned_choice(rule, tuner)  # faster in this job (zorro_tuner)
+            choice = tuner.choose(rule)  # the faster pass in this job (zorro_tuner)
         zorro = choice is not None and choice.use_zorro
         t0 = time.perf_counter()
         parts: list[tuple[dict[str, float], float, Any]] = []
@@ -273,10 +272,10 @@ class TrainingEngine:
             tokens = float(metrics.get("num_tokens", rl[mask_key].sum()))
             parts.append(({k: float(v) for k, v in metrics.items()}, tokens, out))
         self.pending = 1
-        if rule is not None and rule.use_zorro:
+        if rule is not None and rule.use_zorro and tuner.timing:
             if self.device.type == "cuda":  # the last backward's kernels belong to this call's time
                 torch.cuda.synchronize(self.device)
-            tuner.record(zorro, time.perf_counter() - t0, rule.plain_tokens)
+            tuner.record_call(rule, choice, time.perf_counter() - t0)
         metrics = _combine_micro_metrics(parts, token_mean=token_mean, denom=cfg.loss_scale_tokens)
         metrics.update(
             tokens_computed=float(sum(out.tokens_computed for _, _, out in parts)),
