@@ -238,8 +238,10 @@ def test_a_job_times_both_passes_and_keeps_the_faster_with_the_same_numbers(tmp_
         applied = [m["zorro_applied"] for m in calls]
         assert applied[:4] == [1.0, 0.0, 1.0, 0.0]
         assert all("zorro_time_ratio" not in m for m in calls[:3])
-        ratio = calls[3]["zorro_time_ratio"]
-        assert ratio > 0 and applied[4:] == [float(ratio <= 1.0)] * 2
+        assert all(m["zorro_time_ratio"] > 0 for m in calls[3:])
+        # each later call takes the pass the timings so far favour (the ratio reported by the call before it;
+        # each call's own time updates the ratio, so on a noisy machine the verdict may change between calls)
+        assert applied[4:] == [float(m["zorro_time_ratio"] <= 1.0) for m in calls[3:5]]
         tokens = {m["tokens_computed"] for m in calls}
         assert len(tokens) == 2  # the two passes' token counts
     first_metrics, first_grad = updates[0]
