@@ -43,6 +43,12 @@ class TokenLogprobs:
     tokens_computed: int  # tokens pushed through the model (ZoRRO: U*P + B*R; plain: B*(P+R))
     unique_prompts: int  # U (== B for the plain path)
 
+    def row_range(self, start: int, stop: int) -> TokenLogprobs:
+        """Rows ``[start, stop)`` of the per-token values (a loss over part of a pass); the pass's
+        ``tokens_computed`` and ``unique_prompts`` are not split and stay the whole pass's."""
+        entropy = self.entropy[start:stop] if self.entropy is not None else None
+        return TokenLogprobs(self.logprobs[start:stop], entropy, self.tokens_computed, self.unique_prompts)
+
 
 def _check_inputs(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, temperature: float

@@ -311,28 +311,36 @@ def _flex_failure(device: torch.device, dtype: torch.dtype, heads: int, kv_heads
     """Build the grouped pass's compiled FlexAttention forward *and backward* once for this head
     layout, device and dtype: ``None`` when that works, else why not. The backward is compiled only
     when first used, inside ``loss.backward()`` where no fallback can reach it; this probe runs first.
+    It runs with gradients on whatever the caller's mode: a job's first ZoRRO pass is often a no-grad
+    ``/forward``, where the probe's backward would fail and wrongly rule FlexAttention out for the process.
     """
     key = (str(device), dtype, heads, kv_heads, head_dim)
     if key not in _FLEX_PROBE:
         try:
-            p, r, n = _FLEX_BLOCK, _FLEX_BLOCK // 2, 2
-            mask = _group_block_mask(
-                torch.ones(1, p, dtype=torch.bool, device=device),
-                torch.ones(1, n * r, dtype=torch.bool, device=device),
-                p,
-                r,
-                compiled=True,
-            )
-            q = torch.randn(1, heads, n * r, head_dim, device=device, dtype=dtype, requires_grad=True)
-            k = torch.randn(1, kv_heads, p + n * r, head_dim, device=device, dtype=dtype, requires_grad=True)
-            v = torch.randn_like(k, requires_grad=True)
-            _flex_attention(True)(q, k, v, block_mask=mask, enable_gqa=heads != kv_heads).sum().backward()
+            _flex_probe(device, dtype, heads, kv_heads, head_dim)
             _FLEX_PROBE[key] = None
         except Exception as exc:  # noqa: BLE001 -- any failure means "use the expanding pass"
             _FLEX_PROBE[key] = _failure_text(exc)
             logger.warning("ZoRRO: compiled FlexAttention does not work here (%s); using the expanding response pass",
                            _FLEX_PROBE[key])
     return _FLEX_PROBE[key]
+
+
+def _flex_probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """One grouped-pass-shaped FlexAttention forward and backward, compiled (raises when that fails)."""
+    p, r, n = _FLEX_BLOCK, _FLEX_BLOCK // 2, 2
+    with torch.enable_grad():
+        mask = _group_block_mask(
+            torch.ones(1, p, dtype=torch.bool, device=device),
+            torch.ones(1, n * r, dtype=torch.bool, device=device),
+            p,
+            r,
+            compiled=True,
+        )
+        q = torch.randn(1, heads, n * r, head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, kv_heads, p + n * r, head_dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        _flex_attention(True)(q, k, v, block_mask=mask, enable_gqa=heads != kv_heads).sum().backward()
 
 
 #: FlexAttention's block size: the grouped pass pads its prompt, query and key lengths to multiples of it

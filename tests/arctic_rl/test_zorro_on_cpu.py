@@ -284,3 +284,19 @@ def test_flex_failure_falls_back_to_the_expanding_pass(flex_response_attention, 
     assert "FlexAttention response pass failed (RuntimeError: no valid kernel for this shape)" in caplog.text
     assert zorro_module._RESPONSE_ATTENTION["kind"] == "expand"
     assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
+
+
+def test_the_flex_probe_differentiates_even_when_the_first_zorro_pass_has_no_grad(monkeypatch):
+    """A job's first ZoRRO pass is often a no-grad ``/forward``: the probe of FlexAttention's backward must not
+    fail there (it did, and ruled FlexAttention out for the process). The compiled kernel is GPU-only, so a
+    differentiable stand-in takes its place; what is checked is the grad mode the probe runs in."""
+    from arctic_rl.server import zorro
+
+    monkeypatch.setattr(zorro, "_group_block_mask", lambda *args, **kwargs: None)
+    monkeypatch.setattr(zorro, "_flex_attention", lambda compiled: lambda q, k, v, **kwargs: q * k.mean() * v.mean())
+    monkeypatch.setattr(zorro, "_FLEX_PROBE", {})
+    with torch.no_grad():
+        assert zorro._flex_failure(torch.device("cpu"), torch.float32, 4, 2, 8) is None
+    monkeypatch.setattr(zorro, "_FLEX_PROBE", {})
+    monkeypatch.setattr(zorro, "_flex_attention", lambda compiled: lambda q, k, v, **kwargs: q.detach())
+    assert "does not require grad" in zorro._flex_failure(torch.device("cpu"), torch.float32, 4, 2, 8)

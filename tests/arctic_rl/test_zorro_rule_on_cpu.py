@@ -100,13 +100,13 @@ def test_bad_thresholds_are_refused_naming_the_setting(monkeypatch):
 
 
 @contextlib.contextmanager
-def _training_job(srv, model_dir):
+def _training_job(srv, model_dir, gas: int = 1):
     config = {
         "model_name": str(model_dir),
         "job_type": "training",
         "checkpoint_path": "rule",
         "ds_config": {
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": gas,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}},
             "gradient_clipping": 0.0,
         },
@@ -118,9 +118,9 @@ def _training_job(srv, model_dir):
         requests.post(f"{srv.url}/destroy?job_id={info['job_id']}", json={"job_type": "training"}, timeout=60)
 
 
-def _body(batch, zorro: bool) -> dict:
-    return {"batch": batch, "meta": {"zorro_train_enable": zorro, "temperature": 1.0},
-            "processing": {"loss_fn": "grpo", "config": {}}}
+def _body(batch, zorro: bool, loss_config: dict | None = None, meta: dict | None = None) -> dict:
+    return {"batch": batch, "meta": {"zorro_train_enable": zorro, "temperature": 1.0, **(meta or {})},
+            "processing": {"loss_fn": "grpo", "config": loss_config or {}}}
 
 
 SHAPES = {
@@ -253,3 +253,44 @@ def test_a_job_times_both_passes_and_keeps_the_faster_with_the_same_numbers(tmp_
         torch.testing.assert_close(f["batch"]["logprobs"][mask], forwards[0]["batch"]["logprobs"][mask],
                                    atol=1e-5, rtol=1e-5)
     assert "training job, /forward-backward: timed" in log and "training job, /forward: timed" in log
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ZoRRO's passes hold several plain passes' rows (arctic_rl/server/zorro_passes.py) through a real server
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_zorro_merges_micro_batches_with_the_same_loss_and_gradient(rule_server, tiny_model_dir, loss_agg_mode):
+    """4 prompts x 4 samples with 24-token prompts, ``gradient_accumulation_steps=4`` (one prompt per 4-row
+    micro-batch, 108 plain tokens each): ZoRRO runs the first three micro-batches in one pass (108 ZoRRO
+    tokens) and the last alone, with the loss, gradient norm and metrics of the plain micro-batches; a
+    ``/forward`` bounded to 108 tokens runs ZoRRO in 2 passes where the plain pass takes 4 of 4 rows."""
+    batch = _batch(4, 4, 24, 3)
+    gen = torch.Generator().manual_seed(3)
+    batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=gen) * batch["response_mask"]
+    batch["old_log_probs"] = -torch.rand(batch["input_ids"].shape, generator=gen) * batch["response_mask"]
+    loss_config = {"loss_agg_mode": loss_agg_mode}
+    results = {}
+    with _training_job(rule_server, tiny_model_dir, gas=4) as jid:
+        for zorro in (True, False):
+            body = _body(batch, zorro, loss_config)
+            metrics = decode(post_frame(rule_server, f"/forward-backward?job_id={jid}", body))["metrics"]
+            grad = decode(requests.post(f"{rule_server.url}/step?job_id={jid}", json={}, timeout=120))["metrics"]
+            fwd = decode(post_frame(rule_server, f"/forward?job_id={jid}",
+                                    _body(batch, zorro, meta={"max_token_len_per_gpu": 108})))
+            results[zorro] = (metrics, grad["grad_norm"], fwd)
+    (m_on, g_on, f_on), (m_off, g_off, f_off) = results[True], results[False]
+    assert m_on["zorro_applied"] == 1.0 and m_on["passes"] == 2.0 and m_off["passes"] == 4.0
+    assert m_on["micro_batches"] == m_off["micro_batches"] == 4.0
+    assert m_on["tokens_computed"] == 4 * 24 + 16 * 3 and m_off["tokens_computed"] == 16 * 27
+    assert g_off > 0 and g_on == pytest.approx(g_off, rel=1e-4)
+    for name in ("loss", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac"):
+        if name in m_off:
+            assert m_on[name] == pytest.approx(m_off[name], abs=1e-5), name
+    assert f_on["metrics"]["passes"] == 2.0 and f_off["metrics"]["passes"] == 4.0
+    p = 24
+    mask = batch["response_mask"][:, p:].bool()
+    torch.testing.assert_close(f_on["batch"]["logprobs"][:, p:][mask], f_off["batch"]["logprobs"][:, p - 1 : p + 2][mask],
+                               atol=1e-5, rtol=1e-5)

@@ -24,6 +24,8 @@ import torch
 from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.validation import ParsedBatch
+from arctic_rl.server.zorro import group_prompts, zorro_unsupported_reason
+from arctic_rl.server.zorro_passes import plan_row_passes
 from arctic_rl.server.zorro_rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
 from arctic_rl.server.zorro_tuner import ZorroTuner
 
@@ -227,7 +229,8 @@ def forward_logprobs(
     Both are ``[B, P+R]``, the vendor's layouts (:class:`~arctic_rl.protocol.LogprobAlignment`): ZoRRO
     on, response-aligned (column ``P+j`` = log p(response token ``j``), zeros in the prompt columns);
     off, shifted (column ``c`` = log p(token ``c+1``)). Rows are processed in chunks of at most
-    ``max_token_len`` tokens (at least one row) to bound memory. With ZoRRO on, the pass itself is
+    ``max_token_len`` tokens (at least one row) to bound memory; ZoRRO's passes hold as many rows as
+    fit in ``max_token_len`` of the tokens ZoRRO computes (:mod:`~arctic_rl.server.zorro_passes`). With ZoRRO on, the pass itself is
     chosen by :func:`~arctic_rl.server.zorro_rule.choose_zorro` (the plain pass where deduplicating
     the prompts would not pay) and, among the calls it sends to ZoRRO, by ``tuner``'s timings of both
     passes (:mod:`~arctic_rl.server.zorro_tuner`); the layout stays response-aligned either way.
@@ -237,27 +240,36 @@ def forward_logprobs(
     device = next(model.parameters()).device
     rows, total = batch.rows, batch.total_len
     step = rows if not max_token_len else max(1, max_token_len // total)
+    passes = row_slices(rows, step)  # the plain passes: max_token_len tokens each
     want_entropy = batch.wants_entropy
     lps, ents = [], []
     tokens_computed, unique = 0, 0
     t0 = time.perf_counter()
     choice = rule = None
     if zorro:
+        # ZoRRO's passes: as many rows as fit in max_token_len ZoRRO tokens (arctic_rl.server.zorro_passes)
+        zorro_passes = passes
+        if zorro_unsupported_reason(model) is None:
+            _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                      position_ids=batch.position_ids)
+            zorro_passes = plan_row_passes(groups, batch.prompt_len, batch.response_len, max_token_len or None)
         rule = choose_zorro(
             batch.input_ids,
             batch.attention_mask,
             batch.prompt_len,
             min_saving=zorro_min_saving,
-            passes=row_slices(rows, step),
+            passes=zorro_passes,
             position_ids=batch.position_ids,
         )
         if choice_log is not None:
             choice_log.record("/forward", rule)
         choice = tuner.choose(rule) if tuner is not None else rule
+        if choice.use_zorro:
+            passes = zorro_passes
     t_passes = time.perf_counter()
     with torch.no_grad():
-        for start in range(0, rows, step):
-            part = batch.slice_rows(start, start + step)
+        for start, stop in passes:
+            part = batch.slice_rows(start, stop)
             ids, mask, pos = (t.to(device) for t in (part.input_ids, part.attention_mask, part.position_ids))
             if choice is not None:
                 out = response_logprobs(
@@ -293,6 +305,7 @@ def forward_logprobs(
         "tokens_computed": float(tokens_computed),
         "unique_prompts": float(unique),
         "num_rows": float(rows),
+        "passes": float(len(passes)),
         "seconds": time.perf_counter() - t0,
     }
     if choice is not None:

@@ -47,7 +47,8 @@ from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.logprobs import set_compiled_token_stats
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
-from arctic_rl.server.zorro import set_response_attention
+from arctic_rl.server.zorro import group_prompts, set_response_attention, zorro_unsupported_reason
+from arctic_rl.server.zorro_passes import merge_micro_batches
 from arctic_rl.server.zorro_rule import ZorroChoiceLog, choose_zorro, row_slices
 from arctic_rl.server.zorro_tuner import ZorroTuner
 
@@ -224,40 +225,54 @@ class TrainingEngine:
         temperature = self._temperature(batch)
         want_entropy = batch.wants_entropy or cfg.entropy_coeff != 0.0
         rows = batch.rows // self.gas
+        micro_batches = row_slices(batch.rows, rows)
+        passes = [[micro] for micro in micro_batches]  # the plain passes: one per micro-batch
         choice = rule = None
         tuner = self.zorro_tuners["/forward-backward"]
-        if self._zorro(batch):  # the pass: ZoRRO where deduplicating each micro-batch's prompts pays and is timed
+        if self._zorro(batch):  # the pass: ZoRRO where deduplicating the prompts pays and is timed
+            merged = self._zorro_passes(batch, micro_batches)
             rule = choose_zorro(
                 batch.input_ids,
                 batch.attention_mask,
                 batch.prompt_len,
                 min_saving=self.zorro_min_saving,
-                passes=row_slices(batch.rows, rows),
+                passes=[(group[0][0], group[-1][1]) for group in merged],
                 position_ids=batch.position_ids,
             )
             self.zorro_choices.record("/forward-backward", rule)
             choice = tuner.choose(rule)  # the faster pass in this job (zorro_tuner)
+            if choice.use_zorro:
+                passes = merged
         zorro = choice is not None and choice.use_zorro
         t0 = time.perf_counter()
-        parts: list[tuple[dict[str, float], float, Any]] = []
+        parts: list[tuple[dict[str, float], float]] = []
+        tokens_computed = unique_prompts = 0
         self.engine.train()
-        for index in range(self.gas):
-            micro = batch.slice_rows(index * rows, (index + 1) * rows)
-            rl = {k: v.to(self.device) for k, v in micro.rl.items()}
-            ids, mask, pos = (t.to(self.device) for t in (micro.input_ids, micro.attention_mask, micro.position_ids))
+        for index, group in enumerate(passes):
+            start, stop = group[0][0], group[-1][1]
+            part = batch.slice_rows(start, stop)
+            rl = {k: v.to(self.device) for k, v in part.rl.items()}
+            ids, mask, pos = (t.to(self.device) for t in (part.input_ids, part.attention_mask, part.position_ids))
+            slices = [(a - start, b - start) for a, b in group]
 
-            def run(model: torch.nn.Module, ids=ids, mask=mask, pos=pos, rl=rl):
+            def run(model: torch.nn.Module, ids=ids, mask=mask, pos=pos, rl=rl, slices=slices):
                 out = response_logprobs(
                     model, ids, mask, pos, batch.prompt_len,
                     temperature=temperature, calculate_entropy=want_entropy, zorro=zorro,
                 )
-                loss, metrics = compute_loss(batch.loss_name, out, rl, cfg)
-                return loss, _Carry((out, metrics))
+                # the loss of each micro-batch, summed: a merged ZoRRO pass gives the same gradient
+                losses, metrics = [], []
+                for a, b in slices:
+                    sub_rl = {k: v[a:b] for k, v in rl.items()}
+                    loss, m = compute_loss(batch.loss_name, out.row_range(a, b), sub_rl, cfg)
+                    losses.append(loss)
+                    metrics.append((m, sub_rl[mask_key]))
+                return torch.stack(losses).sum(), _Carry((out, metrics))
 
             loss, carry = self.engine(run)
-            out, metrics = carry.value
+            out, micro_metrics = carry.value
             if not bool(torch.isfinite(loss.detach())):
-                if index:  # gradients of earlier micro-batches are accumulated: drop them
+                if index:  # gradients of earlier passes are accumulated: drop them
                     self._discard_gradients()
                 raise BadRequest(
                     f"loss is not finite ({float(loss.detach())}); the mini-batch was not applied",
@@ -269,8 +284,11 @@ class TrainingEngine:
             # does with scale_wrt_gas=False. (Multiplying here: with the forward run through the engine,
             # DeepSpeed's output hooks would divide even with scale_wrt_gas=False.)
             self.engine.backward(loss * self.gas if token_mean else loss)
-            tokens = float(metrics.get("num_tokens", rl[mask_key].sum()))
-            parts.append(({k: float(v) for k, v in metrics.items()}, tokens, out))
+            for m, micro_mask in micro_metrics:
+                tokens = float(m.get("num_tokens", micro_mask.sum()))
+                parts.append(({k: float(v) for k, v in m.items()}, tokens))
+            tokens_computed += out.tokens_computed
+            unique_prompts += out.unique_prompts
         self.pending = 1
         if rule is not None and rule.use_zorro and tuner.timing:
             if self.device.type == "cuda":  # the last backward's kernels belong to this call's time
@@ -278,12 +296,13 @@ class TrainingEngine:
             tuner.record_call(rule, choice, time.perf_counter() - t0)
         metrics = _combine_micro_metrics(parts, token_mean=token_mean, denom=cfg.loss_scale_tokens)
         metrics.update(
-            tokens_computed=float(sum(out.tokens_computed for _, _, out in parts)),
-            unique_prompts=float(sum(out.unique_prompts for _, _, out in parts)),
+            tokens_computed=float(tokens_computed),
+            unique_prompts=float(unique_prompts),
             num_rows=float(batch.rows),
             num_tokens=call_tokens,
             lr=self.lr,
             micro_batches=float(self.gas),
+            passes=float(len(passes)),
             gradient_accumulation_steps=float(self.gas),
             seconds=time.perf_counter() - t0,
         )
@@ -291,6 +310,18 @@ class TrainingEngine:
             metrics.update(choice.metrics())
             metrics.update(tuner.metrics())
         return {"metrics": metrics, "avg_loss": metrics.get("loss")}
+
+    def _zorro_passes(self, batch: ParsedBatch, micro_batches: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """The call's micro-batches grouped into ZoRRO passes of at most one plain micro-batch's tokens
+        (:mod:`arctic_rl.server.zorro_passes`); one micro-batch a pass where the model cannot run ZoRRO
+        (its plain fallback must keep the client's micro-batch size)."""
+        if zorro_unsupported_reason(self.model) is not None:
+            return [[micro] for micro in micro_batches]
+        _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                  position_ids=batch.position_ids)
+        first_stop = micro_batches[0][1] - micro_batches[0][0] if micro_batches else 0
+        return merge_micro_batches(groups, micro_batches, batch.prompt_len, batch.response_len,
+                                   budget=first_stop * batch.total_len)
 
     def _discard_gradients(self) -> None:
         self.engine.zero_grad()
@@ -408,7 +439,7 @@ class TrainingEngine:
 _LOSS_METRICS = ("loss", "actor/pg_loss", "kl_loss", "actor/entropy_loss", "sft_loss")
 
 
-def _combine_micro_metrics(parts: list[tuple[dict[str, float], float, Any]], *, token_mean: bool,
+def _combine_micro_metrics(parts: list[tuple[dict[str, float], float]], *, token_mean: bool,
                            denom: float | None) -> dict[str, float]:
     """One call's metrics from its micro-batches', as the vendor reports them: token means over the call.
 
@@ -416,11 +447,11 @@ def _combine_micro_metrics(parts: list[tuple[dict[str, float], float, Any]], *, 
     Loss-valued metrics under ``token-mean`` are masked sums / ``denom``: ``sum * denom / tokens`` is
     the call's token mean. Under the seq-mean modes each micro-batch holds the same number of rows:
     their plain mean."""
-    tokens = sum(t for _, t, _ in parts)
-    names = {k for m, _, _ in parts for k in m if k != "num_tokens"}
+    tokens = sum(t for _, t in parts)
+    names = {k for m, _ in parts for k in m if k != "num_tokens"}
     out: dict[str, float] = {}
     for name in sorted(names):
-        values = [(m[name], t) for m, t, _ in parts if name in m]
+        values = [(m[name], t) for m, t in parts if name in m]
         if name in _LOSS_METRICS and token_mean and denom:
             out[name] = sum(v for v, _ in values) * denom / tokens if tokens else 0.0
         elif name in _LOSS_METRICS:
