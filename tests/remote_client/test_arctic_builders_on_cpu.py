@@ -396,12 +396,14 @@ def test_mini_batch_metrics_are_the_calls_token_means_under_verls_names():
     """One /forward-backward per mini-batch: its token means are the mini-batch's, never added up."""
     ours = {"actor/pg_loss": 0.25, "actor/pg_clipfrac": 0.1, "actor/ppo_kl": [0.03, 0.05], "actor/entropy_loss": 2.0,
             "kl_loss": 0.5, "kl_coef": 0.001, "loss": 0.3, "tokens_computed": 40.0, "seconds": 1.0,
-            "actor/pg_clipfrac_lower": 0.0, "micro_batches": 2.0, "zorro_applied": 0.0, "zorro_token_saving": 0.25}
+            "actor/pg_clipfrac_lower": 0.0, "micro_batches": 2.0, "passes": 1.0, "zorro_applied": 0.0,
+            "zorro_token_saving": 0.25}
     step = {"last_lr": 1e-6, "grad_norm": 0.9, "global_step": 3}
     assert mini_batch_metrics(ours, step, kl_coef=0.001) == pytest.approx({
         "actor/pg_loss": 0.25, "actor/pg_clipfrac": 0.1, "actor/pg_clipfrac_lower": 0.0, "actor/ppo_kl": 0.04,
         "actor/entropy_loss": 2.0, "kl_loss": 0.5, "kl_coef": 0.001, "loss": 0.3, "arctic/tokens_computed": 40.0,
-        "arctic/zorro_applied": 0.0, "arctic/zorro_token_saving": 0.25, "grad_norm": 0.9, "lr": 1e-6})
+        "arctic/zorro_applied": 0.0, "arctic/zorro_token_saving": 0.25, "arctic/passes": 1.0, "grad_norm": 0.9,
+        "lr": 1e-6})
     # already collapsed, and a .sum/.tokens pair left uncollapsed
     vendor = {"actor/pg_loss": 0.41, "actor/pg_clipfrac": 0.0, "loss": 0.41, "kl_loss.sum": 3.0, "kl_loss.tokens": 12.0}
     got = mini_batch_metrics(vendor, {"last_lr": 1e-6}, kl_coef=None)

@@ -43,12 +43,14 @@ _TOKEN_MEANS = {
     "kl_coef": "kl_coef",
 }
 #: server bookkeeping passed on under the adapter's prefix (ZoRRO's savings are visible there; the reference
-#: server reports whether a ZoRRO request took the ZoRRO pass and the share of tokens that pass saves)
+#: server reports whether a ZoRRO request took the ZoRRO pass, the share of tokens that pass saves, and the
+#: model passes the call ran: its micro-batches, or fewer where ZoRRO packed them)
 _COUNTED = {
     "tokens_computed": "arctic/tokens_computed",
     "zorro_applied": "arctic/zorro_applied",
     "zorro_token_saving": "arctic/zorro_token_saving",
     "zorro_time_ratio": "arctic/zorro_time_ratio",
+    "passes": "arctic/passes",
 }
 
 
