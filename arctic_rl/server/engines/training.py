@@ -7,7 +7,9 @@
   the DeepSpeed engine (the model is wrapped in :class:`_PolicyModule`, whose forward takes the whole
   computation as a function), so DeepSpeed's backward hooks see it exactly as with ``engine(batch)``.
   ``token-mean`` divides by the mini-batch's tokens (``meta.batch_num_tokens``), so the gradient is
-  that of ``sum(loss * mask) / batch_num_tokens`` over the whole mini-batch.
+  that of ``sum(loss * mask) / batch_num_tokens`` over the whole mini-batch. When the call takes
+  ZoRRO's pass, consecutive micro-batches share one model pass while it computes no more tokens than
+  one plain micro-batch (:mod:`arctic_rl.server.zorro_passes`); the loss is still each micro-batch's, summed.
 * ``step`` -- the optimizer step closing the mini-batch (DeepSpeed runs with
   ``managed_gradient_accumulation=false``; this engine is the accumulation boundary). A second
   ``forward_backward`` before ``step``, or a ``step`` without one, is a 400. ``global_step`` counts
@@ -319,9 +321,9 @@ class TrainingEngine:
             return [[micro] for micro in micro_batches]
         _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
                                   position_ids=batch.position_ids)
-        first_stop = micro_batches[0][1] - micro_batches[0][0] if micro_batches else 0
+        micro_rows = micro_batches[0][1] - micro_batches[0][0] if micro_batches else 0
         return merge_micro_batches(groups, micro_batches, batch.prompt_len, batch.response_len,
-                                   budget=first_stop * batch.total_len)
+                                   budget=micro_rows * batch.total_len)
 
     def _discard_gradients(self) -> None:
         self.engine.zero_grad()
