@@ -22,7 +22,8 @@ image with torch and transformers:
 
 Run (on a CUDA machine): ``python benchmarks/zorro_gpu_passes.py`` (about 3 minutes on one H200,
 most of it compiling); ``--profile-out DIR`` writes ``torch.profiler`` tables of one 16-row pass of
-each path there.
+each path there; ``--cpu-smoke`` checks the script on a CPU (tiny model, seconds). Last line: the
+largest log-prob difference between the two paths.
 """
 
 from __future__ import annotations
@@ -49,13 +50,19 @@ SMOLLM2_135M = {
 }
 
 
-def build_model(device: torch.device, compile_layers: bool) -> torch.nn.Module:
+#: ``--cpu-smoke``: a 2-layer model of the same architecture
+TINY = {**SMOLLM2_135M, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def build_model(device: torch.device, compile_layers: bool, shape: dict = SMOLLM2_135M) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SMOLLM2_135M)
+    config = LlamaConfig(**shape)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
     if compile_layers:  # as the server's torch_compile=layers (arctic_rl/server/engines/common.py)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for layer in model.model.layers:
@@ -99,9 +106,17 @@ def run_call(model, batch, p: int, rows_per_pass: int, *, zorro: bool, train: bo
         model.zero_grad(set_to_none=True)
 
 
-def gpu_busy_s(fn) -> float:
-    """Sum of CUDA kernel times of one call of ``fn`` (seconds)."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpu_busy_s(fn, device: torch.device) -> float:
+    """Sum of CUDA kernel times of one call of ``fn`` (seconds); NaN on a CPU."""
     from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return float("nan")
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
@@ -120,19 +135,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="eager layers and the expanding response pass")
     ap.add_argument("--profile-out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="check the script on a CPU: a 2-layer model, 2 prompts x 4, P=40, R=16, eager, fp32")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    shape = SMOLLM2_135M
+    if args.cpu_smoke:
+        shape, args.prompts, args.n, args.prompt_len, args.response_len = TINY, 2, 4, 40, 16
+        args.rows_per_pass, args.repeats, args.no_compile = [4, 8], 1, True
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        print("needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
     compiled = not args.no_compile
     set_response_attention("flex" if compiled else "expand", compiled=compiled)
     set_compiled_token_stats(compiled)
     t0 = time.perf_counter()
-    model = build_model(device, compiled)
-    batch = make_batch(args.prompts, args.n, args.prompt_len, args.response_len, SMOLLM2_135M["vocab_size"], device)
+    model = build_model(device, compiled, shape)
+    batch = make_batch(args.prompts, args.n, args.prompt_len, args.response_len, shape["vocab_size"], device)
     real = int(batch[3].sum())
-    print(f"# ZoRRO vs plain passes: SmolLM2-135M shape, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__},"
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    label = "SmolLM2-135M shape, bf16" if shape is SMOLLM2_135M else "2-layer Llama, fp32"
+    print(f"# ZoRRO vs plain passes: {label}, {name}, torch {torch.__version__},"
           f" compile={'layers+flex' if compiled else 'off'}; {args.prompts} prompts x n={args.n},"
           f" P={args.prompt_len}, R={args.response_len} (mean real response {real / batch[0].shape[0]:.1f})", flush=True)
     print("| rows/pass | kind | plain median s | plain min s | plain GPU s | ZoRRO median s | ZoRRO min s "
@@ -146,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
             for zorro in (False, True):
                 try:
                     for rep in range(args.repeats + 1):
-                        torch.cuda.synchronize()
+                        sync(device)
                         t = time.perf_counter()
                         run_call(model, batch, args.prompt_len, rows, zorro=zorro, train=train)
-                        torch.cuda.synchronize()
+                        sync(device)
                         if rep:
                             times[zorro].append(time.perf_counter() - t)
                     busy[zorro] = gpu_busy_s(
-                        lambda z=zorro, n=rows, g=train: run_call(model, batch, args.prompt_len, n, zorro=z, train=g))
+                        lambda z=zorro, n=rows, g=train: run_call(model, batch, args.prompt_len, n, zorro=z, train=g),
+                        device)
                 except torch.OutOfMemoryError:  # a pass this size does not fit: reported as such
                     model.zero_grad(set_to_none=True)
                     times[zorro], busy[zorro] = [], float("nan")
@@ -166,6 +192,16 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(f"| {rows} | {row['kind']} | {med[False]:.3f} | {row['plain_min']:.3f} | {busy[False]:.3f} "
                   f"| {med[True]:.3f} | {row['zorro_min']:.3f} | {busy[True]:.3f} | {row['ratio']:.2f}x |", flush=True)
+    with torch.no_grad():  # both passes give the same log-probs (to bf16 rounding on a GPU)
+        ids, mask, pos, resp_mask = batch
+        rows = min(args.rows_per_pass)
+        diff = 0.0
+        for start in range(0, ids.shape[0], rows):
+            sl = slice(start, start + rows)
+            lp = {z: response_logprobs(model, ids[sl], mask[sl], pos[sl], args.prompt_len, zorro=z).logprobs
+                  for z in (False, True)}
+            diff = max(diff, float(((lp[True] - lp[False]).abs() * resp_mask[sl]).max()))
+    print(f"# max |ZoRRO - plain| log-prob over the real response tokens: {diff:.2e}", flush=True)
     if args.profile_out is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -174,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         for zorro in (False, True):  # (after the timings: every graph of this pass size is compiled)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 run_call(model, batch, args.prompt_len, rows, zorro=zorro, train=True)
-                torch.cuda.synchronize()
+                sync(device)
             name = "zorro" if zorro else "plain"
             for sort in ("cpu_time_total", "self_cpu_time_total", "self_cuda_time_total"):
                 table = prof.key_averages().table(sort_by=sort, row_limit=40)

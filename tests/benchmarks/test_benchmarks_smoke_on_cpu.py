@@ -42,6 +42,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                                        "Part B: rollout replica server", "concurrent vs sequential"]),
     "wire.py": (["--batch", "4", "--seq", "64", "--repeats", "2"], ["dssst1 (bytearray in)", "torch.save+load"]),
     "zorro.py": (["--quick"], ["CHECK max relative error ZoRRO vs plain (log-probs, gradients)"]),
+    "zorro_gpu_passes.py": (["--cpu-smoke"], ["| 8 | fwd+bwd |", "max |ZoRRO - plain| log-prob"]),
 }
 #: scripts that are modules of another script, run through it
 RUN_BY = {"grpo_bare.py": "gpu_grpo_loop.py", "grpo_report.py": "gpu_grpo_loop.py"}
