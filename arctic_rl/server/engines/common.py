@@ -230,10 +230,10 @@ def forward_logprobs(
     on, response-aligned (column ``P+j`` = log p(response token ``j``), zeros in the prompt columns);
     off, shifted (column ``c`` = log p(token ``c+1``)). Rows are processed in chunks of at most
     ``max_token_len`` tokens (at least one row) to bound memory; ZoRRO's passes hold as many rows as
-    fit in ``max_token_len`` of the tokens ZoRRO computes (:mod:`~arctic_rl.server.zorro_passes`). With ZoRRO on, the pass itself is
-    chosen by :func:`~arctic_rl.server.zorro_rule.choose_zorro` (the plain pass where deduplicating
-    the prompts would not pay) and, among the calls it sends to ZoRRO, by ``tuner``'s timings of both
-    passes (:mod:`~arctic_rl.server.zorro_tuner`); the layout stays response-aligned either way.
+    fit in ``max_token_len`` of the tokens ZoRRO computes (:mod:`~arctic_rl.server.zorro_passes`).
+    With ZoRRO on, the pass itself is chosen by :func:`~arctic_rl.server.zorro_rule.choose_zorro` (the
+    plain pass where deduplicating the prompts would not pay) and, among the calls it sends to ZoRRO,
+    by ``tuner``'s timings of both passes (:mod:`~arctic_rl.server.zorro_tuner`); the layout stays response-aligned either way.
     """
     from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs
 
