@@ -233,7 +233,8 @@ def forward_logprobs(
     fit in ``max_token_len`` of the tokens ZoRRO computes (:mod:`~arctic_rl.server.zorro_passes`).
     With ZoRRO on, the pass itself is chosen by :func:`~arctic_rl.server.zorro_rule.choose_zorro` (the
     plain pass where deduplicating the prompts would not pay) and, among the calls it sends to ZoRRO,
-    by ``tuner``'s timings of both passes (:mod:`~arctic_rl.server.zorro_tuner`); the layout stays response-aligned either way.
+    by ``tuner``'s timings of both passes (:mod:`~arctic_rl.server.zorro_tuner`); the layout stays
+    response-aligned either way.
     """
     from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs
 
