@@ -88,11 +88,13 @@ def choose_zorro(
     min_saving: float,
     passes: Iterable[tuple[int, int]] | None = None,
     position_ids: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None,
 ) -> ZorroChoice:
     """Decide between the ZoRRO and the plain pass for a ``[B, P+R]`` call (see the module docstring).
 
     ``passes`` are the row ranges the call will be run in (default: one pass over all rows); unique
-    prompts are counted inside each, as ZoRRO would group them.
+    prompts are counted inside each, as ZoRRO would group them. ``groups``: the call's ``row_to_group``
+    (:func:`~arctic_rl.server.zorro.group_prompts`) when the caller has it already; else it is computed.
     """
     if not min_saving >= 0.0:
         raise ValueError(f"min_saving: expected a share >= 0, got {min_saving!r}")
@@ -100,17 +102,10 @@ def choose_zorro(
     p = int(prompt_len)
     r = total - p
     ranges = list(passes) if passes is not None else [(0, rows)]
-    unique = 0
-    for start, stop in ranges:
-        if stop <= start:
-            continue
-        first, _ = group_prompts(
-            input_ids[start:stop],
-            attention_mask[start:stop],
-            p,
-            position_ids=None if position_ids is None else position_ids[start:stop],
-        )
-        unique += int(first.numel())
+    if groups is None and rows:
+        _, groups = group_prompts(input_ids, attention_mask, p, position_ids=position_ids)
+    # rows share a group iff their prompts are byte-identical, so a pass's unique prompts are its distinct groups
+    unique = sum(int(groups[start:stop].unique().numel()) for start, stop in ranges if stop > start)
     plain = rows * total
     saving = 1.0 - (unique * p + rows * r) / plain if plain else 0.0
     return ZorroChoice(

@@ -249,10 +249,10 @@ def forward_logprobs(
     choice = rule = None
     if zorro:
         # ZoRRO's passes: as many rows as fit in max_token_len ZoRRO tokens (arctic_rl.server.zorro_passes)
-        zorro_passes = passes
+        _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                  position_ids=batch.position_ids)
+        zorro_passes = passes  # a model that cannot run ZoRRO falls back to the plain pass: keep its passes
         if zorro_unsupported_reason(model) is None:
-            _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
-                                      position_ids=batch.position_ids)
             zorro_passes = plan_row_passes(groups, batch.prompt_len, batch.response_len, max_token_len or None)
         rule = choose_zorro(
             batch.input_ids,
@@ -260,7 +260,7 @@ def forward_logprobs(
             batch.prompt_len,
             min_saving=zorro_min_saving,
             passes=zorro_passes,
-            position_ids=batch.position_ids,
+            groups=groups,
         )
         if choice_log is not None:
             choice_log.record("/forward", rule)

@@ -232,14 +232,16 @@ class TrainingEngine:
         choice = rule = None
         tuner = self.zorro_tuners["/forward-backward"]
         if self._zorro(batch):  # the pass: ZoRRO where deduplicating the prompts pays and is timed
-            merged = self._zorro_passes(batch, micro_batches)
+            _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                      position_ids=batch.position_ids)
+            merged = self._zorro_passes(batch, groups, micro_batches)
             rule = choose_zorro(
                 batch.input_ids,
                 batch.attention_mask,
                 batch.prompt_len,
                 min_saving=self.zorro_min_saving,
                 passes=[(group[0][0], group[-1][1]) for group in merged],
-                position_ids=batch.position_ids,
+                groups=groups,
             )
             self.zorro_choices.record("/forward-backward", rule)
             choice = tuner.choose(rule)  # the faster pass in this job (zorro_tuner)
@@ -313,14 +315,14 @@ class TrainingEngine:
             metrics.update(tuner.metrics())
         return {"metrics": metrics, "avg_loss": metrics.get("loss")}
 
-    def _zorro_passes(self, batch: ParsedBatch, micro_batches: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    def _zorro_passes(
+        self, batch: ParsedBatch, groups: torch.Tensor, micro_batches: list[tuple[int, int]]
+    ) -> list[list[tuple[int, int]]]:
         """The call's micro-batches grouped into ZoRRO passes of at most one plain micro-batch's tokens
-        (:mod:`arctic_rl.server.zorro_passes`); one micro-batch a pass where the model cannot run ZoRRO
-        (its plain fallback must keep the client's micro-batch size)."""
+        (:mod:`arctic_rl.server.zorro_passes`; ``groups`` is the call's ``row_to_group``); one micro-batch
+        a pass where the model cannot run ZoRRO (its plain fallback must keep the client's micro-batch size)."""
         if zorro_unsupported_reason(self.model) is not None:
             return [[micro] for micro in micro_batches]
-        _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
-                                  position_ids=batch.position_ids)
         micro_rows = micro_batches[0][1] - micro_batches[0][0] if micro_batches else 0
         return merge_micro_batches(groups, micro_batches, batch.prompt_len, batch.response_len,
                                    budget=micro_rows * batch.total_len)
