@@ -169,8 +169,12 @@ def grpo_step(client: Any, args: argparse.Namespace, seed: int) -> dict[str, flo
     tu.assign_non_tensor(data, global_batch_size=len(rows), mini_batch_size=len(rows), epochs=1, seed=1,
                          dataloader_kwargs={"shuffle": False}, temperature=1.0)
     t0 = time.perf_counter()
-    client.update_actor(data)
+    answer = client.update_actor(data)
     t["update"] = time.perf_counter() - t0
+    metrics = tu.get(answer, "metrics", None) or {}
+    for name in ("arctic/zorro_applied", "arctic/zorro_token_saving", "arctic/passes", "arctic/tokens_computed"):
+        if metrics.get(name):  # what the server's ZoRRO rule chose for the update (absent: ZoRRO not asked for)
+            t[name] = float(metrics[name][0])
     t0 = time.perf_counter()
     client.update_weights()
     t["weight_sync"] = time.perf_counter() - t0

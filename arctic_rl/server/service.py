@@ -330,7 +330,7 @@ class ServerState:
         t0 = time.perf_counter()
         results = await self._on_job(job, job.engine.generate, request, params)
         logger.info(
-            "generate job=%d prompts=%d n=%d tokens=%d %.2fs",
+            "generate job=%d prompts=%d n=%d tokens=%d %.3fs",
             job_id,
             len(request.prompts),
             params.n,

@@ -73,6 +73,9 @@ def test_benchmark_runs_in_its_smoke_mode(script, tmp_path):
     if script == "gen_throughput.py":
         results = json.loads((out / "gen_results.json").read_text())
         assert results["transformers_b2_n4"]["tokens"] > 0 and len(results["weight_sync"]) == 3
+        # interleaved: both sides timed in every round, and the server's own seconds read from its log
+        assert len(results["rounds_b2_n4"]) == 2 and results["bare_b2_n4"]["tokens"] == 8
+        assert len(results["transformers_b2_n4"]["server_s"]) == 2
     if script == "gpu_throughput.py":
         results = json.loads((out / "gpu_results.json").read_text())
         assert "plan_errors" not in results and results["generate"], sorted(results)
