@@ -157,14 +157,14 @@ class BareVllm:
 
     name = "bare"
 
-    def __init__(self, model: Path, out: dict) -> None:
+    def __init__(self, model: Path, out: dict, llm: Any = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
 
         t0 = time.perf_counter()
-        self.llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", seed=0, enable_sleep_mode=True,
-                       logprobs_mode="processed_logprobs", **VLLM_CONFIG)
+        self.llm = llm or LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                              enable_sleep_mode=True, logprobs_mode="processed_logprobs", **VLLM_CONFIG)
         out["bare_init_s"] = time.perf_counter() - t0
 
     def run(self, batch: int, new: int) -> tuple[float, int]:
@@ -191,6 +191,37 @@ class BareVllm:
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+
+
+class InProcessSampler:
+    """``--decompose``: the server's vLLM sampling engine in this process, called as the server calls it
+    (its seeds, parameters and answer assembly; no HTTP, no server process). Its ``llm`` serves as the
+    bare side too, so the two differ only by what the engine's ``generate`` adds around ``llm.generate``."""
+
+    name = "inproc"
+
+    def __init__(self, model: Path, workdir: Path, out: dict) -> None:
+        from arctic_rl.protocol import JobConfig, JobType
+        from arctic_rl.server.engines import create_engine
+        from arctic_rl.server.settings import ServerSettings
+
+        settings = ServerSettings(device="cuda", sampler="vllm", checkpoint_root=workdir / "ck-inproc")
+        t0 = time.perf_counter()
+        self.engine = create_engine(JobConfig(model_name=str(model), job_type=JobType.SAMPLING,
+                                              vllm_config=VLLM_CONFIG), settings)
+        out["inproc_init_s"] = time.perf_counter() - t0
+
+    def run(self, batch: int, new: int) -> tuple[float, int]:
+        from arctic_rl.protocol import GenerateRequest, SamplingParams
+
+        request = GenerateRequest(prompts=prompts_for(batch))
+        params = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, logprobs=True, seed=1)
+        t0 = time.perf_counter()
+        results = self.engine.generate(request, params)
+        return time.perf_counter() - t0, sum(r["generation_len"] for r in results)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class BareTransformers:
@@ -241,8 +272,8 @@ def measure(sides: list, shapes, repeats: int, deadline: float, out: dict) -> No
             out[f"{side.name}_{key}"] = {"tok_s": tokens[side.name] / dt, "s": dt, "tokens": tokens[side.name],
                                          "first_call_s": first[side.name], "times_s": times[side.name]}
             print(json.dumps({side.name: [batch, new], **out[f"{side.name}_{key}"]}), flush=True)
-        if len(sides) == 2:  # server / bare in tok/s = bare seconds / server seconds, round by round
-            server, bare = (times[s.name] for s in sides)
+        if len(sides) >= 2:  # server / bare in tok/s = bare seconds / server seconds, round by round
+            server, bare = times[sides[0].name], times[sides[-1].name]
             out[f"rounds_{key}"] = [b / s for s, b in zip(server, bare)]
 
 
@@ -267,7 +298,7 @@ def table(out: dict, shapes) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for batch, new in shapes:
         key = f"b{batch}_n{new}"
-        v, b, t = (out.get(f"{k}_{key}", {}) for k in ("vllm", "bare", "transformers"))
+        v, b, t, ip = (out.get(f"{k}_{key}", {}) for k in ("vllm", "bare", "transformers", "inproc"))
         if not v and t and DEVICE == "cpu":
             v = t  # the smoke run's server is the transformers one
         ratio = f"{v['tok_s'] / b['tok_s']:.2f}" if v and b else "-"
@@ -275,7 +306,8 @@ def table(out: dict, shapes) -> str:
         spread = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-"
         inside = (f"{statistics.median(v['server_s']):.3f} / {v['http_json_s']:.3f}" if v.get("server_s") else "-")
         lines.append(f"| {batch} x {new} | {v.get('tok_s', 0):,.0f} | {b.get('tok_s', 0):,.0f} | {ratio} | {spread} "
-                     f"| {inside} | {t.get('tok_s', 0):,.0f} |")
+                     f"| {inside} | {t.get('tok_s', 0):,.0f} |"
+                     + (f" in-process engine.generate {ip['tok_s']:,.0f} tok/s ({ip['s']:.3f} s)" if ip else ""))
     return "\n".join(lines)
 
 
@@ -287,18 +319,22 @@ def run_all(args, model: Path, work: Path, out: dict) -> None:
     try:
         if server_name in samplers:
             sides.append(ServerSide(server_name, model, work, out))
-        if "bare" in samplers:
+        if args.decompose and not args.cpu_smoke:
+            inproc = InProcessSampler(model, work, out)
+            sides += [inproc, BareVllm(model, out, llm=inproc.engine.llm)]
+        elif "bare" in samplers:
             sides.append((BareTransformers if args.cpu_smoke else BareVllm)(model, out))
         measure(sides, SHAPES, REPEATS, deadline, out)
         if sides and isinstance(sides[0], ServerSide):
             attribute_server_seconds(sides[0], SHAPES, REPEATS, out)
             if time.monotonic() < deadline:
                 sides[0].weight_sync(out)
-        if sides and not isinstance(sides[-1], ServerSide) and time.monotonic() < deadline:
+        if sides and not isinstance(sides[-1], ServerSide) and not args.decompose and time.monotonic() < deadline:
             sides[-1].sleep_wake(out)
     finally:
         for side in sides:
-            side.close()
+            if not (args.decompose and isinstance(side, BareVllm)):  # the in-process engine's, closed with it
+                side.close()
     if "transformers" in samplers and not args.cpu_smoke:  # alone on the GPU, after the pair
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.transformers_shapes.split(",")]
         server = ServerSide("transformers", model, work, out)
@@ -316,6 +352,8 @@ def main() -> None:
     p.add_argument("--transformers-shapes", default="64x128,64x512,256x128")
     p.add_argument("--budget-s", type=float, default=520, help="shapes not started by then are skipped")
     p.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds per shape (medians are reported)")
+    p.add_argument("--decompose", action="store_true",
+                   help="a third side: the server's sampling engine in this process; bare runs on its engine")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="check the script on a CPU: tiny model, transformers server vs bare model.generate")
     args = p.parse_args()
