@@ -208,7 +208,7 @@ class InProcessSampler:
         settings = ServerSettings(device="cuda", sampler="vllm", checkpoint_root=workdir / "ck-inproc")
         t0 = time.perf_counter()
         self.engine = create_engine(JobConfig(model_name=str(model), job_type=JobType.SAMPLING,
-                                              vllm_config=VLLM_CONFIG), settings)
+                                              vllm_config=VLLM_CONFIG), settings, None)
         out["inproc_init_s"] = time.perf_counter() - t0
 
     def run(self, batch: int, new: int) -> tuple[float, int]:
