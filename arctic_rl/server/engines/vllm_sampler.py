@@ -32,6 +32,7 @@ restore vLLM's share around training. Engine options come from the job's ``vllm_
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -50,7 +51,6 @@ from arctic_rl.server.engines.common import (
     resolve_device,
 )
 from arctic_rl.server.engines.generation import _stop_cut
-from arctic_rl.server.engines.sampling import vendor_logprobs
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.settings import ServerSettings
@@ -135,16 +135,42 @@ def _model_weight_norm(worker: Any) -> dict[str, float | int]:
     return weight_norm(worker.model_runner.model)
 
 
-def _candidates(token_ids: list[int], logprobs: Any) -> list[dict[int, tuple[float, int]]]:
-    """vLLM's per-token ``{token_id: Logprob}`` as ``{token_id: (logprob, rank)}`` (what :mod:`.generation`
-    records), the sampled token always among them."""
-    out: list[dict[int, tuple[float, int]]] = []
+def _token_logprobs(token_ids: list[int], logprobs: Any) -> tuple[list[float], list[dict[str, dict[str, Any]]]]:
+    """One pass over vLLM's per-token ``{token_id: Logprob}``: each sampled token's log-prob, and each
+    position's candidates in the vendor's answer format (``{str(token_id): {"logprob", "rank"}}``, what
+    :func:`.sampling.vendor_logprobs` writes for the transformers sampler), the sampled token always among them.
+
+    One pass and no intermediate objects: at 256 samples x 512 tokens this is 131k positions per call, and
+    building them is the engine's main cost around ``llm.generate`` (``benchmarks/RESULTS.md`` §2h)."""
+    lps: list[float] = []
+    entries: list[dict[str, dict[str, Any]]] = []
     for tok, step in zip(token_ids, logprobs or [], strict=True):
-        entry = {int(t): (float(lp.logprob), int(lp.rank) if lp.rank is not None else 0) for t, lp in step.items()}
-        if int(tok) not in entry:
+        entry: dict[str, dict[str, Any]] = {}
+        sampled = None
+        for t, lp in step.items():
+            value = float(lp.logprob)
+            entry[str(t)] = {"logprob": value, "rank": int(lp.rank) if lp.rank is not None else 0}
+            if t == tok:
+                sampled = value
+        if sampled is None:
             raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
-        out.append(entry)
-    return out
+        lps.append(sampled)
+        entries.append(entry)
+    return lps, entries
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off while a call's answer is built: the answer is hundreds of thousands of
+    small dicts and no cycles, and the collections they would trigger walk the server's whole heap
+    (``benchmarks/generate_answer.py`` times the answer against the way it was built before)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
@@ -305,31 +331,31 @@ class VllmSamplingEngine:
             [TokensPrompt(prompt_token_ids=p) for p in prompts], vllm_params, use_tqdm=False
         )
         results: list[dict[str, Any]] = []
-        for pi, out in enumerate(outputs):
-            cached = int(getattr(out, "num_cached_tokens", 0) or 0)
-            for si, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
-                ids = list(completion.token_ids)
-                cands = _candidates(ids, completion.logprobs) if want_lps else []
-                lps = [step[tok][0] for tok, step in zip(ids, cands)] if want_lps else []
-                finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else "length"
-                text = None
-                if stops:
-                    ids, lps, finish, text = _apply_stop_strings(ids, lps, finish, stops, decode)
-                    cands = cands[: len(ids)]
-                results.append(
-                    {
-                        "text": text if text is not None else decode(ids),
-                        "token_ids": ids,
-                        "finish_reason": finish,
-                        "prompt_len": len(prompts[pi]),
-                        "generation_len": len(ids),
-                        "prefix_cache_len": cached,
-                        "logprobs": vendor_logprobs(cands) if want_lps else None,
-                        "prompt_index": pi,
-                        "sample_index": si,
-                        "weight_version": self.weight_version,
-                    }
-                )
+        with _collector_paused():
+            for pi, out in enumerate(outputs):
+                cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+                for si, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                    ids = list(completion.token_ids)
+                    lps, entries = _token_logprobs(ids, completion.logprobs) if want_lps else ([], [])
+                    finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else "length"
+                    text = None
+                    if stops:
+                        ids, lps, finish, text = _apply_stop_strings(ids, lps, finish, stops, decode)
+                        entries = entries[: len(ids)]
+                    results.append(
+                        {
+                            "text": text if text is not None else decode(ids),
+                            "token_ids": ids,
+                            "finish_reason": finish,
+                            "prompt_len": len(prompts[pi]),
+                            "generation_len": len(ids),
+                            "prefix_cache_len": cached,
+                            "logprobs": entries if want_lps else None,
+                            "prompt_index": pi,
+                            "sample_index": si,
+                            "weight_version": self.weight_version,
+                        }
+                    )
         logger.debug("vLLM generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
         return results
 

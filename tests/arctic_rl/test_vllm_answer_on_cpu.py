@@ -1,0 +1,134 @@
+"""The vLLM sampler's answer to ``/generate``, built from vLLM's outputs, on a CPU machine (no vLLM here).
+
+The engine's ``generate`` turns ``llm.generate``'s outputs into the vendor's answer: per sample the tokens,
+text, finish reason and, with ``logprobs``, the sampled token's log-prob and the per-position candidates as
+``{str(token_id): {"logprob", "rank"}}``. vLLM's engine is not on this machine, so its outputs are given here
+as vLLM shapes them (``RequestOutput.outputs[i].token_ids / .logprobs / .finish_reason``, ``Logprob``
+objects) by an object standing in for ``vllm.LLM``; what runs is the server's own code after
+``llm.generate`` returns. The GPU tests (``test_vllm_sampler_gpu.py``) run the same path on real vLLM.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+
+from arctic_rl.protocol import GenerateRequest, SamplingParams
+from arctic_rl.server.engines.sampling import vendor_logprobs
+from arctic_rl.server.engines.vllm_sampler import VllmSamplingEngine, _token_logprobs
+from arctic_rl.tiny_models import build_char_tokenizer
+
+
+@dataclass
+class Logprob:  # vllm.logprobs.Logprob's fields
+    logprob: float
+    rank: int | None
+    decoded_token: str | None = None
+
+
+@dataclass
+class Completion:  # vllm.outputs.CompletionOutput's fields read by the engine
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str = "length"
+
+
+@dataclass
+class RequestOutput:
+    outputs: list[Completion]
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class OutputsOf:
+    """Stands in for ``vllm.LLM``: ``generate`` returns the given outputs and records what it was asked."""
+
+    outputs: list[RequestOutput]
+    calls: list = field(default_factory=list)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append((prompts, params))
+        return self.outputs
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """A vLLM sampling engine without its ``LLM`` (the two vLLM names ``generate`` imports stand in here)."""
+    vllm = types.ModuleType("vllm")
+    inputs = types.ModuleType("vllm.inputs")
+
+    class Params:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    vllm.SamplingParams, inputs.TokensPrompt = Params, dict
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    eng = VllmSamplingEngine.__new__(VllmSamplingEngine)
+    eng.tokenizer = build_char_tokenizer()
+    eng.max_model_len, eng.vocab_size, eng.eos_ids, eng.weight_version = 64, 100, set(), 3
+    eng.sleeping, eng.weights_discarded = {"weights": False, "kv_cache": False}, False
+    return eng
+
+
+def _ids(text: str, tok) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_token_logprobs_gives_the_sampled_values_and_the_vendor_format():
+    steps = [{7: Logprob(-0.5, 1), 9: Logprob(-1.5, 2)}, {4: Logprob(-2.0, 3), 8: Logprob(-0.1, 1)}]
+    lps, entries = _token_logprobs([7, 4], steps)
+    assert lps == [-0.5, -2.0]
+    # what the transformers sampler writes for the same candidates
+    assert entries == vendor_logprobs([{7: (-0.5, 1), 9: (-1.5, 2)}, {4: (-2.0, 3), 8: (-0.1, 1)}])
+    assert _token_logprobs([5], [{5: Logprob(-0.2, None)}]) == ([-0.2], [{"5": {"logprob": -0.2, "rank": 0}}])
+
+
+def test_token_logprobs_refuses_outputs_without_the_sampled_token_or_of_another_length():
+    with pytest.raises(RuntimeError, match="no log-prob for the sampled token 7"):
+        _token_logprobs([7], [{9: Logprob(-1.0, 1)}])
+    with pytest.raises(ValueError):
+        _token_logprobs([7, 8], [{7: Logprob(-1.0, 1)}])
+
+
+def test_generate_builds_the_vendor_answer_from_vllm_outputs(engine):
+    tok = engine.tokenizer
+    a, b = _ids("ab", tok), _ids("xyz", tok)
+    outs = [RequestOutput([Completion(1, b, [{t: Logprob(-0.25 * (i + 1), 1)} for i, t in enumerate(b)], "stop"),
+                           Completion(0, a, [{t: Logprob(-1.0, 1), 99: Logprob(-3.0, 2)} for t in a])],
+                          num_cached_tokens=2)]
+    engine.llm = OutputsOf(outs)
+    res = engine.generate(GenerateRequest(prompts=[[5, 6, 7]]), SamplingParams(max_tokens=4, logprobs=1, n=2))
+    assert [r["sample_index"] for r in res] == [0, 1] and [r["token_ids"] for r in res] == [a, b]
+    assert res[0]["text"] == "ab" and res[1]["text"] == "xyz"
+    assert [r["finish_reason"] for r in res] == ["length", "stop"]
+    assert res[1]["logprobs"] == [{str(t): {"logprob": -0.25 * (i + 1), "rank": 1}} for i, t in enumerate(b)]
+    assert res[0]["logprobs"][0] == {str(a[0]): {"logprob": -1.0, "rank": 1}, "99": {"logprob": -3.0, "rank": 2}}
+    assert {r["prompt_len"] for r in res} == {3} and {r["prefix_cache_len"] for r in res} == {2}
+    assert {r["weight_version"] for r in res} == {3} and {r["generation_len"] for r in res} == {2, 3}
+    assert gc.isenabled()  # the collector, paused while the answer is built, is back on
+
+
+def test_generate_cuts_log_probs_with_the_tokens_at_a_stop_string(engine):
+    ids = _ids("abXYcd", engine.tokenizer)
+    engine.llm = OutputsOf([RequestOutput([Completion(0, ids, [{t: Logprob(-0.1 * t, 1)} for t in ids])])])
+    (res,) = engine.generate(GenerateRequest(prompts=[[5]]), SamplingParams(max_tokens=6, logprobs=0, stop=["XY"]))
+    assert res["token_ids"] == ids[:4] and res["text"] == "ab" and res["finish_reason"] == "stop"
+    assert [next(iter(e)) for e in res["logprobs"]] == [str(t) for t in ids[:4]]
+
+
+def test_generate_without_logprobs_returns_none_and_leaves_the_collector_as_it_found_it(engine):
+    ids = _ids("ab", engine.tokenizer)
+    engine.llm = OutputsOf([RequestOutput([Completion(0, ids, None)])])
+    gc.disable()
+    try:
+        (res,) = engine.generate(GenerateRequest(prompts=[[5]]), SamplingParams(max_tokens=2))
+        assert not gc.isenabled()  # was off before the call: stays off
+    finally:
+        gc.enable()
+    assert res["logprobs"] is None and res["token_ids"] == ids
