@@ -141,7 +141,7 @@ def _token_logprobs(token_ids: list[int], logprobs: Any) -> tuple[list[float], l
     :func:`.sampling.vendor_logprobs` writes for the transformers sampler), the sampled token always among them.
 
     One pass and no intermediate objects: at 256 samples x 512 tokens this is 131k positions per call, and
-    building them is the engine's main cost around ``llm.generate`` (``benchmarks/RESULTS.md`` §2h)."""
+    building them was a large part of what the engine adds around ``llm.generate`` (``benchmarks/RESULTS.md`` §2h)."""
     lps: list[float] = []
     entries: list[dict[str, dict[str, Any]]] = []
     for tok, step in zip(token_ids, logprobs or [], strict=True):
