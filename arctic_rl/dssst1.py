@@ -194,19 +194,34 @@ class _Blob(NamedTuple):
     source: torch.Tensor | memoryview
 
 
+_EXACT_SCALARS: Final = frozenset(_JSON_SCALARS)
+
+
 def _plain_json(obj: dict | list) -> bool:
-    """True if ``obj`` is made only of str-keyed dicts, lists and JSON scalars (-> one "j" node)."""
-    if isinstance(obj, dict):
-        if not all(isinstance(key, str) for key in obj):
-            return False
-        items = obj.values()
-    else:
-        items = obj
-    for item in items:
-        if type(item) in _JSON_SCALARS or isinstance(item, _JSON_SCALARS):
-            continue
-        if not isinstance(item, (dict, list)) or not _plain_json(item):
-            return False
+    """True if ``obj`` is made only of str-keyed dicts, lists and JSON scalars (-> one "j" node).
+
+    An explicit stack and exact-type checks first (subclasses take the ``isinstance`` path): a ``/generate``
+    answer with log-probs is two small dicts per generated token, so this walk meets ~260k containers at
+    256 samples x 512 tokens and is most of what encoding such a frame costs."""
+    stack: list[dict | list] = [obj]
+    scalars, containers = _EXACT_SCALARS, (dict, list)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in node:
+                if type(key) is not str and not isinstance(key, str):
+                    return False
+            items = node.values()
+        else:
+            items = node
+        for item in items:
+            kind = type(item)
+            if kind in scalars:
+                continue
+            if kind is dict or kind is list or isinstance(item, containers):
+                stack.append(item)
+            elif not isinstance(item, _JSON_SCALARS):
+                return False
     return True
 
 

@@ -14,8 +14,9 @@ character tokenizer), so the ratios compare like with like:
    rounds of one server call and one bare call, **interleaved** (the order alternates every round), so
    that a drift of the machine during the run falls on both sides alike. The server's call is the whole
    ``POST /generate`` (JSON body in, JSON answer with per-token log-prob entries out, as v1 clients and
-   this benchmark's earlier runs send it); the server's log gives each call's time inside the server
-   (engine and answer assembly), the rest is HTTP and JSON. tok/s = generated tokens / wall time
+   this benchmark's earlier runs send it; ``--wire dssst1``: a DSSST1 frame each way, as the adapter's v2
+   dialect sends it); the server's log gives each call's time inside the server (engine and answer
+   assembly), the rest is HTTP and the body's encoding. tok/s = generated tokens / wall time
    (median of the rounds); the ratio is server / bare of the medians, and each round's own ratio is kept;
 2. on the same server, a training job and ``POST /weight-sync`` training -> sampler (three times), and on
    the bare engine the cost of ``llm.sleep(level=1)`` + ``llm.wake_up()`` (what ``/sleep-inference`` +
@@ -53,6 +54,7 @@ PROMPT_LEN = 256
 REPEATS = 5
 DEVICE = "cuda"
 VLLM_CONFIG = {"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 256}
+WIRE = "json"  # the server's /generate body and answer: json (v1) or dssst1 (v2, the adapter's)
 #: the server's log line for one /generate (arctic_rl/server/service.py): the call's seconds inside the server
 _SERVER_LINE = re.compile(r"generate job=\d+ prompts=(\d+) n=\d+ tokens=(\d+) ([0-9.]+)s")
 
@@ -125,7 +127,16 @@ class ServerSide:
                 "sampling_params": {"max_tokens": new, "temperature": 1.0, "ignore_eos": True, "logprobs": True,
                                     "seed": 1}}
         t0 = time.perf_counter()
-        results = self.post("/generate", body, job_id=self.job)["results"]
+        if WIRE == "dssst1":  # what the adapter sends (the v2 dialect): a DSSST1 frame each way
+            from arctic_rl import dssst1
+
+            r = requests.post(self.url + "/generate", data=bytes(dssst1.dumps(body)), params={"job_id": self.job},
+                              headers={"Content-Type": "application/octet-stream"}, timeout=900)
+            if not r.ok:
+                raise RuntimeError(f"/generate: {r.status_code} {r.text[:2000]}")
+            results = dssst1.loads(r.content)["results"]
+        else:
+            results = self.post("/generate", body, job_id=self.job)["results"]
         return time.perf_counter() - t0, sum(r["generation_len"] for r in results)
 
     def server_seconds(self) -> list[float]:
@@ -352,12 +363,14 @@ def main() -> None:
     p.add_argument("--transformers-shapes", default="64x128,64x512,256x128")
     p.add_argument("--budget-s", type=float, default=520, help="shapes not started by then are skipped")
     p.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds per shape (medians are reported)")
+    p.add_argument("--wire", choices=("json", "dssst1"), default="json",
+                   help="the server's body and answer: JSON (v1 clients; §2b, §2h) or DSSST1 (v2, what the adapter sends)")
     p.add_argument("--decompose", action="store_true",
                    help="a third side: the server's sampling engine in this process; bare runs on its engine")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="check the script on a CPU: tiny model, transformers server vs bare model.generate")
     args = p.parse_args()
-    globals()["REPEATS"] = max(1, args.repeats)
+    globals().update(REPEATS=max(1, args.repeats), WIRE=args.wire)
     if args.cpu_smoke:
         globals().update(DEVICE="cpu", PROMPT_LEN=8, SHAPES=[(2, 4)], REPEATS=2)
         args.samplers = "transformers,bare"
@@ -369,7 +382,7 @@ def main() -> None:
         model = build_tiny_model(work / "tiny_qwen3", "qwen3", seed=0)
     else:
         model = build_model(work / "qwen3_06b")
-    out: dict[str, Any] = {"prompt_len": PROMPT_LEN, "vllm_config": VLLM_CONFIG, "repeats": REPEATS}
+    out: dict[str, Any] = {"prompt_len": PROMPT_LEN, "vllm_config": VLLM_CONFIG, "repeats": REPEATS, "wire": WIRE}
     try:
         run_all(args, model, work, out)
     except Exception as exc:  # recorded with what was measured (the smoke run raises it)

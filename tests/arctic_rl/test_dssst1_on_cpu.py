@@ -8,7 +8,9 @@ flattened, row-major, as JSON numbers or bools).
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import enum
 import gc
 import hashlib
 import json
@@ -278,6 +280,40 @@ def test_roundtrip_nested_structure_and_metadata() -> None:
 )
 def test_roundtrip_roots(obj: Any) -> None:
     assert_same(dssst1.loads(dssst1.dumps(obj)), obj)
+
+
+class _Flag(enum.IntEnum):
+    ON = 1
+
+
+class _Name(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("obj", "one_json_node"),
+    [
+        ({"a": [1, 2.5, None, True, "s", {"b": []}]}, True),
+        ([{"7": {"logprob": -0.5, "rank": 1}}] * 3, True),  # a /generate answer's per-token entries
+        ({"nan": float("nan"), "inf": [float("-inf")]}, True),  # JSON scalars as Python's json writes them
+        ({"flag": _Flag.ON, _Name("key"): collections.OrderedDict(x=1)}, True),  # subclasses of the JSON types
+        ({"deep": [[{"t": (1, 2)}]]}, False),  # a tuple anywhere stays a tuple: structural nodes
+        ({"a": {1: "int key"}}, False),
+        ([[0], {"b": torch.zeros(1)}], False),
+        ({"a": [object()]}, False),
+    ],
+    ids=["nested", "answer_entries", "non_finite", "subclasses", "tuple", "int_key", "tensor", "object"],
+)
+def test_tensor_free_json_subtrees_become_one_node_and_nothing_else_does(obj: Any, one_json_node: bool) -> None:
+    assert dssst1._plain_json(obj) is one_json_node
+    if one_json_node:  # what the vendor's encoder writes for a tensor-free subtree: one "j" node
+        frame = dssst1.dumps(obj)
+        header = json.loads(bytes(frame[8 : 8 + int.from_bytes(frame[:8], "little")]))
+        assert json.loads(header["__metadata__"]["dss"])["tree"][0] == "j"
+        if "nan" not in obj:
+            assert dssst1.loads(frame) == obj
+    elif "deep" in obj:
+        assert dssst1.loads(dssst1.dumps(obj)) == obj  # the tuple comes back a tuple
 
 
 def test_frame_layout_is_safetensors() -> None:

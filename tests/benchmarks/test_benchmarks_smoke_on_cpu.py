@@ -86,3 +86,11 @@ def test_benchmark_runs_in_its_smoke_mode(script, tmp_path):
         assert loop.is_file() and bare.is_file(), sorted(p.name for p in out.iterdir())
         report = run_script("grpo_report.py", [str(loop), str(bare)])
         assert "generate" in report and "update" in report, report[-3000:]
+
+
+def test_gen_throughput_speaks_the_adapters_wire_too(tmp_path):
+    """``--wire dssst1``: the server's body and answer as the adapter's v2 dialect sends them."""
+    out = tmp_path / "out"
+    run_script("gen_throughput.py", ["--cpu-smoke", "--wire", "dssst1", "--out", str(out)])
+    results = json.loads((out / "gen_results.json").read_text())
+    assert results["wire"] == "dssst1" and results["transformers_b2_n4"]["tokens"] == 8
