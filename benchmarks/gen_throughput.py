@@ -305,7 +305,7 @@ def attribute_server_seconds(server: ServerSide, shapes, repeats: int, out: dict
 
 def table(out: dict, shapes) -> str:
     lines = [("| batch x new tokens | server vLLM tok/s | bare vLLM tok/s | ratio (medians) | ratio per round, min-max "
-              "| server: inside / HTTP+JSON s | server transformers tok/s |"),
+              "| server: inside / HTTP+encoding s | server transformers tok/s |"),
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for batch, new in shapes:
         key = f"b{batch}_n{new}"
