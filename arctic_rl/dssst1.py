@@ -202,11 +202,15 @@ def _plain_json(obj: dict | list) -> bool:
 
     An explicit stack and exact-type checks first (subclasses take the ``isinstance`` path): a ``/generate``
     answer with log-probs is two small dicts per generated token, so this walk meets ~260k containers at
-    256 samples x 512 tokens and is most of what encoding such a frame costs."""
-    stack: list[dict | list] = [obj]
-    scalars, containers = _EXACT_SCALARS, (dict, list)
+    256 samples x 512 tokens and is most of what encoding such a frame costs. Nesting deeper than the
+    interpreter's recursion limit (a cyclic object: ever deeper) raises ``RecursionError``, as the recursive
+    encoder does, which :func:`dumps` reports as nested too deeply."""
+    stack: list[tuple[dict | list, int]] = [(obj, 0)]
+    scalars, containers, limit = _EXACT_SCALARS, (dict, list), sys.getrecursionlimit()
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
+        if depth > limit:
+            raise RecursionError("DSSST1: a dict/list nested deeper than the recursion limit (a cycle?)")
         if isinstance(node, dict):
             for key in node:
                 if type(key) is not str and not isinstance(key, str):
@@ -219,7 +223,7 @@ def _plain_json(obj: dict | list) -> bool:
             if kind in scalars:
                 continue
             if kind is dict or kind is list or isinstance(item, containers):
-                stack.append(item)
+                stack.append((item, depth + 1))
             elif not isinstance(item, _JSON_SCALARS):
                 return False
     return True
