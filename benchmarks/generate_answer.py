@@ -25,48 +25,18 @@ import random
 import statistics
 import sys
 import time
-import types
-from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # vLLM-shaped outputs and the engine around them
+
+from _helpers_vllm import Completion, Logprob, OutputsOf, RequestOutput, engine_around, vllm_stand_in_modules
 
 from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines.sampling import vendor_logprobs
-from arctic_rl.tiny_models import build_char_tokenizer
 
 SHAPES = [(64, 128), (64, 512), (256, 128), (256, 512)]
 VOCAB = 151_936
-
-
-@dataclass
-class Logprob:  # the fields of vllm.logprobs.Logprob
-    logprob: float
-    rank: int | None
-
-
-@dataclass
-class Completion:  # the fields of vllm.outputs.CompletionOutput the engine reads
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]]
-    finish_reason: str = "length"
-
-
-@dataclass
-class RequestOutput:
-    outputs: list[Completion]
-    num_cached_tokens: int = 0
-
-
-class Answering:
-    """``llm.generate`` that returns the given outputs at once."""
-
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        self.outputs = outputs
-
-    def generate(self, prompts, params, use_tqdm=False):
-        return self.outputs
 
 
 def outputs_for(batch: int, new: int, seed: int = 0) -> list[RequestOutput]:
@@ -79,19 +49,10 @@ def outputs_for(batch: int, new: int, seed: int = 0) -> list[RequestOutput]:
 
 
 def engine_with(outputs: list[RequestOutput]):
-    """The server's engine without its vLLM (``generate`` imports two vLLM names: stand-ins here)."""
-    vllm, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
-    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
-    inputs.TokensPrompt = dict
-    sys.modules.setdefault("vllm", vllm)
-    sys.modules.setdefault("vllm.inputs", inputs)
-    from arctic_rl.server.engines.vllm_sampler import VllmSamplingEngine
-
-    eng = VllmSamplingEngine.__new__(VllmSamplingEngine)
-    eng.llm, eng.tokenizer = Answering(outputs), build_char_tokenizer()
-    eng.max_model_len, eng.vocab_size, eng.eos_ids, eng.weight_version = 1024, VOCAB, set(), 0
-    eng.sleeping, eng.weights_discarded = {"weights": False, "kv_cache": False}, False
-    return eng
+    """The server's engine without its vLLM: ``llm.generate`` answers at once with ``outputs``."""
+    for name, module in vllm_stand_in_modules().items():
+        sys.modules.setdefault(name, module)
+    return engine_around(OutputsOf(outputs), vocab_size=VOCAB, max_model_len=1024)
 
 
 def before(outputs: list[RequestOutput], decode) -> list[dict]:

@@ -4,7 +4,7 @@ The engine's ``generate`` turns ``llm.generate``'s outputs into the vendor's ans
 text, finish reason and, with ``logprobs``, the sampled token's log-prob and the per-position candidates as
 ``{str(token_id): {"logprob", "rank"}}``. vLLM's engine is not on this machine, so its outputs are given here
 as vLLM shapes them (``RequestOutput.outputs[i].token_ids / .logprobs / .finish_reason``, ``Logprob``
-objects) by an object standing in for ``vllm.LLM``; what runs is the server's own code after
+objects, ``tests/_helpers_vllm.py``) by an object standing in for ``vllm.LLM``; what runs is the server's own code after
 ``llm.generate`` returns. The GPU tests (``test_vllm_sampler_gpu.py``) run the same path on real vLLM.
 """
 
@@ -12,68 +12,21 @@ from __future__ import annotations
 
 import gc
 import sys
-import types
-from dataclasses import dataclass, field
 
 import pytest
+from _helpers_vllm import Completion, Logprob, OutputsOf, RequestOutput, engine_around, vllm_stand_in_modules
 
 from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines.sampling import vendor_logprobs
-from arctic_rl.server.engines.vllm_sampler import VllmSamplingEngine, _token_logprobs
-from arctic_rl.tiny_models import build_char_tokenizer
-
-
-@dataclass
-class Logprob:  # vllm.logprobs.Logprob's fields
-    logprob: float
-    rank: int | None
-    decoded_token: str | None = None
-
-
-@dataclass
-class Completion:  # vllm.outputs.CompletionOutput's fields read by the engine
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str = "length"
-
-
-@dataclass
-class RequestOutput:
-    outputs: list[Completion]
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class OutputsOf:
-    """Stands in for ``vllm.LLM``: ``generate`` returns the given outputs and records what it was asked."""
-
-    outputs: list[RequestOutput]
-    calls: list = field(default_factory=list)
-
-    def generate(self, prompts, params, use_tqdm=False):
-        self.calls.append((prompts, params))
-        return self.outputs
+from arctic_rl.server.engines.vllm_sampler import _token_logprobs
 
 
 @pytest.fixture
 def engine(monkeypatch):
-    """A vLLM sampling engine without its ``LLM`` (the two vLLM names ``generate`` imports stand in here)."""
-    vllm = types.ModuleType("vllm")
-    inputs = types.ModuleType("vllm.inputs")
-
-    class Params:
-        def __init__(self, **kw):
-            self.__dict__.update(kw)
-
-    vllm.SamplingParams, inputs.TokensPrompt = Params, dict
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
-    eng = VllmSamplingEngine.__new__(VllmSamplingEngine)
-    eng.tokenizer = build_char_tokenizer()
-    eng.max_model_len, eng.vocab_size, eng.eos_ids, eng.weight_version = 64, 100, set(), 3
-    eng.sleeping, eng.weights_discarded = {"weights": False, "kv_cache": False}, False
-    return eng
+    """A vLLM sampling engine without its ``LLM``; each test gives it one (``engine.llm = OutputsOf(...)``)."""
+    for name, module in vllm_stand_in_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return engine_around(None, vocab_size=100, max_model_len=64, weight_version=3)
 
 
 def _ids(text: str, tok) -> list[int]:

@@ -1,0 +1,68 @@
+"""vLLM's outputs as ``llm.generate`` returns them, and the server's vLLM engine around such an ``llm``,
+for the CPU tests and the CPU benchmark of the engine's ``/generate`` answer (no vLLM on those machines).
+
+Only the fields the engine reads are modelled (``vllm.outputs.RequestOutput`` / ``CompletionOutput``,
+``vllm.logprobs.Logprob``). :func:`vllm_stand_in_modules` gives the two vLLM names ``generate`` imports
+at call time; the caller installs them in ``sys.modules`` (a test through ``monkeypatch``).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from arctic_rl.tiny_models import build_char_tokenizer
+
+
+@dataclass
+class Logprob:  # vllm.logprobs.Logprob's fields
+    logprob: float
+    rank: int | None
+    decoded_token: str | None = None
+
+
+@dataclass
+class Completion:  # vllm.outputs.CompletionOutput's fields read by the engine
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str = "length"
+
+
+@dataclass
+class RequestOutput:
+    outputs: list[Completion]
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class OutputsOf:
+    """Stands in for ``vllm.LLM``: ``generate`` returns the given outputs at once and records what it was asked."""
+
+    outputs: list[RequestOutput]
+    calls: list = field(default_factory=list)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append((prompts, params))
+        return self.outputs
+
+
+def vllm_stand_in_modules() -> dict[str, types.ModuleType]:
+    """``vllm`` (its ``SamplingParams`` keeps the keywords it is given) and ``vllm.inputs`` (``TokensPrompt``)."""
+    vllm, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    inputs.TokensPrompt = dict
+    return {"vllm": vllm, "vllm.inputs": inputs}
+
+
+def engine_around(llm: Any, *, vocab_size: int, max_model_len: int, weight_version: int = 0):
+    """The server's :class:`~arctic_rl.server.engines.vllm_sampler.VllmSamplingEngine` without building vLLM:
+    its ``llm`` is the given one, its tokenizer the project's character tokenizer, awake, no EOS ids."""
+    from arctic_rl.server.engines.vllm_sampler import VllmSamplingEngine
+
+    eng = VllmSamplingEngine.__new__(VllmSamplingEngine)
+    eng.llm, eng.tokenizer = llm, build_char_tokenizer()
+    eng.max_model_len, eng.vocab_size, eng.eos_ids, eng.weight_version = max_model_len, vocab_size, set(), weight_version
+    eng.sleeping, eng.weights_discarded = {"weights": False, "kv_cache": False}, False
+    return eng
