@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Pack what the detached runner (grpo_runs.sh) has so far into one tarball, for a polling command to bring back:
-# RESULTS_DIR as it is, plus the live metrics.jsonl and the last lines of run.log of every run directory under
-# OUT_BASE/runs (the runner copies them into RESULTS_DIR only when a run ends). Prints the status file.
+# RESULTS_DIR as it is, plus the live metrics.jsonl, the last lines of run.log and the reference server's line per
+# call (server_calls.log) of every run directory under OUT_BASE/runs (the runner copies them into RESULTS_DIR only
+# when a run ends). Prints the status file.
 #
 #   bash benchmarks/device/collect.sh RESULTS_DIR OUT_BASE TARBALL      # e.g. /tmp/results /tmp/arith $OUT/results.tgz
 set -uo pipefail
@@ -15,6 +16,10 @@ for run_dir in "$out_base"/runs/*/; do
     mkdir -p "$results/$name"
     [ -f "$run_dir/metrics.jsonl" ] && cp "$run_dir/metrics.jsonl" "$results/$name/metrics.jsonl"
     [ -f "$run_dir/run.log" ] && tail -n 200 "$run_dir/run.log" >"$results/$name/run_tail.log"
+    if compgen -G "$run_dir/server/*.log" >/dev/null; then  # the reference server's line per call
+        grep -hE "(generate|forward|forward-backward|step) job=|weight-sync|zorro" "$run_dir"/server/*.log \
+            >"$results/$name/server_calls.log"
+    fi
 done
 cat "$results/status" 2>/dev/null
 for f in "$results"/*/metrics.jsonl; do

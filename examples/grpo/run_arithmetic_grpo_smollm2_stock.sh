@@ -42,6 +42,12 @@ GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.4}"
 KV_CACHE_BYTES="${KV_CACHE_BYTES:-}"
 # Attention of the FSDP actor: auto = flash_attention_2 when flash_attn imports, else sdpa (the H200 image has none).
 ATTN="${ATTN:-auto}"
+# verl's fused log-prob kernels (model.use_fused_kernels, torch backend): auto = on when flash_attn does not import.
+# Without flash-attn, verl 0.9.1's FSDP engine takes log-probs with logprobs_from_logits_v2, which loops in Python
+# over every token of a micro-batch (prompt and response: ~27k logsumexp calls, forward and backward, for a 16-row
+# few-shot micro-batch): measured on the H200 at 0.6 % MFU (benchmarks/RESULTS.md §2e). The fused path computes
+# log-probs and entropy from the hidden states in chunks instead, as a user without flash-attn would pick.
+FUSED_KERNELS="${FUSED_KERNELS:-auto}"
 # Stock verl only runs on a GPU here: the recipe's GPU sizes unless DEVICE says otherwise (print-only).
 DEVICE="${DEVICE:-cuda}"
 
@@ -65,6 +71,12 @@ case "${ATTN}" in
     flash_attention_2|sdpa|eager) ;;
     *) echo "ATTN: expected auto, flash_attention_2, sdpa or eager, got '${ATTN}'" >&2; exit 2 ;;
 esac
+case "${FUSED_KERNELS}" in
+    auto)
+        if "${PYTHON}" -c "import flash_attn" 2>/dev/null; then FUSED_KERNELS=false; else FUSED_KERNELS=true; fi ;;
+    true|false) ;;
+    *) echo "FUSED_KERNELS: expected auto, true or false, got '${FUSED_KERNELS}'" >&2; exit 2 ;;
+esac
 RUN_NAME="${RUN_NAME:-stock_${PROMPT_STYLE}_${DEVICE}_seed${SEED}}"
 RUN_DIR="${RUN_DIR:-${OUT_DIR}/runs/${RUN_NAME}}"
 
@@ -73,7 +85,7 @@ if [ "${PRINT_ONLY}" = false ]; then
     console_header \
         "arithmetic GRPO: SmolLM2-135M-Instruct, ${PROMPT_STYLE} prompts, ${STEPS} steps, seed ${SEED}" \
         "  $(arithmetic_describe)" \
-        "  stock verl 0.9.1: FSDP actor + vLLM rollout colocated on 1 GPU (gpu_memory_utilization ${GPU_MEMORY_UTILIZATION}, attention ${ATTN})" \
+        "  stock verl 0.9.1: FSDP actor + vLLM rollout colocated on 1 GPU (gpu_memory_utilization ${GPU_MEMORY_UTILIZATION}, attention ${ATTN}, fused log-prob kernels ${FUSED_KERNELS})" \
         "  results: ${RUN_DIR}" \
         "  log:     ${RUN_DIR}/run.log (Ray, verl, vLLM start-up; VERBOSE=1 prints it here)"
     arithmetic_prepare
@@ -87,6 +99,8 @@ arithmetic_groups  # DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER: the recip
 # Only the keys of stock verl's colocated FSDP + vLLM backend below; everything learned is in arithmetic.sh.
 MODEL+=(
     +actor_rollout_ref.model.override_config.attn_implementation="${ATTN}"
+    actor_rollout_ref.model.use_fused_kernels="${FUSED_KERNELS}"
+    actor_rollout_ref.model.fused_kernel_options.impl_backend=torch
 )
 ACTOR+=(
     actor_rollout_ref.actor.strategy=fsdp

@@ -177,7 +177,8 @@ def test_a_drifting_script_is_caught(configs, tmp_path, side, overrides, env_ext
 
 
 def _run_stock(tmp_path: pathlib.Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in {"DEVICE", "ATTN", "RUN_DIR", "RUN_NAME", "PROMPT_STYLE"}}
+    env = {k: v for k, v in os.environ.items() if k not in {"DEVICE", "ATTN", "FUSED_KERNELS", "RUN_DIR", "RUN_NAME",
+                                                          "PROMPT_STYLE"}}
     env.update(PYTHON=sys.executable, OUT_DIR=str(tmp_path / "out"), **env_extra)
     return subprocess.run(["bash", str(GRPO_DIR / SCRIPTS["stock"]), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
@@ -200,3 +201,19 @@ def test_the_stock_script_names_a_bad_attention_setting(tmp_path):
     proc = _run_stock(tmp_path, "--cfg", "job", ATTN="flash")
     assert proc.returncode == 2
     assert "ATTN: expected auto, flash_attention_2, sdpa or eager, got 'flash'" in proc.stderr
+
+
+def test_the_stock_script_takes_fused_log_prob_kernels_unless_flash_attn_is_there(tmp_path):
+    """Without flash-attn, verl's own log-prob fallback loops over every token; the stock recipe takes verl's fused
+    kernels instead (``FUSED_KERNELS=auto``), and a wrong value is named."""
+    import importlib.util
+
+    default = yaml.safe_load(_run_stock(tmp_path, "--cfg", "job", DEVICE="cuda").stdout)
+    expected = importlib.util.find_spec("flash_attn") is None
+    assert default["actor_rollout_ref"]["model"]["use_fused_kernels"] is expected
+    assert default["actor_rollout_ref"]["model"]["fused_kernel_options"]["impl_backend"] == "torch"
+    off = yaml.safe_load(_run_stock(tmp_path, "--cfg", "job", DEVICE="cuda", FUSED_KERNELS="false").stdout)
+    assert off["actor_rollout_ref"]["model"]["use_fused_kernels"] is False
+    proc = _run_stock(tmp_path, "--cfg", "job", DEVICE="cuda", FUSED_KERNELS="yes")
+    assert proc.returncode == 2
+    assert "FUSED_KERNELS: expected auto, true or false, got 'yes'" in proc.stderr
