@@ -138,6 +138,29 @@ def test_a_lone_call_leaves_after_max_wait():
     assert 0.025 <= elapsed < 1.0
 
 
+def test_every_batch_logs_its_calls_their_arrival_span_the_wait_and_the_run(caplog):
+    rec = _Recorder(delay_s=0.05)
+
+    async def main():
+        co = RequestCoalescer(rec, max_batch_size=3, max_wait_ms=1000)
+        first = asyncio.ensure_future(co.submit([1], {}))
+        await asyncio.sleep(0.04)  # the batch's calls arrive 40 ms apart
+        rest = [asyncio.ensure_future(co.submit([i], {})) for i in (2, 3)]
+        out = await asyncio.gather(first, *rest)
+        await co.close()
+        return out
+
+    with caplog.at_level(logging.INFO, logger="verl.remote_backend.workers.coalescer"):
+        assert _run(main()) == [10, 20, 30]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generate batch:")]
+    assert len(lines) == 1, lines
+    words = lines[0].split()
+    calls, span_ms, waited_ms, ran_s = int(words[2]), float(words[6]), float(words[11]), float(words[14])
+    assert calls == 3
+    assert 30 <= span_ms <= waited_ms < 1000  # sent when full, not after max_wait_ms
+    assert 0.04 <= ran_s < 1.0
+
+
 def test_wrong_result_count_is_an_error_for_every_caller():
     async def short(prompts, params):
         return [0] * (len(prompts) - 1)

@@ -10,7 +10,10 @@ concurrent calls and hands them to one ``run_batch(prompts, params)`` coroutine 
 * at most ``max_in_flight`` batches run at once; while they do, waiting groups keep growing
   (up to ``max_batch_size``), so a busy backend gets larger batches rather than more of them;
 * each caller gets its own result, in order; when a batch fails every one of its callers gets
-  the exception; :meth:`abort_pending` fails the calls not yet sent.
+  the exception; :meth:`abort_pending` fails the calls not yet sent;
+* every batch logs one line: its calls, the span over which they arrived, how long the oldest
+  waited before the batch was sent, and how long the batch ran -- what a ``max_wait_ms`` choice
+  is tuned from.
 
 This module is plain asyncio: it knows nothing of Ray, verl or HTTP (the rollout server in
 ``replica.py`` plugs the adapter's ``generate`` in), which keeps it unit-testable.
@@ -20,12 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["RequestAborted", "RequestCoalescer", "params_key"]
+
+logger = logging.getLogger(__name__)
 
 BatchFn = Callable[[list[list[int]], dict[str, Any]], Awaitable[Sequence[Any]]]
 
@@ -179,6 +185,7 @@ class RequestCoalescer:
                 return
             self.sent_batches.append((len(live), params))
             del self.sent_batches[:-256]
+            sent = time.monotonic()
             try:
                 results = await self._run_batch([c.prompt for c in live], dict(params))
                 results = list(results)
@@ -195,6 +202,15 @@ class RequestCoalescer:
                     if not call.future.done():
                         call.future.set_exception(exc)
                 return
+            arrivals = [c.arrived for c in live]
+            logger.info(
+                "generate batch: %d calls arrived over %.0f ms, the oldest waited %.0f ms, ran %.3f s; %d queued",
+                len(live),
+                1000 * (max(arrivals) - min(arrivals)),
+                1000 * (sent - min(arrivals)),
+                time.monotonic() - sent,
+                self.pending(),
+            )
             for call, result in zip(live, results):
                 if not call.future.done():
                     call.future.set_result(result)
