@@ -217,3 +217,38 @@ def test_the_stock_script_takes_fused_log_prob_kernels_unless_flash_attn_is_ther
     proc = _run_stock(tmp_path, "--cfg", "job", DEVICE="cuda", FUSED_KERNELS="yes")
     assert proc.returncode == 2
     assert "FUSED_KERNELS: expected auto, true or false, got 'yes'" in proc.stderr
+
+
+_FUSED_CHECK = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=300, attn_implementation="sdpa")
+model = LlamaForCausalLM(config)
+ids = torch.randint(0, 300, (3, 20))
+mask = torch.ones_like(ids)
+mask[0, :5] = 0  # a left-padded prompt
+positions = (mask.cumsum(-1) - 1).clamp(min=0)
+with torch.no_grad():
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+plain = torch.log_softmax(logits, -1).gather(-1, torch.roll(ids, -1, -1).unsqueeze(-1)).squeeze(-1)
+apply_monkey_patch(model, use_remove_padding=False, ulysses_sp_size=1, use_fused_kernels=True,
+                   fused_kernels_backend="torch")
+out = model(input_ids=ids, attention_mask=mask, position_ids=positions, temperature=1.0, return_dict=True)
+torch.testing.assert_close(out.log_probs.detach(), plain, rtol=1e-5, atol=1e-5)
+out.log_probs[mask.bool()].sum().backward()
+assert model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+print("FUSED_OK")
+"""
+
+
+def test_verls_fused_log_prob_path_computes_the_plain_log_probs():
+    """What the stock recipe switches on (``use_fused_kernels``, torch backend) is the same quantity as the plain
+    log-softmax of the logits, so both backends learn from the same log-probs: a small Llama with verl's own patch,
+    a padded row included, gradients flowing. In a subprocess: verl patches the model class's ``forward``."""
+    proc = subprocess.run([sys.executable, "-c", _FUSED_CHECK], capture_output=True, text=True, timeout=300,
+                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "FUSED_OK" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
