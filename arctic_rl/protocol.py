@@ -168,6 +168,9 @@ class Features:
     IDEMPOTENCY = "idempotency"  # X-Request-Id replays are answered from a cache
     LOAD_CHECKPOINT = "load_checkpoint"  # /load-checkpoint restores model+optimizer+step
     INSTANCE_ID = "instance_id"  # /health carries an id that changes on every server start
+    #: /generate takes sampling_params.logprobs_format="sampled" (one float per generated token instead of the
+    #: vendor's per-token candidates) and sampling_params.detokenize=false (no ``text``, the token ids only)
+    COMPACT_RESULTS = "compact_results"
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,6 +516,22 @@ class SamplingParams(BaseModel):
     #: return the log-prob of each sampled token (vLLM: ``logprobs=0`` or ``1``)
     logprobs: int | bool | None = None
     skip_special_tokens: bool = True
+    #: the shape of each result's ``logprobs`` (servers listing ``Features.COMPACT_RESULTS`` only; absent =
+    #: "candidates"): "candidates" = the vendor's ``{str(token_id): {logprob, rank}}`` per generated token,
+    #: "sampled" = the sampled token's log-prob alone, one float per generated token (no top tokens)
+    logprobs_format: Literal["candidates", "sampled"] | None = None
+    #: false: results carry no ``text`` (an empty string), the token ids only (servers listing
+    #: ``Features.COMPACT_RESULTS`` only; absent = true)
+    detokenize: bool | None = None
+
+    @property
+    def sampled_logprobs_only(self) -> bool:
+        """Log-probs asked for in the compact shape: the sampled token's value per position, nothing else."""
+        return self.logprobs_format == "sampled" and self.logprobs is not None and self.logprobs is not False
+
+    @property
+    def wants_text(self) -> bool:
+        return self.detokenize is not False
 
     @field_validator("top_k", mode="before")
     @classmethod

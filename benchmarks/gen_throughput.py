@@ -55,6 +55,7 @@ REPEATS = 5
 DEVICE = "cuda"
 VLLM_CONFIG = {"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 256}
 WIRE = "json"  # the server's /generate body and answer: json (v1) or dssst1 (v2, the adapter's)
+ANSWER = "vendor"  # the answer's shape: vendor (per-token candidates, text) or compact (compact_results)
 #: the server's log line for one /generate (arctic_rl/server/service.py): the call's seconds inside the server
 _SERVER_LINE = re.compile(r"generate job=\d+ prompts=(\d+) n=\d+ tokens=(\d+) ([0-9.]+)s")
 
@@ -123,9 +124,10 @@ class ServerSide:
         return r.json()
 
     def run(self, batch: int, new: int) -> tuple[float, int]:
-        body = {"prompts": prompts_for(batch),
-                "sampling_params": {"max_tokens": new, "temperature": 1.0, "ignore_eos": True, "logprobs": True,
-                                    "seed": 1}}
+        params = {"max_tokens": new, "temperature": 1.0, "ignore_eos": True, "logprobs": True, "seed": 1}
+        if ANSWER == "compact":  # what the adapter asks of a server listing compact_results
+            params.update(logprobs_format="sampled", detokenize=False)
+        body = {"prompts": prompts_for(batch), "sampling_params": params}
         t0 = time.perf_counter()
         if WIRE == "dssst1":  # what the adapter sends (the v2 dialect): a DSSST1 frame each way
             from arctic_rl import dssst1
@@ -365,12 +367,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds per shape (medians are reported)")
     p.add_argument("--wire", choices=("json", "dssst1"), default="json",
                    help="the server's body and answer: JSON (v1 clients; §2b, §2h) or DSSST1 (v2, what the adapter sends)")
+    p.add_argument("--answer", choices=("vendor", "compact"), default="vendor",
+                   help="the server's answer: the vendor's per-token candidates and text (§2b, §2h) or the compact "
+                        "one the adapter asks for (compact_results: one log-prob float per token, no text)")
     p.add_argument("--decompose", action="store_true",
                    help="a third side: the server's sampling engine in this process; bare runs on its engine")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="check the script on a CPU: tiny model, transformers server vs bare model.generate")
     args = p.parse_args()
-    globals().update(REPEATS=max(1, args.repeats), WIRE=args.wire)
+    globals().update(REPEATS=max(1, args.repeats), WIRE=args.wire, ANSWER=args.answer)
     if args.cpu_smoke:
         globals().update(DEVICE="cpu", PROMPT_LEN=8, SHAPES=[(2, 4)], REPEATS=2)
         args.samplers = "transformers,bare"
@@ -382,7 +387,8 @@ def main() -> None:
         model = build_tiny_model(work / "tiny_qwen3", "qwen3", seed=0)
     else:
         model = build_model(work / "qwen3_06b")
-    out: dict[str, Any] = {"prompt_len": PROMPT_LEN, "vllm_config": VLLM_CONFIG, "repeats": REPEATS, "wire": WIRE}
+    out: dict[str, Any] = {"prompt_len": PROMPT_LEN, "vllm_config": VLLM_CONFIG, "repeats": REPEATS, "wire": WIRE,
+                           "answer": ANSWER}
     try:
         run_all(args, model, work, out)
     except Exception as exc:  # recorded with what was measured (the smoke run raises it)

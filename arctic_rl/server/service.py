@@ -59,6 +59,7 @@ FEATURES = (
     Features.IDEMPOTENCY,
     Features.LOAD_CHECKPOINT,
     Features.INSTANCE_ID,
+    Features.COMPACT_RESULTS,
 )
 
 

@@ -115,6 +115,25 @@ def test_token_prompts_equal_text_prompts_and_logprobs_are_exact(srv, tiny_model
         assert (entry[str(tok)]["rank"] == 1) == (len(entry) == 1)
 
 
+def test_the_compact_answer_holds_the_sampled_log_probs_and_no_text(srv):
+    """``compact_results``: the same seeded call answered in the compact shape carries exactly the sampled
+    tokens' log-probs of the vendor-shaped answer, one float per token, and no text when asked for none."""
+    assert "compact_results" in requests.get(srv.url + "/health", timeout=5).json()["features"]
+    common = {"temperature": 1.0, "max_tokens": 10, "seed": 11, "ignore_eos": True, "logprobs": 2, "n": 2}
+    vendor = generate(srv, PROMPT_IDS, **common)
+    compact = generate(srv, PROMPT_IDS, **common, logprobs_format="sampled", detokenize=False)
+    assert [r["token_ids"] for r in compact] == [r["token_ids"] for r in vendor]
+    for v, c in zip(vendor, compact):
+        assert all(isinstance(x, float) for x in c["logprobs"]) and len(c["logprobs"]) == len(c["token_ids"])
+        assert c["logprobs"] == pytest.approx(sampled(v), abs=1e-6)
+        assert all(len(entry) >= 2 for entry in v["logprobs"])  # the vendor shape keeps its top tokens
+        assert c["text"] == "" and v["text"] != ""
+    text_kept = generate(srv, PROMPT_IDS, **common, logprobs_format="sampled")
+    assert [r["text"] for r in text_kept] == [r["text"] for r in vendor]
+    none_asked = generate(srv, PROMPT_IDS, temperature=1.0, max_tokens=4, seed=3, logprobs_format="sampled")
+    assert all(r["logprobs"] is None for r in none_asked)
+
+
 def test_v1_json_generate(srv):
     body = {"prompts": ["abc", "de"], "sampling_params": {"temperature": 0, "max_tokens": 4, "ignore_eos": True}}
     v1 = requests.post(f"{srv.url}/generate?job_id={srv.sampling_id}", json=body, timeout=60)
@@ -136,6 +155,8 @@ def test_v1_json_generate(srv):
         ({"prompts": [[5]], "sampling_params": {"max_tokens": 5000}}, "sampling_params.max_tokens"),
         ({"prompts": [], "sampling_params": {}}, "prompts"),
         ({"prompts": [[5]], "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids"),
+        ({"prompts": [[5]], "sampling_params": {"logprobs_format": "floats"}}, "sampling_params.logprobs_format"),
+        ({"prompts": [[5]], "sampling_params": {"detokenize": "maybe"}}, "sampling_params.detokenize"),
     ],
 )
 def test_bad_generate_input_is_400(srv, body, field):

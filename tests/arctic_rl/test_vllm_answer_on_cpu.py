@@ -67,6 +67,24 @@ def test_generate_builds_the_vendor_answer_from_vllm_outputs(engine):
     assert gc.isenabled()  # the collector, paused while the answer is built, is back on
 
 
+def test_the_compact_answer_asks_vllm_for_the_sampled_token_only_and_carries_floats_without_text(engine):
+    tok = engine.tokenizer
+    a, b = _ids("ab", tok), _ids("xyz", tok)
+    outs = [RequestOutput([Completion(0, a, [{t: Logprob(-0.5, 1)} for t in a]),
+                           Completion(1, b, [{t: Logprob(-0.25 * (i + 1), 2)} for i, t in enumerate(b)])])]
+    engine.llm = OutputsOf(outs)
+    params = SamplingParams(max_tokens=4, logprobs=3, n=2, logprobs_format="sampled", detokenize=False)
+    res = engine.generate(GenerateRequest(prompts=[[5, 6, 7]]), params)
+    assert [r["logprobs"] for r in res] == [[-0.5, -0.5], [-0.25, -0.5, -0.75]]
+    assert [r["text"] for r in res] == ["", ""] and [r["token_ids"] for r in res] == [a, b]
+    (_, vllm_params), = engine.llm.calls
+    assert {p.logprobs for p in vllm_params} == {0}  # no top tokens computed for an answer that drops them
+    assert _token_logprobs([7, 4], [{7: Logprob(-0.5, 1), 9: Logprob(-1.5, 2)}, {4: Logprob(-2.0, 3)}],
+                           candidates=False) == ([-0.5, -2.0], [])
+    with pytest.raises(RuntimeError, match="no log-prob for the sampled token 7"):
+        _token_logprobs([7], [{9: Logprob(-1.0, 1)}], candidates=False)
+
+
 def test_generate_cuts_log_probs_with_the_tokens_at_a_stop_string(engine):
     ids = _ids("abXYcd", engine.tokenizer)
     engine.llm = OutputsOf([RequestOutput([Completion(0, ids, [{t: Logprob(-0.1 * t, 1)} for t in ids])])])

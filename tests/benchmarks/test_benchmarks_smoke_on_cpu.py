@@ -89,8 +89,10 @@ def test_benchmark_runs_in_its_smoke_mode(script, tmp_path):
 
 
 def test_gen_throughput_speaks_the_adapters_wire_too(tmp_path):
-    """``--wire dssst1``: the server's body and answer as the adapter's v2 dialect sends them."""
+    """``--wire dssst1 --answer compact``: the server's body and answer as the adapter's v2 dialect sends and asks
+    for them on our server (DSSST1 each way, the compact answer)."""
     out = tmp_path / "out"
-    run_script("gen_throughput.py", ["--cpu-smoke", "--wire", "dssst1", "--out", str(out)])
+    run_script("gen_throughput.py", ["--cpu-smoke", "--wire", "dssst1", "--answer", "compact", "--out", str(out)])
     results = json.loads((out / "gen_results.json").read_text())
-    assert results["wire"] == "dssst1" and results["transformers_b2_n4"]["tokens"] == 8
+    assert results["wire"] == "dssst1" and results["answer"] == "compact"
+    assert results["transformers_b2_n4"]["tokens"] == 8

@@ -112,14 +112,21 @@ class TestZorroOff:
     def test_log_probs_of_the_log_prob_job_match_transformers(self, client, tiny_model_dir):
         check_logprobs(client, tiny_model_dir, ref=True)
 
-    def test_generate_answers_the_sampled_tokens_log_probs(self, client, tiny_model_dir):
-        """The sampled tokens' values, as transformers gives them (T=1, fp32 sampler)."""
+    def test_generate_answers_the_sampled_tokens_log_probs(self, client, tiny_model_dir, monkeypatch):
+        """The sampled tokens' values, as transformers gives them (T=1, fp32 sampler); the vendor's server lists
+        no ``compact_results``, so the body carries none of its keys (our extension, not the vendor's protocol)."""
         from transformers import AutoModelForCausalLM
 
+        from verl.workers.remote_client.arctic.dialect import DialectV2
+
+        sent, original = [], DialectV2.generate_payload
+        monkeypatch.setattr(DialectV2, "generate_payload",
+                            lambda self, prompts, params: sent.append(dict(params)) or original(self, prompts, params))
         tok = client.tokenizer
         prompt_ids = [tok(text, add_special_tokens=False)["input_ids"] for text in ("hello world", "abc")]
         results = client.generate(prompt_ids, {"temperature": 1.0, "max_tokens": 4, "logprobs": True,
                                                "ignore_eos": True, "seed": 3})
+        assert sent and not any({"logprobs_format", "detokenize"} & set(p) for p in sent)
         assert len(results) == 2
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
         for ids, res in zip(prompt_ids, results):

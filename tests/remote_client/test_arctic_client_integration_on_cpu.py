@@ -176,6 +176,29 @@ class TestFullCycleV2:
         assert [r.prompt_len for r in results] == [3, 3, 2, 2]
         assert all(1 <= len(r.token_ids) <= 4 for r in results)
 
+    def test_generate_asks_this_server_for_the_compact_answer(self, client, monkeypatch):
+        """The server lists ``compact_results``: the client asks for the sampled tokens' log-probs alone and no
+        text (verl reads neither the candidates nor the text), whatever the caller passed for those keys."""
+        from verl.workers.remote_client.arctic.dialect import DialectV2
+
+        sent = []
+        original = DialectV2.generate_payload
+
+        def spy(self, prompts, sampling_params):
+            sent.append(dict(sampling_params))
+            return original(self, prompts, sampling_params)
+
+        monkeypatch.setattr(DialectV2, "generate_payload", spy)
+        results = client.generate([[5, 6, 7]], {"n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 5,
+                                                "logprobs": 1, "ignore_eos": True, "logprobs_format": "candidates",
+                                                "detokenize": True})
+        assert sent and all(p["logprobs_format"] == "sampled" and p["detokenize"] is False for p in sent)
+        assert all(r.text == "" and len(r.logprobs) == len(r.token_ids) == 4 for r in results)
+        assert all(isinstance(x, float) and x <= 0 for r in results for x in r.logprobs)
+        sent.clear()
+        client.generate([[5, 6, 7]], {"max_tokens": 2})  # no log-probs asked: no log-prob shape sent
+        assert sent and all("logprobs_format" not in p and p["detokenize"] is False for p in sent)
+
     def test_a_loaded_checkpoint_brings_back_its_log_probs(self, client, server):
         """Save, train on, load the saved step: the log-probs of the saved step again."""
         _, _, data = grpo_batch()

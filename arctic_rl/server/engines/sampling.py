@@ -11,7 +11,9 @@ seeded request reproducible. The loop itself is :mod:`.generation`; on CUDA, req
 strings take :mod:`.fast_generation` (static cache, compiled decode step, batch buckets).
 
 With ``logprobs=k`` each result carries, per generated token, the vendor's (vLLM's) entry
-``{str(token_id): {"logprob", "rank"}}`` for the sampled token and the ``k`` most likely tokens.
+``{str(token_id): {"logprob", "rank"}}`` for the sampled token and the ``k`` most likely tokens; with
+``logprobs_format="sampled"`` (:data:`Features.COMPACT_RESULTS`) the sampled token's log-prob alone, one float
+per token, and with ``detokenize=false`` no ``text`` (both samplers: :func:`result_logprobs`, :func:`result_text`).
 A sampler exposes ``generate``, ``load_weights``, ``info``, ``sleep``, ``wake_up``,
 ``reset_prefix_cache`` and ``weight_norm`` (the routes of :mod:`arctic_rl.server.app` call them).
 """
@@ -35,7 +37,7 @@ from arctic_rl.server.engines.weights import copy_weights, weight_norm
 from arctic_rl.server.errors import BadRequest, from_validation_error
 from arctic_rl.server.settings import ServerSettings
 
-__all__ = ["SamplingEngine", "parse_generate_request", "vendor_logprobs"]
+__all__ = ["SamplingEngine", "parse_generate_request", "result_logprobs", "result_text", "vendor_logprobs"]
 
 logger = logging.getLogger("arctic_rl.server")
 
@@ -70,6 +72,22 @@ def parse_generate_request(obj: Any) -> tuple[GenerateRequest, SamplingParams]:
 def vendor_logprobs(candidates: list[dict[int, tuple[float, int]]]) -> list[dict[str, dict[str, float | int]]]:
     """Per-token candidates in the vendor's (vLLM's) answer format: ``[{str(token_id): {"logprob", "rank"}}]``."""
     return [{str(tok): {"logprob": lp, "rank": rank} for tok, (lp, rank) in step.items()} for step in candidates]
+
+
+def result_logprobs(
+    token_ids: list[int], candidates: list[dict[int, tuple[float, int]]], params: SamplingParams
+) -> list[dict[str, dict[str, float | int]]] | list[float] | None:
+    """A result's ``logprobs`` in the shape the request asked for (None when it asked for none)."""
+    if params.logprobs is None or params.logprobs is False:
+        return None
+    if params.sampled_logprobs_only:
+        return [float(step[tok][0]) for tok, step in zip(token_ids, candidates, strict=True)]
+    return vendor_logprobs(candidates)
+
+
+def result_text(text: str, params: SamplingParams) -> str:
+    """A result's ``text``: empty when the request asked for token ids only (``detokenize=false``)."""
+    return text if params.wants_text else ""
 
 
 class SamplingEngine:
@@ -166,7 +184,8 @@ class SamplingEngine:
             return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
         want_lps = params.logprobs is not None and params.logprobs is not False
-        top_k = int(params.logprobs) if want_lps else None  # vLLM: the sampled token + the top `logprobs`
+        # vLLM: the sampled token + the top `logprobs`; the compact shape keeps the sampled token's value only
+        top_k = (0 if params.sampled_logprobs_only else int(params.logprobs)) if want_lps else None
         results: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         for start in range(0, len(rows), self.batch_size):
@@ -185,13 +204,13 @@ class SamplingEngine:
             for (pi, si), sample in zip(chunk, samples, strict=True):
                 results.append(
                     {
-                        "text": sample.text,
+                        "text": result_text(sample.text, params),
                         "token_ids": sample.token_ids,
                         "finish_reason": sample.finish_reason,
                         "prompt_len": len(prompts[pi]),
                         "generation_len": len(sample.token_ids),
                         "prefix_cache_len": 0,
-                        "logprobs": vendor_logprobs(sample.candidates) if want_lps else None,
+                        "logprobs": result_logprobs(sample.token_ids, sample.candidates, params),
                         "prompt_index": pi,
                         "sample_index": si,
                         "weight_version": self.weight_version,

@@ -135,15 +135,25 @@ def _model_weight_norm(worker: Any) -> dict[str, float | int]:
     return weight_norm(worker.model_runner.model)
 
 
-def _token_logprobs(token_ids: list[int], logprobs: Any) -> tuple[list[float], list[dict[str, dict[str, Any]]]]:
-    """One pass over vLLM's per-token ``{token_id: Logprob}``: each sampled token's log-prob, and each
-    position's candidates in the vendor's answer format (``{str(token_id): {"logprob", "rank"}}``, what
-    :func:`.sampling.vendor_logprobs` writes for the transformers sampler), the sampled token always among them.
+def _token_logprobs(
+    token_ids: list[int], logprobs: Any, *, candidates: bool = True
+) -> tuple[list[float], list[dict[str, dict[str, Any]]]]:
+    """One pass over vLLM's per-token ``{token_id: Logprob}``: each sampled token's log-prob, and (unless
+    ``candidates`` is false: the compact answer) each position's candidates in the vendor's answer format
+    (``{str(token_id): {"logprob", "rank"}}``, what :func:`.sampling.vendor_logprobs` writes for the transformers
+    sampler), the sampled token always among them.
 
     One pass and no intermediate objects: at 256 samples x 512 tokens this is 131k positions per call, and
     building them was a large part of what the engine adds around ``llm.generate`` (``benchmarks/RESULTS.md`` §2h)."""
     lps: list[float] = []
     entries: list[dict[str, dict[str, Any]]] = []
+    if not candidates:
+        for tok, step in zip(token_ids, logprobs or [], strict=True):
+            lp = step.get(tok)
+            if lp is None:
+                raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
+            lps.append(float(lp.logprob))
+        return lps, entries
     for tok, step in zip(token_ids, logprobs or [], strict=True):
         entry: dict[str, dict[str, Any]] = {}
         sampled = None
@@ -281,6 +291,8 @@ class VllmSamplingEngine:
         if n_top is not None and not 0 <= n_top <= MAX_LOGPROBS:
             raise BadRequest("sampling_params.logprobs: how many top tokens to report per generated token",
                              field="sampling_params.logprobs", allowed=f"0..{MAX_LOGPROBS}", received=params.logprobs)
+        if params.sampled_logprobs_only:
+            n_top = 0  # the compact shape: vLLM computes the sampled token's log-prob alone
         common = {
             "n": params.n,
             "temperature": params.temperature,
@@ -320,6 +332,7 @@ class VllmSamplingEngine:
 
         prompts = self._prompt_ids(list(request.prompts))
         vllm_params, want_lps = self._vllm_params(params, prompts)
+        sampled_only = params.sampled_logprobs_only
         self._check_awake()
         stops = [s for s in (params.stop or []) if s]
 
@@ -336,12 +349,15 @@ class VllmSamplingEngine:
                 cached = int(getattr(out, "num_cached_tokens", 0) or 0)
                 for si, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
                     ids = list(completion.token_ids)
-                    lps, entries = _token_logprobs(ids, completion.logprobs) if want_lps else ([], [])
+                    lps, entries = (_token_logprobs(ids, completion.logprobs, candidates=not sampled_only)
+                                    if want_lps else ([], []))
                     finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else "length"
                     text = None
                     if stops:
                         ids, lps, finish, text = _apply_stop_strings(ids, lps, finish, stops, decode)
                         entries = entries[: len(ids)]
+                    if not params.wants_text:
+                        text = ""
                     results.append(
                         {
                             "text": text if text is not None else decode(ids),
@@ -350,7 +366,7 @@ class VllmSamplingEngine:
                             "prompt_len": len(prompts[pi]),
                             "generation_len": len(ids),
                             "prefix_cache_len": cached,
-                            "logprobs": entries if want_lps else None,
+                            "logprobs": (lps if sampled_only else entries) if want_lps else None,
                             "prompt_index": pi,
                             "sample_index": si,
                             "weight_version": self.weight_version,

@@ -11,6 +11,11 @@ verl's rollout replica asks for token ids in and token ids out. Servers differ i
 Sampling parameters are filtered to the protocol's :class:`~arctic_rl.protocol.SamplingParams`
 (unknown knobs are logged once and not sent; a strict server would reject the whole call) and
 validated here, so a bad value is a config error naming the knob rather than a 400 later.
+* ``compact_results``: the answer's shape is the client's to choose, not the caller's: on a server that lists
+  it, log-probs come back as one float per generated token (``logprobs_format="sampled"``) and, with
+  ``token_prompts`` too, without ``text`` (``detokenize=false``) -- verl reads token ids and the sampled
+  tokens' log-probs only, and the vendor's per-token candidates are most of a large answer's bytes. Other
+  servers get neither key.
 
 :class:`SeedDeriver` gives reproducible sampling under verl's ``rollout.full_determinism``: a call
 without a seed gets one derived from ``rollout.seed``, its prompts and how many times this client
@@ -53,6 +58,8 @@ __all__ = ["Sampler", "SeedDeriver", "clean_sampling_params", "ordered_results",
 logger = logging.getLogger(__name__)
 
 _ALIASES = {"max_new_tokens": "max_tokens"}
+#: SamplingParams fields that shape the answer: set by :class:`Sampler` from the server's features, never by a caller
+_ANSWER_SHAPE = frozenset({"logprobs_format", "detokenize"})
 
 
 def clean_sampling_params(given: dict[str, Any], warned: set[str]) -> SamplingParams:
@@ -61,11 +68,15 @@ def clean_sampling_params(given: dict[str, Any], warned: set[str]) -> SamplingPa
     clean: dict[str, Any] = {}
     for key, value in given.items():
         key = _ALIASES.get(key, key)
-        if key in known:
+        if key in known and key not in _ANSWER_SHAPE:
             clean[key] = value
         elif key not in warned:
             warned.add(key)
-            logger.warning("arctic: sampling parameter %r is not part of the protocol; not sent", key)
+            if key in _ANSWER_SHAPE:
+                logger.warning("arctic: sampling parameter %r shapes the answer and is set from the server's "
+                               "features; the given value is not sent", key)
+            else:
+                logger.warning("arctic: sampling parameter %r is not part of the protocol; not sent", key)
     try:
         return SamplingParams.model_validate(clean)
     except ValueError as exc:
@@ -138,6 +149,11 @@ class Sampler:
         wire_params = params.model_dump(mode="json", exclude_none=True)
         if expand:
             wire_params["n"] = 1
+        if Features.COMPACT_RESULTS in features:
+            if params.logprobs is not None and params.logprobs is not False:
+                wire_params["logprobs_format"] = "sampled"
+            if Features.TOKEN_PROMPTS in features:
+                wire_params["detokenize"] = False
         derive = self.seeds is not None and params.seed is None  # verl's rollout.full_determinism
         by_row: list[list[GenerateResult]] = [[] for _ in rows]
         for layer in unique_layers(rows) if derive else [list(range(len(rows)))]:
