@@ -15,12 +15,18 @@ Baseline, in the same run: the same outputs turned into the same answer the way 
 (per token a ``{id: (logprob, rank)}`` dict, the sampled log-prob read from it, then
 :func:`arctic_rl.server.engines.sampling.vendor_logprobs`, the garbage collector running). Both columns are
 medians over ``--repeats`` calls; ``vs before`` is the baseline's median over the engine's.
+
+A second table compares the vendor-shaped answer with the compact one the adapter asks of a server listing
+``compact_results`` (``logprobs_format="sampled"``, ``detokenize=false``: one float per token, no text): the
+engine's time to build each, and the JSON the answer becomes on the wire (its size, and ``json.dumps`` +
+``json.loads`` of it, what the server's encoder and the client's parser do at least once).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
 import sys
@@ -88,6 +94,7 @@ def main() -> None:
     print(f"the vLLM engine's answer to /generate, 256-token prompts, one log-prob per token; medians of {repeats}")
     print("| batch x new tokens | positions | engine ms | before ms | vs before | engine us / position |")
     print("| --- | --- | --- | --- | --- | --- |")
+    rows = []
     for batch, new in shapes:
         outputs = outputs_for(batch, new)
         eng = engine_with(outputs)
@@ -98,6 +105,21 @@ def main() -> None:
         old_s = timed(lambda: before(outputs, decode), repeats)  # noqa: B023
         print(f"| {batch} x {new} | {batch * new:,} | {1e3 * new_s:.1f} | {1e3 * old_s:.1f} | {old_s / new_s:.2f}x "
               f"| {1e6 * new_s / (batch * new):.2f} |", flush=True)
+        rows.append((batch, new, eng, request, params, new_s))
+    print()
+    print(f"the vendor-shaped answer vs the compact one (compact_results); medians of {repeats}")
+    print("| batch x new tokens | engine ms vendor / compact | JSON MB vendor / compact "
+          "| JSON dumps+loads ms vendor / compact | compact vs vendor, engine + JSON |")
+    print("| --- | --- | --- | --- | --- |")
+    for batch, new, eng, request, params, vendor_s in rows:
+        compact_params = params.model_copy(update={"logprobs_format": "sampled", "detokenize": False})
+        compact_s = timed(lambda: eng.generate(request, compact_params), repeats)  # noqa: B023
+        answers = [{"job_id": 1, "results": eng.generate(request, p)} for p in (params, compact_params)]
+        sizes = [len(json.dumps(a)) / 1e6 for a in answers]
+        wire_s = [timed(lambda a=a: json.loads(json.dumps(a)), repeats) for a in answers]
+        ratio = (vendor_s + wire_s[0]) / (compact_s + wire_s[1])
+        print(f"| {batch} x {new} | {1e3 * vendor_s:.1f} / {1e3 * compact_s:.1f} | {sizes[0]:.2f} / {sizes[1]:.2f} "
+              f"| {1e3 * wire_s[0]:.1f} / {1e3 * wire_s[1]:.1f} | {ratio:.2f}x faster |", flush=True)
     gc.collect()
 
 
