@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from typing import Any
 __all__ = ["RequestAborted", "RequestCoalescer", "params_key"]
 
 logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # as the rollout server's own logger (replica.py)
 
 BatchFn = Callable[[list[list[int]], dict[str, Any]], Awaitable[Sequence[Any]]]
 
