@@ -7,15 +7,15 @@ verl's rollout replica asks for token ids in and token ids out. Servers differ i
   to text, which can re-tokenise differently -- the reason our reference server takes ids.
 * ``n_samples``: ``sampling_params.n > 1`` returns ``n`` samples per prompt; otherwise (the vendor
   keeps only the first output per prompt) each prompt is repeated ``n`` times with ``n = 1``.
+* ``compact_results``: log-probs come back as one float per generated token (``logprobs_format="sampled"``)
+  and, with ``token_prompts`` too, without ``text`` (``detokenize=false``) -- verl reads token ids and the
+  sampled tokens' log-probs only, and the vendor's per-token candidates are most of a large answer's bytes.
+  The answer's shape is the client's to choose, from the features, not the caller's; other servers get
+  neither key.
 
 Sampling parameters are filtered to the protocol's :class:`~arctic_rl.protocol.SamplingParams`
 (unknown knobs are logged once and not sent; a strict server would reject the whole call) and
 validated here, so a bad value is a config error naming the knob rather than a 400 later.
-* ``compact_results``: the answer's shape is the client's to choose, not the caller's: on a server that lists
-  it, log-probs come back as one float per generated token (``logprobs_format="sampled"``) and, with
-  ``token_prompts`` too, without ``text`` (``detokenize=false``) -- verl reads token ids and the sampled
-  tokens' log-probs only, and the vendor's per-token candidates are most of a large answer's bytes. Other
-  servers get neither key.
 
 :class:`SeedDeriver` gives reproducible sampling under verl's ``rollout.full_determinism``: a call
 without a seed gets one derived from ``rollout.seed``, its prompts and how many times this client
