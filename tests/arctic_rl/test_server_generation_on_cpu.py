@@ -2,8 +2,9 @@
 
 Covers: seeded reproducibility, ``n`` samples grouped by prompt, ``max_tokens``/stop strings/stop
 token ids and ``finish_reason``, token-id prompts, sampled-token log-probs equal to a direct
-``transformers`` computation, weight sync making the sampler agree with the trainer, the v1 JSON
-``/generate``, bad sampling input, and ``/health`` staying responsive during generation.
+``transformers`` computation, the compact answer (``compact_results``), weight sync making the sampler agree
+with the trainer, the v1 JSON ``/generate``, bad sampling input, and ``/health`` staying responsive during
+generation.
 """
 
 
