@@ -525,9 +525,14 @@ class SamplingParams(BaseModel):
     detokenize: bool | None = None
 
     @property
+    def wants_logprobs(self) -> bool:
+        """Log-probs asked for (``logprobs`` set and not ``False``; 0 asks for the sampled token's alone)."""
+        return self.logprobs is not None and self.logprobs is not False
+
+    @property
     def sampled_logprobs_only(self) -> bool:
         """Log-probs asked for in the compact shape: the sampled token's value per position, nothing else."""
-        return self.logprobs_format == "sampled" and self.logprobs is not None and self.logprobs is not False
+        return self.logprobs_format == "sampled" and self.wants_logprobs
 
     @property
     def wants_text(self) -> bool:

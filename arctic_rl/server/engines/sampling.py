@@ -78,7 +78,7 @@ def result_logprobs(
     token_ids: list[int], candidates: list[dict[int, tuple[float, int]]], params: SamplingParams
 ) -> list[dict[str, dict[str, float | int]]] | list[float] | None:
     """A result's ``logprobs`` in the shape the request asked for (None when it asked for none)."""
-    if params.logprobs is None or params.logprobs is False:
+    if not params.wants_logprobs:
         return None
     if params.sampled_logprobs_only:
         return [float(step[tok][0]) for tok, step in zip(token_ids, candidates, strict=True)]
@@ -183,7 +183,7 @@ class SamplingEngine:
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
-        want_lps = params.logprobs is not None and params.logprobs is not False
+        want_lps = params.wants_logprobs
         # vLLM: the sampled token + the top `logprobs`; the compact shape keeps the sampled token's value only
         top_k = (0 if params.sampled_logprobs_only else int(params.logprobs)) if want_lps else None
         results: list[dict[str, Any]] = []

@@ -266,8 +266,7 @@ class VllmSamplingEngine:
         return ids
 
     def _vllm_params(self, params: SamplingParams, prompts: list[list[int]]):
-        """One ``vllm.SamplingParams`` per prompt (their seeds: :func:`prompt_seeds`), and whether log-probs
-        were asked for."""
+        """One ``vllm.SamplingParams`` per prompt (their seeds: :func:`prompt_seeds`)."""
         from vllm import SamplingParams as VllmParams
 
         longest = max(len(p) for p in prompts)
@@ -286,8 +285,7 @@ class VllmSamplingEngine:
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
-        want_lps = params.logprobs is not None and params.logprobs is not False
-        n_top = int(params.logprobs) if want_lps else None  # the sampled token + the `logprobs` most likely
+        n_top = int(params.logprobs) if params.wants_logprobs else None  # the sampled token + the top `logprobs`
         if n_top is not None and not 0 <= n_top <= MAX_LOGPROBS:
             raise BadRequest("sampling_params.logprobs: how many top tokens to report per generated token",
                              field="sampling_params.logprobs", allowed=f"0..{MAX_LOGPROBS}", received=params.logprobs)
@@ -305,7 +303,7 @@ class VllmSamplingEngine:
             "detokenize": False,
         }
         seeds = prompt_seeds(params.seed, len(prompts), params.n)
-        return [VllmParams(seed=seed, **common) for seed in seeds], want_lps
+        return [VllmParams(seed=seed, **common) for seed in seeds]
 
     # ------------------------------------------------------------------ generate
 
@@ -331,8 +329,8 @@ class VllmSamplingEngine:
         from vllm.inputs import TokensPrompt
 
         prompts = self._prompt_ids(list(request.prompts))
-        vllm_params, want_lps = self._vllm_params(params, prompts)
-        sampled_only = params.sampled_logprobs_only
+        vllm_params = self._vllm_params(params, prompts)
+        want_lps, sampled_only = params.wants_logprobs, params.sampled_logprobs_only
         self._check_awake()
         stops = [s for s in (params.stop or []) if s]
 

@@ -150,7 +150,7 @@ class Sampler:
         if expand:
             wire_params["n"] = 1
         if Features.COMPACT_RESULTS in features:
-            if params.logprobs is not None and params.logprobs is not False:
+            if params.wants_logprobs:
                 wire_params["logprobs_format"] = "sampled"
             if Features.TOKEN_PROMPTS in features:
                 wire_params["detokenize"] = False
