@@ -65,15 +65,17 @@ if [ "${PRINT_ONLY}" = false ]; then
     fi
 fi
 arithmetic_settings  # BATCH, N, ... (env or the recipe's defaults for DEVICE)
+HAVE_FLASH_ATTN=false  # decides both automatic choices below
+if "${PYTHON}" -c "import flash_attn" 2>/dev/null; then HAVE_FLASH_ATTN=true; fi
 case "${ATTN}" in
     auto)
-        if "${PYTHON}" -c "import flash_attn" 2>/dev/null; then ATTN=flash_attention_2; else ATTN=sdpa; fi ;;
+        if [ "${HAVE_FLASH_ATTN}" = true ]; then ATTN=flash_attention_2; else ATTN=sdpa; fi ;;
     flash_attention_2|sdpa|eager) ;;
     *) echo "ATTN: expected auto, flash_attention_2, sdpa or eager, got '${ATTN}'" >&2; exit 2 ;;
 esac
 case "${FUSED_KERNELS}" in
     auto)
-        if "${PYTHON}" -c "import flash_attn" 2>/dev/null; then FUSED_KERNELS=false; else FUSED_KERNELS=true; fi ;;
+        if [ "${HAVE_FLASH_ATTN}" = true ]; then FUSED_KERNELS=false; else FUSED_KERNELS=true; fi ;;
     true|false) ;;
     *) echo "FUSED_KERNELS: expected auto, true or false, got '${FUSED_KERNELS}'" >&2; exit 2 ;;
 esac
