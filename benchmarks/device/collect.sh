@@ -16,10 +16,7 @@ for run_dir in "$out_base"/runs/*/; do
     mkdir -p "$results/$name"
     [ -f "$run_dir/metrics.jsonl" ] && cp "$run_dir/metrics.jsonl" "$results/$name/metrics.jsonl"
     [ -f "$run_dir/run.log" ] && tail -n 200 "$run_dir/run.log" >"$results/$name/run_tail.log"
-    if compgen -G "$run_dir/server/*.log" >/dev/null; then  # the reference server's line per call
-        grep -hE "(generate|forward|forward-backward|step) job=|weight-sync|zorro" "$run_dir"/server/*.log \
-            >"$results/$name/server_calls.log"
-    fi
+    bash "$(dirname "$0")/server_calls.sh" "$run_dir" "$results/$name/server_calls.log"
 done
 cat "$results/status" 2>/dev/null
 for f in "$results"/*/metrics.jsonl; do

@@ -56,11 +56,6 @@ cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference serv
     sleep 3
 }
 
-server_calls() {  # RUN_DIR OUT: the reference server's line per call (what it spent inside), for the phase tables
-    compgen -G "$1/server/*.log" >/dev/null || return 0
-    grep -hE "(generate|forward|forward-backward|step) job=|weight-sync|zorro" "$1"/server/*.log >"$2/server_calls.log"
-}
-
 run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SMI=1: the GPU total in its gpu_mem.csv)
     local spec=$1 own_smi=$2 name backend style zorro seed script out smi="" start rc run_dir f steps
     IFS=: read -r name backend style zorro seed <<<"$spec"
@@ -86,7 +81,7 @@ run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SM
         [ -f "$run_dir/$f" ] && cp "$run_dir/$f" "$out/"
     done
     [ -f "$run_dir/run.log" ] && tail -n 400 "$run_dir/run.log" >"$out/run_tail.log"
-    server_calls "$run_dir" "$out"
+    bash benchmarks/device/server_calls.sh "$run_dir" "$out/server_calls.log"
     steps=$(wc -l <"$out/metrics.jsonl" 2>/dev/null || echo 0)
     echo "$(date -u +%H:%M:%S) done $name rc=$rc wall=$(( $(date +%s) - start ))s metric_lines=$steps" >>"$results/status"
 }
