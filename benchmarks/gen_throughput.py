@@ -56,6 +56,7 @@ DEVICE = "cuda"
 VLLM_CONFIG = {"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 256}
 WIRE = "json"  # the server's /generate body and answer: json (v1) or dssst1 (v2, the adapter's)
 ANSWER = "vendor"  # the answer's shape: vendor (per-token candidates, text) or compact (compact_results)
+COMPACT = {"logprobs_format": "sampled", "detokenize": False}  # what the adapter asks of a server listing compact_results
 #: the server's log line for one /generate (arctic_rl/server/service.py): the call's seconds inside the server
 _SERVER_LINE = re.compile(r"generate job=\d+ prompts=(\d+) n=\d+ tokens=(\d+) ([0-9.]+)s")
 
@@ -125,8 +126,8 @@ class ServerSide:
 
     def run(self, batch: int, new: int) -> tuple[float, int]:
         params = {"max_tokens": new, "temperature": 1.0, "ignore_eos": True, "logprobs": True, "seed": 1}
-        if ANSWER == "compact":  # what the adapter asks of a server listing compact_results
-            params.update(logprobs_format="sampled", detokenize=False)
+        if ANSWER == "compact":
+            params.update(COMPACT)
         body = {"prompts": prompts_for(batch), "sampling_params": params}
         t0 = time.perf_counter()
         if WIRE == "dssst1":  # what the adapter sends (the v2 dialect): a DSSST1 frame each way
@@ -185,7 +186,9 @@ class BareVllm:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(batch)]
-        sp = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, logprobs=1, seed=1, detokenize=False)
+        # the vendor answer's one candidate a token, or (compact) only the sampled token's log-prob, as the server asks
+        sp = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, logprobs=0 if ANSWER == "compact" else 1,
+                            seed=1, detokenize=False)
         t0 = time.perf_counter()
         res = self.llm.generate(prompts, sp, use_tqdm=False)
         return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in res)
@@ -228,7 +231,8 @@ class InProcessSampler:
         from arctic_rl.protocol import GenerateRequest, SamplingParams
 
         request = GenerateRequest(prompts=prompts_for(batch))
-        params = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, logprobs=True, seed=1)
+        params = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, logprobs=True, seed=1,
+                                **(COMPACT if ANSWER == "compact" else {}))
         t0 = time.perf_counter()
         results = self.engine.generate(request, params)
         return time.perf_counter() - t0, sum(r["generation_len"] for r in results)
