@@ -128,9 +128,9 @@ def _reset_process_wide_server_switches():
     logprobs = sys.modules.get("arctic_rl.server.logprobs")
     if logprobs is not None:
         logprobs.set_compiled_token_stats(False)
-    zorro = sys.modules.get("arctic_rl.server.zorro")
-    if zorro is not None:
-        zorro.set_response_attention("expand")
+    zorro_flex = sys.modules.get("arctic_rl.server.zorro_flex")
+    if zorro_flex is not None:
+        zorro_flex.set_response_attention("expand")
 
 
 @pytest.fixture(scope="session")

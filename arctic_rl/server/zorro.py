@@ -23,9 +23,10 @@ which behaves exactly like it outside ZoRRO's passes; afterwards the model's own
 back, so the plain pass runs as it would without ZoRRO (under ``torch.compile``, without the
 wrapper's graph breaks).
 
-Step 3-4 have two forms (:func:`set_response_attention`). ``expand`` -- the default, any device,
-any kernel -- copies each prompt's keys and values to its rows as described. ``flex`` -- what the
-reference server uses on a GPU with ``torch.compile`` -- copies nothing: for batches whose prompts
+Step 3-4 have two forms (:func:`arctic_rl.server.zorro_flex.set_response_attention`). ``expand`` --
+the default, any device, any kernel -- copies each prompt's keys and values to its rows as described.
+``flex`` -- what the reference server uses on a GPU with ``torch.compile``; its kernel, probe and
+block mask are in :mod:`arctic_rl.server.zorro_flex` -- copies nothing: for batches whose prompts
 all have ``n`` rows, each prompt's ``n*R`` response queries attend to ``[its P keys | the group's
 own n*R keys]`` through a compiled FlexAttention kernel with a block mask that skips the blocks
 no query may see. On an H200 this made ZoRRO 1.60x -> 1.97x the plain pass at 32 rows
@@ -62,13 +63,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arctic_rl.server import zorro_flex
+
 __all__ = [
     "ZorroOutput",
     "ZorroUnsupportedError",
     "causal_lm_logits",
     "group_prompts",
     "install_zorro_attention",
-    "set_response_attention",
     "zorro_forward",
     "zorro_unsupported_reason",
 ]
@@ -251,7 +253,9 @@ def _make_wrapper(base: str):
             unsupported = [k for k in ("dropout", "softcap", "sliding_window", "s_aux") if kwargs.get(k)]
             if unsupported:  # features the grouped pass does not implement: zorro_forward falls back
                 raise ZorroUnsupportedError(f"the grouped response pass does not implement {unsupported}")
-            return _grouped_attention(query, key, value, prompt_key, prompt_value, state, kwargs.get("scaling"))
+            return zorro_flex.grouped_attention(query, key, value, prompt_key, prompt_value,
+                                                group_size=state.group_size, block_mask=state.block_mask,
+                                                scaling=kwargs.get("scaling"))
         if state.rows is not None:  # U -> B rows; index_select's backward sums a prompt's copies
             prompt_key = prompt_key.index_select(0, state.rows)
             prompt_value = prompt_value.index_select(0, state.rows)
@@ -261,162 +265,6 @@ def _make_wrapper(base: str):
 
     zorro_attention.__qualname__ = zorro_attention.__name__ = f"zorro_{base}_attention"
     return zorro_attention
-
-
-# ------------------------------------------------------------------ grouped response attention
-
-#: how the response pass attends to the prompt: "expand" (copy each prompt's keys to its rows, any
-#: attention kernel) or "flex" (no copies: FlexAttention over each prompt's group, see set_response_attention)
-_RESPONSE_ATTENTION = {"kind": "expand", "compiled": False}
-_FLEX: dict[bool, object] = {}
-
-
-def set_response_attention(kind: str, *, compiled: bool = True) -> None:
-    """Choose how ZoRRO's response pass attends to the shared prompt (process-wide).
-
-    ``expand`` (the default): each layer copies its prompt keys and values to the ``B`` rows
-    (``index_select``) in front of the responses' own and runs the model's attention with a
-    ``[B, 1, R, P+R]`` mask -- any device, any kernel, but two copies of ``B*P`` keys and values per
-    layer and a dense masked attention. ``flex``: for batches whose prompts all have the same number
-    of rows ``n``, each prompt's ``n*R`` response queries attend to ``[its P prompt keys | the group's
-    n*R response keys]`` through FlexAttention with a block mask (prompt padding, and per row causal
-    over its own response): no copies of the prompt and fully masked blocks skipped (other batches,
-    and CPU passes that need gradients -- FlexAttention has no CPU backward -- take ``expand``). ``compiled``
-    runs FlexAttention through ``torch.compile`` (what makes it fast; the reference server uses it
-    on CUDA when the model is compiled); uncompiled it is a slow reference used by the CPU tests.
-    """
-    if kind not in ("expand", "flex"):
-        raise ValueError(f"response attention: expected one of ['expand', 'flex'], got {kind!r}")
-    _RESPONSE_ATTENTION.update(kind=kind, compiled=bool(compiled))
-
-
-def _flex_attention(compiled: bool):
-    if compiled not in _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        # default dynamic: the second shape compiles a shape-generic kernel, so varying batches do not recompile
-        _FLEX[compiled] = torch.compile(flex_attention) if compiled else flex_attention
-    return _FLEX[compiled]
-
-
-_FLEX_PROBE: dict[tuple, str | None] = {}
-
-
-def _failure_text(exc: BaseException) -> str:
-    """``Type: first line of the message`` (kernel-build errors run to pages)."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
-
-
-def _flex_failure(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
-    """Build the grouped pass's compiled FlexAttention forward *and backward* once for this head
-    layout, device and dtype: ``None`` when that works, else why not. The backward is compiled only
-    when first used, inside ``loss.backward()`` where no fallback can reach it; this probe runs first.
-    It runs with gradients on whatever the caller's mode: a job's first ZoRRO pass is often a no-grad
-    ``/forward``, where the probe's backward would fail and wrongly rule FlexAttention out for the process.
-    """
-    key = (str(device), dtype, heads, kv_heads, head_dim)
-    if key not in _FLEX_PROBE:
-        try:
-            _flex_probe(device, dtype, heads, kv_heads, head_dim)
-            _FLEX_PROBE[key] = None
-        except Exception as exc:  # noqa: BLE001 -- any failure means "use the expanding pass"
-            _FLEX_PROBE[key] = _failure_text(exc)
-            logger.warning("ZoRRO: compiled FlexAttention does not work here (%s); using the expanding response pass",
-                           _FLEX_PROBE[key])
-    return _FLEX_PROBE[key]
-
-
-def _flex_probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
-    """One grouped-pass-shaped FlexAttention forward and backward, compiled (raises when that fails)."""
-    p, r, n = _FLEX_BLOCK, _FLEX_BLOCK // 2, 2
-    with torch.enable_grad():
-        mask = _group_block_mask(
-            torch.ones(1, p, dtype=torch.bool, device=device),
-            torch.ones(1, n * r, dtype=torch.bool, device=device),
-            p,
-            r,
-            compiled=True,
-        )
-        q = torch.randn(1, heads, n * r, head_dim, device=device, dtype=dtype, requires_grad=True)
-        k = torch.randn(1, kv_heads, p + n * r, head_dim, device=device, dtype=dtype, requires_grad=True)
-        v = torch.randn_like(k, requires_grad=True)
-        _flex_attention(True)(q, k, v, block_mask=mask, enable_gqa=heads != kv_heads).sum().backward()
-
-
-#: FlexAttention's block size: the grouped pass pads its prompt, query and key lengths to multiples of it
-#: (its GPU backward kernels could not be built for ragged lengths, e.g. 96 queries x 136 keys)
-_FLEX_BLOCK = 128
-
-
-def _round_up(x: int, block: int = _FLEX_BLOCK) -> int:
-    return -(-x // block) * block
-
-
-def _group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, p: int, r: int, *, compiled: bool):
-    """FlexAttention block mask of the grouped response pass.
-
-    Batch ``u`` is one prompt; its queries are its ``n`` rows' responses back to back (``n*R``,
-    padded to a block multiple); its keys are ``[prompt (P, padded to P') | those responses (n*R) |
-    padding]``. Query ``q`` (row ``q // R``, position ``q % R``) sees a prompt key that is not
-    padding, and a response key of its own row at a position ``<=`` its own that is not padding --
-    the plain pass's causal mask, row by row. Padding queries see the prompt (their output is dropped).
-    ``compiled`` builds it block by block in a compiled kernel (uncompiled, the whole
-    ``U x Q x KV`` boolean mask would be materialised first: gigabytes for long responses).
-    """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    groups, width = response_valid.shape
-    p_pad = _round_up(p)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        in_prompt = kv_idx < p_pad
-        seen_prompt = (kv_idx < p) & prompt_valid[b, kv_idx.clamp(max=p - 1)]
-        k = (kv_idx - p_pad).clamp(min=0, max=width - 1)
-        own = (
-            (kv_idx < p_pad + width)
-            & (k // r == q_idx // r)
-            & (k % r <= q_idx % r)
-            & response_valid[b, k]
-        )
-        return torch.where(in_prompt, seen_prompt, own)
-
-    return create_block_mask(
-        mask_mod, groups, None, _round_up(width), _round_up(p_pad + width), device=prompt_valid.device,
-        _compile=compiled,
-    )
-
-
-def _grouped_attention(query, key, value, prompt_key, prompt_value, state: _PassState, scaling):
-    """``[B, H, R, D]`` queries of group-sorted rows -> ``[B, R, H, D]``, as ``transformers`` returns it."""
-    batch, heads, r, dim = query.shape
-    n = state.group_size
-    groups = batch // n
-    p = prompt_key.shape[2]
-    width = n * r
-    p_extra = _round_up(p) - p
-    kv_extra = _round_up(p + p_extra + width) - (p + p_extra + width)
-    q_extra = _round_up(width) - width
-
-    def grouped(t: torch.Tensor) -> torch.Tensor:  # [B, h, R, D] -> [U, h, n*R, D]
-        return t.reshape(groups, n, t.shape[1], r, dim).transpose(1, 2).reshape(groups, t.shape[1], width, dim)
-
-    def keys_of(prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # [prompt | pad | responses | pad]
-        parts = [prompt]
-        if p_extra:
-            parts.append(prompt.new_zeros(groups, prompt.shape[1], p_extra, dim))
-        parts.append(grouped(own))
-        if kv_extra:
-            parts.append(prompt.new_zeros(groups, prompt.shape[1], kv_extra, dim))
-        return torch.cat(parts, dim=2)
-
-    queries = grouped(query)
-    if q_extra:
-        queries = torch.nn.functional.pad(queries, (0, 0, 0, q_extra))
-    flex = _flex_attention(_RESPONSE_ATTENTION["compiled"])
-    out = flex(queries, keys_of(prompt_key, key), keys_of(prompt_value, value), block_mask=state.block_mask,
-               scale=scaling, enable_gqa=heads != key.shape[1])
-    out = out[:, :, :width]
-    return out.reshape(groups, heads, n, r, dim).permute(0, 2, 3, 1, 4).reshape(batch, r, heads, dim), None
 
 
 def _register() -> None:
@@ -617,18 +465,19 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
     counts = torch.bincount(groups_cpu, minlength=num_unique)
     n = int(counts[0]) if num_unique else 0
     # FlexAttention has no CPU backward: on CPU the grouped path runs only without gradients
+    kind, compiled = zorro_flex.response_attention()
     grouped = (
-        _RESPONSE_ATTENTION["kind"] == "flex"
+        kind == "flex"
         and n > 0
         and bool((counts == n).all())
         and (device.type != "cpu" or not torch.is_grad_enabled())
     )
-    if grouped and _RESPONSE_ATTENTION["compiled"]:
+    if grouped and compiled:
         config = _unwrap(model).config
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        grouped = _flex_failure(device, some_key.dtype, heads, kv_heads, head_dim) is None
+        grouped = zorro_flex.flex_failure(device, some_key.dtype, heads, kv_heads, head_dim) is None
     order = None
     if grouped:
         # rows sorted by prompt (stable), so that each prompt's rows are adjacent, in group order
@@ -639,12 +488,12 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
             ids, mask2d, positions = (t.index_select(0, order) for t in (input_ids, attention_mask, position_ids))
         state = _PassState(prompt_kv=prompt.collected, group_size=n)
         try:
-            state.block_mask = _group_block_mask(
+            state.block_mask = zorro_flex.group_block_mask(
                 attention_mask[:, :p].index_select(0, unique_rows).bool(),
                 mask2d[:, p:].bool().reshape(num_unique, n * r),
                 p,
                 r,
-                compiled=_RESPONSE_ATTENTION["compiled"],
+                compiled=compiled,
             )
             # the model's own mask is not used by the grouped attention
             rest_logits = _response_pass(model, state, ids[:, p:], mask2d[:, p:], positions[:, p:], r)
@@ -652,10 +501,10 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 -- a kernel that cannot be built for this shape or device
-            set_response_attention("expand")
+            zorro_flex.set_response_attention("expand")
             logger.warning(
                 "ZoRRO: FlexAttention response pass failed (%s); using the expanding response pass from now on",
-                _failure_text(exc),
+                zorro_flex.failure_text(exc),
             )
     mask = _response_mask(attention_mask, p, some_key.dtype, eager)
     state = _PassState(prompt_kv=prompt.collected, rows=None if identity else row_to_group)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from _helpers_zorro import ARCHS, LAYOUTS, make_batch, make_model, rel_err
 
-import arctic_rl.server.zorro as zorro_module
+from arctic_rl.server import zorro_flex
 from arctic_rl.server.engines.common import compile_model
 from arctic_rl.server.logprobs import response_logprobs
-from arctic_rl.server.zorro import set_response_attention
+from arctic_rl.server.zorro_flex import set_response_attention
 
 pytestmark = pytest.mark.gpu
 RTOL = 1e-4  # fp32 on a GPU: different kernels, different summation orders
@@ -53,8 +53,8 @@ SHAPES = {"aligned": (128, 64), "ragged": (40, 24)}
 def test_flex_response_pass_matches_plain_with_gradients(arch, layout, shape, compile_layers, flex_compiled,
                                                          monkeypatch):
     calls = []
-    real = zorro_module._grouped_attention
-    monkeypatch.setattr(zorro_module, "_grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = zorro_flex.grouped_attention
+    monkeypatch.setattr(zorro_flex, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch._dynamo.reset()
     spec = LAYOUTS[layout]
     prompt_len, resp_len = SHAPES[shape]
@@ -66,7 +66,7 @@ def test_flex_response_pass_matches_plain_with_gradients(arch, layout, shape, co
         compile_model(model, "layers")
     plain, plain_loss, plain_grads = run(model, batch, prompt_len, zorro=False)
     zorro, zorro_loss, zorro_grads = run(model, batch, prompt_len, zorro=True)
-    assert zorro_module._RESPONSE_ATTENTION["kind"] == "flex"  # no fallback to the expanding pass
+    assert zorro_flex.response_attention()[0] == "flex"  # no fallback to the expanding pass
     assert len(calls) == model.config.num_hidden_layers
     assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
     assert rel_err(zorro.entropy, plain.entropy) <= RTOL
@@ -87,5 +87,5 @@ def test_flex_pass_does_not_recompile_for_every_shape(flex_compiled):
         batch = tuple(t.cuda() for t in make_batch(3, 4, 40, resp_len, seed=resp_len))
         run(model, batch, 40, zorro=True)
         graphs.append(counters["stats"]["unique_graphs"])
-    assert zorro_module._RESPONSE_ATTENTION["kind"] == "flex"
+    assert zorro_flex.response_attention()[0] == "flex"
     assert graphs[-1] == graphs[2], graphs

@@ -16,15 +16,11 @@ import torch
 from _helpers_zorro import ARCHS, ATTNS, LAYOUTS, RTOL, VOCAB, make_batch, make_model, rel_err
 
 from arctic_rl.protocol import LossConfig
+from arctic_rl.server import zorro_flex
 from arctic_rl.server.logprobs import response_logprobs
 from arctic_rl.server.losses import compute_loss
-from arctic_rl.server.zorro import (
-    ZorroUnsupportedError,
-    group_prompts,
-    set_response_attention,
-    zorro_forward,
-    zorro_unsupported_reason,
-)
+from arctic_rl.server.zorro import ZorroUnsupportedError, group_prompts, zorro_forward, zorro_unsupported_reason
+from arctic_rl.server.zorro_flex import set_response_attention
 
 torch.set_num_threads(1)
 
@@ -159,11 +155,9 @@ def flex_response_attention():
 def test_flex_response_attention_equals_plain_pass(arch, attn, layout, flex_response_attention, monkeypatch):
     """The grouped response pass gives the plain pass's values (forward: FlexAttention has no CPU
     backward; its gradients are compared on a GPU by ``tests/arctic_rl/test_zorro_gpu.py``)."""
-    import arctic_rl.server.zorro as zorro_module
-
     calls = []
-    real = zorro_module._grouped_attention
-    monkeypatch.setattr(zorro_module, "_grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = zorro_flex.grouped_attention
+    monkeypatch.setattr(zorro_flex, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     spec = LAYOUTS[layout]
     batch = make_batch(spec["num_prompts"], spec["n"], 7, 6, seed=3, shuffle=spec["shuffle"])
     model = make_model(arch, attn).eval()
@@ -270,33 +264,15 @@ def test_the_layer_check_runs_once_per_model(monkeypatch):
 
 def test_flex_failure_falls_back_to_the_expanding_pass(flex_response_attention, monkeypatch, caplog):
     """A FlexAttention kernel that cannot be built (shape, GPU, compiler) costs a warning, not the request."""
-    import arctic_rl.server.zorro as zorro_module
-
     def broken(*args, **kwargs):
         raise RuntimeError("no valid kernel for this shape")
 
-    monkeypatch.setattr(zorro_module, "_grouped_attention", broken)
+    monkeypatch.setattr(zorro_flex, "grouped_attention", broken)
     model = make_model("qwen3").eval()
     batch = make_batch(2, 3, 6, 5, seed=11)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="arctic_rl.server.zorro"):
         plain = response_logprobs(model, *batch, 6)
         zorro = response_logprobs(model, *batch, 6, zorro=True)
     assert "FlexAttention response pass failed (RuntimeError: no valid kernel for this shape)" in caplog.text
-    assert zorro_module._RESPONSE_ATTENTION["kind"] == "expand"
+    assert zorro_flex.response_attention()[0] == "expand"
     assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
-
-
-def test_the_flex_probe_differentiates_even_when_the_first_zorro_pass_has_no_grad(monkeypatch):
-    """A job's first ZoRRO pass is often a no-grad ``/forward``: the probe of FlexAttention's backward must not
-    fail there (it did, and ruled FlexAttention out for the process). The compiled kernel is GPU-only, so a
-    differentiable stand-in takes its place; what is checked is the grad mode the probe runs in."""
-    from arctic_rl.server import zorro
-
-    monkeypatch.setattr(zorro, "_group_block_mask", lambda *args, **kwargs: None)
-    monkeypatch.setattr(zorro, "_flex_attention", lambda compiled: lambda q, k, v, **kwargs: q * k.mean() * v.mean())
-    monkeypatch.setattr(zorro, "_FLEX_PROBE", {})
-    with torch.no_grad():
-        assert zorro._flex_failure(torch.device("cpu"), torch.float32, 4, 2, 8) is None
-    monkeypatch.setattr(zorro, "_FLEX_PROBE", {})
-    monkeypatch.setattr(zorro, "_flex_attention", lambda compiled: lambda q, k, v, **kwargs: q.detach())
-    assert "does not require grad" in zorro._flex_failure(torch.device("cpu"), torch.float32, 4, 2, 8)

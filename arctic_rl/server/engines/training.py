@@ -49,7 +49,8 @@ from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.logprobs import set_compiled_token_stats
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
-from arctic_rl.server.zorro import group_prompts, set_response_attention, zorro_unsupported_reason
+from arctic_rl.server.zorro import group_prompts, zorro_unsupported_reason
+from arctic_rl.server.zorro_flex import set_response_attention
 from arctic_rl.server.zorro_passes import merge_micro_batches
 from arctic_rl.server.zorro_rule import ZorroChoiceLog, choose_zorro, row_slices
 from arctic_rl.server.zorro_tuner import ZorroTuner
