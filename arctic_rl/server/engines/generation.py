@@ -28,7 +28,7 @@ import torch
 
 from arctic_rl.protocol import SamplingParams
 
-__all__ = ["Sample", "generate_batch", "sample_next", "token_candidates"]
+__all__ = ["Sample", "generate_batch", "sample_next", "stop_cut", "token_candidates"]
 
 
 @dataclass
@@ -93,7 +93,8 @@ def sample_next(
     return (tokens, picked, logp) if full else (tokens, picked)
 
 
-def _stop_cut(text: str, stops: list[str]) -> int | None:
+def stop_cut(text: str, stops: list[str]) -> int | None:
+    """Where the first of ``stops`` begins in ``text`` (the text is cut there), or ``None`` when none occurs."""
     cuts = [text.find(s) for s in stops if s and s in text]
     return min(cuts) if cuts else None
 
@@ -157,7 +158,7 @@ def generate_batch(
                 finish[i] = "stop"
             elif stops:
                 text = decode(out_ids[i])
-                cut = _stop_cut(text, stops)
+                cut = stop_cut(text, stops)
                 if cut is not None:
                     finish[i], texts[i] = "stop", text[:cut]
             if finish[i] is None and len(out_ids[i]) >= params.max_tokens:

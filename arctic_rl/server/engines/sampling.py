@@ -37,7 +37,8 @@ from arctic_rl.server.engines.weights import copy_weights, weight_norm
 from arctic_rl.server.errors import BadRequest, from_validation_error
 from arctic_rl.server.settings import ServerSettings
 
-__all__ = ["SamplingEngine", "parse_generate_request", "result_logprobs", "result_text", "vendor_logprobs"]
+__all__ = ["SamplingEngine", "parse_generate_request", "result_logprobs", "result_text", "sample_result",
+           "vendor_logprobs"]
 
 logger = logging.getLogger("arctic_rl.server")
 
@@ -88,6 +89,33 @@ def result_logprobs(
 def result_text(text: str, params: SamplingParams) -> str:
     """A result's ``text``: empty when the request asked for token ids only (``detokenize=false``)."""
     return text if params.wants_text else ""
+
+
+def sample_result(
+    *,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str,
+    prompt_len: int,
+    prefix_cache_len: int,
+    logprobs: list[Any] | None,
+    prompt_index: int,
+    sample_index: int,
+    weight_version: int,
+) -> dict[str, Any]:
+    """One entry of ``/generate``'s ``results`` (the vendor's keys), as every sampling engine writes it."""
+    return {
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": finish_reason,
+        "prompt_len": prompt_len,
+        "generation_len": len(token_ids),
+        "prefix_cache_len": prefix_cache_len,
+        "logprobs": logprobs,
+        "prompt_index": prompt_index,
+        "sample_index": sample_index,
+        "weight_version": weight_version,
+    }
 
 
 class SamplingEngine:
@@ -203,18 +231,17 @@ class SamplingEngine:
             )
             for (pi, si), sample in zip(chunk, samples, strict=True):
                 results.append(
-                    {
-                        "text": result_text(sample.text, params),
-                        "token_ids": sample.token_ids,
-                        "finish_reason": sample.finish_reason,
-                        "prompt_len": len(prompts[pi]),
-                        "generation_len": len(sample.token_ids),
-                        "prefix_cache_len": 0,
-                        "logprobs": result_logprobs(sample.token_ids, sample.candidates, params),
-                        "prompt_index": pi,
-                        "sample_index": si,
-                        "weight_version": self.weight_version,
-                    }
+                    sample_result(
+                        text=result_text(sample.text, params),
+                        token_ids=sample.token_ids,
+                        finish_reason=sample.finish_reason,
+                        prompt_len=len(prompts[pi]),
+                        prefix_cache_len=0,
+                        logprobs=result_logprobs(sample.token_ids, sample.candidates, params),
+                        prompt_index=pi,
+                        sample_index=si,
+                        weight_version=self.weight_version,
+                    )
                 )
         logger.debug("generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
         return results

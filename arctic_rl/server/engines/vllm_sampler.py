@@ -50,7 +50,8 @@ from arctic_rl.server.engines.common import (
     load_tokenizer,
     resolve_device,
 )
-from arctic_rl.server.engines.generation import _stop_cut
+from arctic_rl.server.engines.generation import stop_cut
+from arctic_rl.server.engines.sampling import sample_result
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.settings import ServerSettings
@@ -357,18 +358,17 @@ class VllmSamplingEngine:
                     if not params.wants_text:
                         text = ""
                     results.append(
-                        {
-                            "text": text if text is not None else decode(ids),
-                            "token_ids": ids,
-                            "finish_reason": finish,
-                            "prompt_len": len(prompts[pi]),
-                            "generation_len": len(ids),
-                            "prefix_cache_len": cached,
-                            "logprobs": (lps if sampled_only else entries) if want_lps else None,
-                            "prompt_index": pi,
-                            "sample_index": si,
-                            "weight_version": self.weight_version,
-                        }
+                        sample_result(
+                            text=text if text is not None else decode(ids),
+                            token_ids=ids,
+                            finish_reason=finish,
+                            prompt_len=len(prompts[pi]),
+                            prefix_cache_len=cached,
+                            logprobs=(lps if sampled_only else entries) if want_lps else None,
+                            prompt_index=pi,
+                            sample_index=si,
+                            weight_version=self.weight_version,
+                        )
                     )
         logger.debug("vLLM generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
         return results
@@ -478,11 +478,11 @@ def _apply_stop_strings(
     """Cut a finished sample at its first stop string as the ``transformers`` sampler does step by
     step: the shortest token prefix whose text holds a stop string ends the sample, its text cut
     before the string. A stop token reached at that same position wins (text left whole)."""
-    if _stop_cut(decode(ids), stops) is None:
+    if stop_cut(decode(ids), stops) is None:
         return ids, lps, finish, None
     for k in range(1, len(ids) + 1):
         text = decode(ids[:k])
-        cut = _stop_cut(text, stops)
+        cut = stop_cut(text, stops)
         if cut is None:
             continue
         if k == len(ids) and finish == "stop":
