@@ -18,7 +18,7 @@ log-probs and gradients agree to float precision -- ``tests/arctic_rl/test_zorro
 Qwen3, Qwen2 and Llama with eager and sdpa attention. Unlike the vendor's version it patches no
 attention module and no model code: steps 2 and 4 go through ``transformers``' public attention
 registry (``AttentionInterface``). While :func:`zorro_forward` runs, the model's ``sdpa`` or
-``eager`` attention is swapped for a wrapper of the same function (:func:`install_zorro_attention`),
+``eager`` attention is swapped for a wrapper of the same function (:mod:`arctic_rl.server.zorro_attention`),
 which behaves exactly like it outside ZoRRO's passes; afterwards the model's own implementation is
 back, so the plain pass runs as it would without ZoRRO (under ``torch.compile``, without the
 wrapper's graph breaks).
@@ -52,18 +52,23 @@ What is not here: turning logits into log-probs, entropy or losses (:mod:`arctic
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import sys
-import threading
-import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from arctic_rl.server import zorro_flex
+from arctic_rl.server.zorro_attention import (
+    PassState,
+    ZorroUnsupportedError,
+    attention_base,
+    install_zorro_attention,
+    routed_through_wrapper,
+    running_pass,
+    unwrap_model,
+    zorro_unsupported_reason,
+)
 
 __all__ = [
     "ZorroOutput",
@@ -77,10 +82,6 @@ __all__ = [
 
 
 logger = logging.getLogger(__name__)
-
-
-class ZorroUnsupportedError(ValueError):
-    """The model cannot run the shared-prompt forward (see :func:`zorro_unsupported_reason`)."""
 
 
 @dataclass
@@ -100,14 +101,6 @@ class ZorroOutput:
     row_to_group: torch.Tensor  # [B] index into the U unique prompts
     tokens_computed: int  # U*P + B*R (B*R is skipped when R == 1)
     rest_rows: torch.Tensor | None = None  # [B] batch row of each row of rest_logits, or None (batch order)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``transformers`` model inside a DeepSpeed engine / DDP wrapper (``.module``)."""
-    inner = model
-    while not hasattr(inner, "config") and hasattr(inner, "module"):
-        inner = inner.module
-    return inner
 
 
 def _check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> None:
@@ -186,187 +179,12 @@ def causal_lm_logits(
     ``logits_to_keep`` when the model takes it; otherwise every position's logits are computed and
     then selected). No KV cache is kept.
     """
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
     keep = keep.to(device=input_ids.device, dtype=torch.long)
     if _accepts_logits_to_keep(inner):
         return model(**kwargs, logits_to_keep=keep).logits
     return model(**kwargs).logits[:, keep]
-
-
-# ------------------------------------------------------------------ the attention wrapper
-
-#: base attention implementation -> the name its ZoRRO wrapper is registered under
-_WRAPPED = {"sdpa": "arctic_rl_zorro_sdpa", "eager": "arctic_rl_zorro_eager"}
-_BASE_OF = {wrapped: base for base, wrapped in _WRAPPED.items()}
-_REGISTER_LOCK = threading.Lock()
-_REGISTERED = False
-_EAGER_BY_CLASS: dict[type, object] = {}
-
-
-@dataclass
-class _PassState:
-    """What the wrapped attention does during one of :func:`zorro_forward`'s passes (per thread)."""
-
-    #: prompt pass: layer_idx -> (keys, values) ``[U, kv_heads, P, head_dim]``, filled by the layers
-    collected: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    #: response pass: the prompt pass's ``collected``
-    prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-    #: response pass: row -> unique prompt (``None`` when every row is its own prompt, in order)
-    rows: torch.Tensor | None = None
-    #: response pass with grouped attention: rows per prompt and the block mask shared by all layers
-    group_size: int = 0
-    block_mask: object | None = None
-
-
-_STATE = threading.local()
-
-
-def _base_attention(base: str, module: torch.nn.Module):
-    if base == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward
-    cls = type(module)
-    fn = _EAGER_BY_CLASS.get(cls)
-    if fn is None:  # each modeling file defines its own eager attention next to the attention class
-        fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
-        if fn is None:
-            raise ZorroUnsupportedError(f"ZoRRO cannot run on this model: {cls.__module__} has no eager_attention_forward")
-        _EAGER_BY_CLASS[cls] = fn
-    return fn
-
-
-def _make_wrapper(base: str):
-    @torch.compiler.disable  # opaque to Dynamo: layer_idx is read here, outside any compiled graph
-    def zorro_attention(module, query, key, value, attention_mask, **kwargs):
-        fn = _base_attention(base, module)
-        state: _PassState | None = getattr(_STATE, "current", None)
-        if state is None:  # not inside zorro_forward: exactly the base implementation
-            return fn(module, query, key, value, attention_mask, **kwargs)
-        layer = module.layer_idx
-        if state.prompt_kv is None:  # prompt pass: keep this layer's keys and values for the responses
-            state.collected[layer] = (key, value)
-            return fn(module, query, key, value, attention_mask, **kwargs)
-        prompt_key, prompt_value = state.prompt_kv[layer]
-        if state.block_mask is not None:
-            unsupported = [k for k in ("dropout", "softcap", "sliding_window", "s_aux") if kwargs.get(k)]
-            if unsupported:  # features the grouped pass does not implement: zorro_forward falls back
-                raise ZorroUnsupportedError(f"the grouped response pass does not implement {unsupported}")
-            return zorro_flex.grouped_attention(query, key, value, prompt_key, prompt_value,
-                                                group_size=state.group_size, block_mask=state.block_mask,
-                                                scaling=kwargs.get("scaling"))
-        if state.rows is not None:  # U -> B rows; index_select's backward sums a prompt's copies
-            prompt_key = prompt_key.index_select(0, state.rows)
-            prompt_value = prompt_value.index_select(0, state.rows)
-        key = torch.cat([prompt_key, key], dim=2)
-        value = torch.cat([prompt_value, value], dim=2)
-        return fn(module, query, key, value, attention_mask, **kwargs)
-
-    zorro_attention.__qualname__ = zorro_attention.__name__ = f"zorro_{base}_attention"
-    return zorro_attention
-
-
-def _register() -> None:
-    global _REGISTERED
-    with _REGISTER_LOCK:
-        if _REGISTERED:
-            return
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-        for base, name in _WRAPPED.items():
-            AttentionInterface.register(name, _make_wrapper(base))
-            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])  # same masks as the base
-        _REGISTERED = True
-
-
-def _attn_implementation(model: torch.nn.Module) -> str | None:
-    return getattr(getattr(_unwrap(model), "config", None), "_attn_implementation", None)
-
-
-def install_zorro_attention(model: torch.nn.Module) -> None:
-    """Route ``model``'s ``sdpa`` / ``eager`` attention through ZoRRO's wrapper (idempotent).
-
-    Outside :func:`zorro_forward` the wrapper calls the same function as before, so the model's
-    outputs do not change; under ``torch.compile`` the wrapper is a graph break inside each
-    attention module. Raises :class:`ZorroUnsupportedError` for another implementation.
-    """
-    impl = _attn_implementation(model)
-    if impl in _BASE_OF:
-        return
-    if impl not in _WRAPPED:
-        raise ZorroUnsupportedError(
-            f"ZoRRO cannot run on this model: attn_implementation is {impl!r}; ZoRRO runs with {sorted(_WRAPPED)}"
-        )
-    _register()
-    _unwrap(model).config._attn_implementation = _WRAPPED[impl]
-
-
-_ROUTED_LOCK = threading.Lock()
-#: model (unwrapped) -> [its attention implementation before, ZoRRO passes in flight on it]
-_ROUTED: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()
-
-
-@contextlib.contextmanager
-def _routed_through_wrapper(model: torch.nn.Module) -> Iterator[None]:
-    """ZoRRO's wrapper as ``model``'s attention for the duration; the implementation before afterwards.
-
-    Under ``torch.compile`` the wrapper is a graph break in every attention layer, so a plain pass that
-    went through it would run as ``2L+1`` graphs instead of one (on one H200, the plain pass is what a
-    ZoRRO request takes where ZoRRO's would be slower). Passes in flight on one model are counted: the
-    last one out restores the implementation (a model on which :func:`install_zorro_attention` was
-    called directly keeps the wrapper).
-    """
-    inner = _unwrap(model)
-    with _ROUTED_LOCK:
-        entry = _ROUTED.get(inner)
-        if entry is None:
-            entry = _ROUTED[inner] = [_attn_implementation(inner), 0]
-            install_zorro_attention(inner)
-        entry[1] += 1
-    try:
-        yield
-    finally:
-        with _ROUTED_LOCK:
-            entry[1] -= 1
-            if entry[1] == 0:
-                _ROUTED.pop(inner, None)
-                if entry[0] in _WRAPPED:  # it was the base implementation
-                    inner.config._attn_implementation = entry[0]
-
-
-#: per model: (its config, the layer-type verdict) -- the config's layer types do not change
-_LAYER_VERDICT: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, str | None]] = weakref.WeakKeyDictionary()
-
-
-def _layer_reason(inner: torch.nn.Module, config) -> str | None:
-    """Why the model's cache layers rule ZoRRO out (sliding window, linear attention), or ``None``."""
-    known = _LAYER_VERDICT.get(inner)
-    if known is not None and known[0] is config:
-        return known[1]
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    cache = DynamicCache(config=config)
-    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    reason = f"the model has non-full-attention layers {odd} (sliding window or linear attention)" if odd else None
-    _LAYER_VERDICT[inner] = (config, reason)
-    return reason
-
-
-def zorro_unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why ``model`` cannot run :func:`zorro_forward`, or ``None`` when it can."""
-    inner = _unwrap(model)
-    config = getattr(inner, "config", None)
-    if config is None:
-        return f"{type(inner).__name__} has no `config`: not a transformers model"
-    impl = _attn_implementation(inner)
-    if _BASE_OF.get(impl, impl) not in _WRAPPED:
-        return f"attn_implementation is {impl!r}; ZoRRO runs with {sorted(_WRAPPED)}"
-    if inner.training and any(getattr(m, "gradient_checkpointing", False) for m in inner.modules()):
-        return "gradient checkpointing is enabled in training mode (checkpointed layers re-run without the prompt)"
-    return _layer_reason(inner, config)
 
 
 def _response_mask(attention_mask: torch.Tensor, p: int, dtype: torch.dtype, eager: bool) -> torch.Tensor:
@@ -385,12 +203,9 @@ def _response_mask(attention_mask: torch.Tensor, p: int, dtype: torch.dtype, eag
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def _response_pass(model, state: _PassState, ids, mask, positions, r: int) -> torch.Tensor:
-    _STATE.current = state
-    try:
+def _response_pass(model, state: PassState, ids, mask, positions, r: int) -> torch.Tensor:
+    with running_pass(state):
         return causal_lm_logits(model, ids, mask, positions, torch.arange(r - 1, device=ids.device))
-    finally:
-        _STATE.current = None
 
 
 def zorro_forward(
@@ -417,7 +232,7 @@ def zorro_forward(
     reason = zorro_unsupported_reason(model)
     if reason is not None:
         raise ZorroUnsupportedError(f"ZoRRO cannot run on this model: {reason}")
-    with _routed_through_wrapper(model):
+    with routed_through_wrapper(model):
         return _zorro_passes(model, input_ids, attention_mask, position_ids, int(prompt_len))
 
 
@@ -436,11 +251,7 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
     unique_rows = unique_cpu.to(device, non_blocking=True)
     row_to_group = groups_cpu.to(device, non_blocking=True)
 
-    if getattr(_STATE, "current", None) is not None:
-        raise RuntimeError("zorro_forward: called from inside another zorro_forward on the same thread")
-    prompt = _PassState()
-    _STATE.current = prompt
-    try:
+    with running_pass(PassState()) as prompt:
         first_logits = causal_lm_logits(
             model,
             input_ids[:, :p].index_select(0, unique_rows),
@@ -448,9 +259,7 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
             position_ids[:, :p].index_select(0, unique_rows),
             torch.tensor([p - 1], device=device),
         )[:, 0]
-    finally:
-        _STATE.current = None
-    layers = int(getattr(_unwrap(model).config, "num_hidden_layers", len(prompt.collected)))
+    layers = int(getattr(unwrap_model(model).config, "num_hidden_layers", len(prompt.collected)))
     if len(prompt.collected) != layers:  # a model whose attention bypasses the attention interface
         raise ZorroUnsupportedError(
             f"ZoRRO cannot run on this model: the prompt pass saw keys of {len(prompt.collected)} of its "
@@ -460,7 +269,7 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
         rest = first_logits.new_zeros((batch, 0, first_logits.shape[-1]))
         return ZorroOutput(first_logits, rest, unique_rows, row_to_group, num_unique * p)
 
-    eager = _BASE_OF[_attn_implementation(model)] == "eager"
+    eager = attention_base(model) == "eager"
     some_key = next(iter(prompt.collected.values()))[0]
     counts = torch.bincount(groups_cpu, minlength=num_unique)
     n = int(counts[0]) if num_unique else 0
@@ -473,7 +282,7 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
         and (device.type != "cpu" or not torch.is_grad_enabled())
     )
     if grouped and compiled:
-        config = _unwrap(model).config
+        config = unwrap_model(model).config
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -486,7 +295,7 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
         if not torch.equal(order_cpu, torch.arange(batch)):  # (GRPO batches usually come sorted)
             order = order_cpu.to(device, non_blocking=True)
             ids, mask2d, positions = (t.index_select(0, order) for t in (input_ids, attention_mask, position_ids))
-        state = _PassState(prompt_kv=prompt.collected, group_size=n)
+        state = PassState(prompt_kv=prompt.collected, group_size=n)
         try:
             state.block_mask = zorro_flex.group_block_mask(
                 attention_mask[:, :p].index_select(0, unique_rows).bool(),
@@ -507,6 +316,6 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
                 zorro_flex.failure_text(exc),
             )
     mask = _response_mask(attention_mask, p, some_key.dtype, eager)
-    state = _PassState(prompt_kv=prompt.collected, rows=None if identity else row_to_group)
+    state = PassState(prompt_kv=prompt.collected, rows=None if identity else row_to_group)
     rest_logits = _response_pass(model, state, input_ids[:, p:], mask, position_ids[:, p:], r)
     return ZorroOutput(first_logits, rest_logits, unique_rows, row_to_group, num_unique * p + batch * r)
