@@ -25,7 +25,6 @@ from arctic_rl.server.engines.sampler_choice import SamplerUnavailable, resolve_
 from arctic_rl.server.engines.sampling import SamplingEngine
 from arctic_rl.server.engines.vllm_sampler import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    _apply_stop_strings,
     engine_options,
     prompt_seeds,
 )
@@ -130,18 +129,6 @@ def test_cpu_sampler_keeps_the_step_loop(tiny_model_dir, tmp_path):
     assert [r["token_ids"] for r in results] == [s.token_ids for s in want]
     got_lps = [[entry[str(t)]["logprob"] for t, entry in zip(r["token_ids"], r["logprobs"])] for r in results]
     assert got_lps == [s.logprobs for s in want]
-
-
-def test_stop_strings_after_generation_cut_like_the_step_loop():
-    def decode(ids):
-        return "".join(chr(i) for i in ids)
-
-    ids = [ord(c) for c in "abXYcd"]
-    lps = [-0.1 * (i + 1) for i in range(len(ids))]
-    assert _apply_stop_strings(ids, lps, "length", ["XY"], decode) == (ids[:4], lps[:4], "stop", "ab")
-    assert _apply_stop_strings(ids, lps, "length", ["zz"], decode) == (ids, lps, "length", None)
-    # the stop string completes on the stop token itself: the stop token wins, text left whole
-    assert _apply_stop_strings(ids[:4], lps[:4], "stop", ["XY"], decode) == (ids[:4], lps[:4], "stop", None)
 
 
 def test_local_server_sampler_is_validated():

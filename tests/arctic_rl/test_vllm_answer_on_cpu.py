@@ -18,7 +18,7 @@ from _helpers_vllm import Completion, Logprob, OutputsOf, RequestOutput, engine_
 
 from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines.sampling import vendor_logprobs
-from arctic_rl.server.engines.vllm_sampler import _token_logprobs
+from arctic_rl.server.engines.vllm_answer import apply_stop_strings, token_logprobs
 
 
 @pytest.fixture
@@ -35,18 +35,18 @@ def _ids(text: str, tok) -> list[int]:
 
 def test_token_logprobs_gives_the_sampled_values_and_the_vendor_format():
     steps = [{7: Logprob(-0.5, 1), 9: Logprob(-1.5, 2)}, {4: Logprob(-2.0, 3), 8: Logprob(-0.1, 1)}]
-    lps, entries = _token_logprobs([7, 4], steps)
+    lps, entries = token_logprobs([7, 4], steps)
     assert lps == [-0.5, -2.0]
     # what the transformers sampler writes for the same candidates
     assert entries == vendor_logprobs([{7: (-0.5, 1), 9: (-1.5, 2)}, {4: (-2.0, 3), 8: (-0.1, 1)}])
-    assert _token_logprobs([5], [{5: Logprob(-0.2, None)}]) == ([-0.2], [{"5": {"logprob": -0.2, "rank": 0}}])
+    assert token_logprobs([5], [{5: Logprob(-0.2, None)}]) == ([-0.2], [{"5": {"logprob": -0.2, "rank": 0}}])
 
 
 def test_token_logprobs_refuses_outputs_without_the_sampled_token_or_of_another_length():
     with pytest.raises(RuntimeError, match="no log-prob for the sampled token 7"):
-        _token_logprobs([7], [{9: Logprob(-1.0, 1)}])
+        token_logprobs([7], [{9: Logprob(-1.0, 1)}])
     with pytest.raises(ValueError):
-        _token_logprobs([7, 8], [{7: Logprob(-1.0, 1)}])
+        token_logprobs([7, 8], [{7: Logprob(-1.0, 1)}])
 
 
 def test_generate_builds_the_vendor_answer_from_vllm_outputs(engine):
@@ -79,10 +79,10 @@ def test_the_compact_answer_asks_vllm_for_the_sampled_token_only_and_carries_flo
     assert [r["text"] for r in res] == ["", ""] and [r["token_ids"] for r in res] == [a, b]
     (_, vllm_params), = engine.llm.calls
     assert {p.logprobs for p in vllm_params} == {0}  # no top tokens computed for an answer that drops them
-    assert _token_logprobs([7, 4], [{7: Logprob(-0.5, 1), 9: Logprob(-1.5, 2)}, {4: Logprob(-2.0, 3)}],
+    assert token_logprobs([7, 4], [{7: Logprob(-0.5, 1), 9: Logprob(-1.5, 2)}, {4: Logprob(-2.0, 3)}],
                            candidates=False) == ([-0.5, -2.0], [])
     with pytest.raises(RuntimeError, match="no log-prob for the sampled token 7"):
-        _token_logprobs([7], [{9: Logprob(-1.0, 1)}], candidates=False)
+        token_logprobs([7], [{9: Logprob(-1.0, 1)}], candidates=False)
 
 
 def test_generate_cuts_log_probs_with_the_tokens_at_a_stop_string(engine):
@@ -103,3 +103,15 @@ def test_generate_without_logprobs_returns_none_and_leaves_the_collector_as_it_f
     finally:
         gc.enable()
     assert res["logprobs"] is None and res["token_ids"] == ids
+
+
+def test_stop_strings_after_generation_cut_like_the_step_loop():
+    def decode(ids):
+        return "".join(chr(i) for i in ids)
+
+    ids = [ord(c) for c in "abXYcd"]
+    lps = [-0.1 * (i + 1) for i in range(len(ids))]
+    assert apply_stop_strings(ids, lps, "length", ["XY"], decode) == (ids[:4], lps[:4], "stop", "ab")
+    assert apply_stop_strings(ids, lps, "length", ["zz"], decode) == (ids, lps, "length", None)
+    # the stop string completes on the stop token itself: the stop token wins, text left whole
+    assert apply_stop_strings(ids[:4], lps[:4], "stop", ["XY"], decode) == (ids[:4], lps[:4], "stop", None)

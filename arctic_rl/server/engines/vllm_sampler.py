@@ -32,7 +32,6 @@ restore vLLM's share around training. Engine options come from the job's ``vllm_
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -50,8 +49,7 @@ from arctic_rl.server.engines.common import (
     load_tokenizer,
     resolve_device,
 )
-from arctic_rl.server.engines.generation import stop_cut
-from arctic_rl.server.engines.sampling import sample_result
+from arctic_rl.server.engines.vllm_answer import answer_from_outputs
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.settings import ServerSettings
@@ -134,54 +132,6 @@ def prompt_seeds(seed: int | None, n_prompts: int, n: int) -> list[int | None]:
 def _model_weight_norm(worker: Any) -> dict[str, float | int]:
     """Runs inside vLLM's worker: :func:`~.weights.weight_norm` of the live model."""
     return weight_norm(worker.model_runner.model)
-
-
-def _token_logprobs(
-    token_ids: list[int], logprobs: Any, *, candidates: bool = True
-) -> tuple[list[float], list[dict[str, dict[str, Any]]]]:
-    """One pass over vLLM's per-token ``{token_id: Logprob}``: each sampled token's log-prob, and (unless
-    ``candidates`` is false: the compact answer) each position's candidates in the vendor's answer format
-    (``{str(token_id): {"logprob", "rank"}}``, what :func:`.sampling.vendor_logprobs` writes for the transformers
-    sampler), the sampled token always among them.
-
-    One pass and no intermediate objects: at 256 samples x 512 tokens this is 131k positions per call, and
-    building them was a large part of what the engine adds around ``llm.generate`` (``benchmarks/RESULTS.md`` §2h)."""
-    lps: list[float] = []
-    entries: list[dict[str, dict[str, Any]]] = []
-    if not candidates:
-        for tok, step in zip(token_ids, logprobs or [], strict=True):
-            lp = step.get(tok)
-            if lp is None:
-                raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
-            lps.append(float(lp.logprob))
-        return lps, entries
-    for tok, step in zip(token_ids, logprobs or [], strict=True):
-        entry: dict[str, dict[str, Any]] = {}
-        sampled = None
-        for t, lp in step.items():
-            value = float(lp.logprob)
-            entry[str(t)] = {"logprob": value, "rank": int(lp.rank) if lp.rank is not None else 0}
-            if t == tok:
-                sampled = value
-        if sampled is None:
-            raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
-        lps.append(sampled)
-        entries.append(entry)
-    return lps, entries
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """The cyclic garbage collector off while a call's answer is built: the answer is hundreds of thousands of
-    small dicts and no cycles, and the collections they would trigger walk the server's whole heap
-    (``benchmarks/generate_answer.py`` times the answer against the way it was built before)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
@@ -331,9 +281,7 @@ class VllmSamplingEngine:
 
         prompts = self._prompt_ids(list(request.prompts))
         vllm_params = self._vllm_params(params, prompts)
-        want_lps, sampled_only = params.wants_logprobs, params.sampled_logprobs_only
         self._check_awake()
-        stops = [s for s in (params.stop or []) if s]
 
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
@@ -342,34 +290,7 @@ class VllmSamplingEngine:
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], vllm_params, use_tqdm=False
         )
-        results: list[dict[str, Any]] = []
-        with _collector_paused():
-            for pi, out in enumerate(outputs):
-                cached = int(getattr(out, "num_cached_tokens", 0) or 0)
-                for si, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
-                    ids = list(completion.token_ids)
-                    lps, entries = (_token_logprobs(ids, completion.logprobs, candidates=not sampled_only)
-                                    if want_lps else ([], []))
-                    finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else "length"
-                    text = None
-                    if stops:
-                        ids, lps, finish, text = _apply_stop_strings(ids, lps, finish, stops, decode)
-                        entries = entries[: len(ids)]
-                    if not params.wants_text:
-                        text = ""
-                    results.append(
-                        sample_result(
-                            text=text if text is not None else decode(ids),
-                            token_ids=ids,
-                            finish_reason=finish,
-                            prompt_len=len(prompts[pi]),
-                            prefix_cache_len=cached,
-                            logprobs=(lps if sampled_only else entries) if want_lps else None,
-                            prompt_index=pi,
-                            sample_index=si,
-                            weight_version=self.weight_version,
-                        )
-                    )
+        results = answer_from_outputs(outputs, prompts, params, decode=decode, weight_version=self.weight_version)
         logger.debug("vLLM generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
         return results
 
@@ -470,22 +391,3 @@ class VllmSamplingEngine:
         del self.llm
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def _apply_stop_strings(
-    ids: list[int], lps: list[float], finish: str, stops: list[str], decode
-) -> tuple[list[int], list[float], str, str | None]:
-    """Cut a finished sample at its first stop string as the ``transformers`` sampler does step by
-    step: the shortest token prefix whose text holds a stop string ends the sample, its text cut
-    before the string. A stop token reached at that same position wins (text left whole)."""
-    if stop_cut(decode(ids), stops) is None:
-        return ids, lps, finish, None
-    for k in range(1, len(ids) + 1):
-        text = decode(ids[:k])
-        cut = stop_cut(text, stops)
-        if cut is None:
-            continue
-        if k == len(ids) and finish == "stop":
-            return ids, lps, finish, None
-        return ids[:k], lps[:k], "stop", text[:cut]
-    return ids, lps, finish, None
