@@ -60,7 +60,8 @@ _EAGER_BY_CLASS: dict[type, object] = {}
 
 @dataclass
 class PassState:
-    """What the wrapped attention does during one of :func:`~arctic_rl.server.zorro.zorro_forward`'s passes (per thread)."""
+    """What the wrapped attention does during one of ZoRRO's passes
+    (:func:`~arctic_rl.server.zorro.zorro_forward`; per thread)."""
 
     #: prompt pass: layer_idx -> (keys, values) ``[U, kv_heads, P, head_dim]``, filled by the layers
     collected: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -161,7 +162,7 @@ def _attn_implementation(model: torch.nn.Module) -> str | None:
 def install_zorro_attention(model: torch.nn.Module) -> None:
     """Route ``model``'s ``sdpa`` / ``eager`` attention through ZoRRO's wrapper (idempotent).
 
-    Outside :func:`~arctic_rl.server.zorro.zorro_forward` the wrapper calls the same function as before, so the model's
+    Outside ZoRRO's passes the wrapper calls the same function as before, so the model's
     outputs do not change; under ``torch.compile`` the wrapper is a graph break inside each
     attention module. Raises :class:`ZorroUnsupportedError` for another implementation.
     """
