@@ -39,6 +39,7 @@ from arctic_rl.server.errors import install_error_handlers
 from arctic_rl.server.idempotency import CachedResponse, payload_hash
 from arctic_rl.server.service import SERVER_NAME, ServerState
 from arctic_rl.server.settings import ServerSettings
+from arctic_rl.server_timing import ServerTimingMiddleware
 
 __all__ = ["create_app"]
 
@@ -62,6 +63,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     install_error_handlers(app)
     if settings.token:
         app.add_middleware(BearerTokenMiddleware, token=settings.token)
+    app.add_middleware(ServerTimingMiddleware)  # outermost: a refused call's answer carries it too
     limit = settings.max_body_bytes
     body_timeout = settings.body_timeout_s
 

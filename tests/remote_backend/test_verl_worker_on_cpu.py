@@ -156,6 +156,13 @@ def test_worker_group_forwards_every_call_unchanged(tmp_path, tiny_model_dir):
                 marker = json.loads((ckpt / CHECKPOINT_MARKER).read_text())
                 assert marker["global_step"] == 1 and marker["backend"] == "arctic"
 
+                # each phase's seconds split into the worker's, HTTP's and the server's own (Server-Timing)
+                timings = wg.collect_phase_timings()[0]
+                for phase in ("old_log_prob", "ref", "update_actor", "update_weights"):
+                    adapter, http, server = (timings[f"{phase}/{part}"] for part in ("adapter", "http", "server"))
+                    assert 0 < server <= http <= adapter, (phase, timings)
+                assert wg.collect_phase_timings()[0] == {}  # collected once
+
                 wg.update_actor(data)  # move on, then come back
                 assert not torch.allclose(wg.compute_log_prob(data)["log_probs"].values(), trained)
                 wg.load_checkpoint(str(ckpt))

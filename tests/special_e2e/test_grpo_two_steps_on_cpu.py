@@ -73,6 +73,10 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
             assert key in metrics, f"step {step}: {key} not logged"
             assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
         assert metrics["actor/lr"] == pytest.approx(1e-3)
+        for phase in ("old_log_prob", "update_actor", "update_weights"):  # where each phase's time went
+            server, adapter = metrics[f"timing_s/{phase}/server"], metrics[f"timing_s/{phase}/adapter"]
+            assert 0 < server <= metrics[f"timing_s/{phase}/http"] <= adapter, (phase, server, adapter)
+        assert metrics["timing_s/update_actor/adapter"] <= metrics["timing_s/update_actor"]
         assert 0 < metrics["response_length/mean"] <= 8
         if metrics["critic/advantages/max"] > metrics["critic/advantages/min"]:
             assert metrics["actor/grad_norm"] > 0  # a real backward pass on the server

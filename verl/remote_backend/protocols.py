@@ -13,7 +13,8 @@ exactly the methods they call:
 Both are ``runtime_checkable`` so that the contract test (and a worker at attach time) can check
 that a registered backend offers them. A backend implements both *and* the lifecycle ABC. An
 optional capability is a Protocol of its own, checked with ``isinstance``: :class:`SamplerAdopter`
-(a sampler that lives client-side and follows the actor side's weight updates).
+(a sampler that lives client-side and follows the actor side's weight updates) and :class:`ReportsCallTimes`
+(a transport that reports its calls' seconds and the server's).
 
 TensorDict conventions (verl 0.9.1's engine workers): ``input_ids``/``position_ids`` are nested
 (prompt + response per row, no padding); ``compute_log_prob`` / ``compute_ref_log_prob`` return a
@@ -35,6 +36,7 @@ __all__ = [
     "SAMPLER_UPDATE_KEY",
     "RemoteActor",
     "RemoteSampler",
+    "ReportsCallTimes",
     "SampleResult",
     "SamplerAdopter",
     "SamplingParams",
@@ -105,6 +107,17 @@ class SamplerAdopter(Protocol):
 
     def adopt_sampler(self, data: Mapping[str, Any]) -> None:
         """Serve samples from the sampler ``data`` describes from now on (JSON data)."""
+
+
+@runtime_checkable
+class ReportsCallTimes(Protocol):
+    """Optional capability: the backend's transport sums its calls' wall seconds and the server's own
+    seconds; the forwarder worker drains them after each forwarded call so that every run's metrics split
+    a phase into the adapter, the transport and the server (:mod:`verl.remote_backend.timings`)."""
+
+    def drain_call_times(self) -> Mapping[str, float]:
+        """Since the last drain: ``calls``, ``wall_s``, ``server_s`` and ``server_reported`` (the calls whose
+        answer carried the server's seconds); then start again."""
 
 
 def adopter_of(backend: object) -> SamplerAdopter | None:

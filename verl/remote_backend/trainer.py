@@ -158,11 +158,23 @@ class RemoteBackendTrainer(PPOTrainerSync):
         super().__init__(config)
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        timing_raw.update(self._phase_timings())  # -> timing_s/<phase>/adapter, /http, /server beside verl's
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         self._step_clock.add(metrics)
         eta_s = self._step_clock.eta_s(global_steps, self.total_training_steps)
         line = format_progress(metrics, global_steps, self.total_training_steps, eta_s=eta_s)
         print(f"[remote_backend] {line}", flush=True)
+
+    def _phase_timings(self) -> dict[str, float]:
+        """The forwarder workers' seconds per phase since the last step (summed over workers)."""
+        collect = getattr(self.actor_rollout_wg, "collect_phase_timings", None)
+        if collect is None:
+            return {}
+        totals: dict[str, float] = {}
+        for part in collect():
+            for key, seconds in (part or {}).items():
+                totals[key] = totals.get(key, 0.0) + float(seconds)
+        return totals
 
     def _build_replay_buffer(self):
         buffer = super()._build_replay_buffer()

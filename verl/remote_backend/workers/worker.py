@@ -35,7 +35,8 @@ from verl.single_controller.base.decorator import Dispatch, make_nd_compute_data
 
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_UPDATE_KEY, RemoteActor
+from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_UPDATE_KEY, RemoteActor, ReportsCallTimes
+from verl.remote_backend.timings import PHASE_OF_METHOD, CallTotals, PhaseTimes
 
 __all__ = ["CHECKPOINT_MARKER", "RemoteActorRolloutRefWorker", "attach_rollout_server", "checkpoint_step"]
 
@@ -67,6 +68,7 @@ class RemoteActorRolloutRefWorker(Worker):
         self._backend: RemoteActor | None = None
         self._rollout_servers: list[Any] = []
         self._warned_modes: set[str] = set()
+        self._phase_times = PhaseTimes()
 
     # ------------------------------------------------------------------ lifecycle
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -115,10 +117,26 @@ class RemoteActorRolloutRefWorker(Worker):
         return self._forward("update_actor", data)
 
     def _forward(self, method: str, data: TensorDict) -> TensorDict:
+        self._drain_call_times()  # whatever ran between two phases is not this one's
         start = time.monotonic()
         output = getattr(self.backend, method)(data)
-        logger.debug("%s: %d rows in %.2f s", method, len(data), time.monotonic() - start)
+        seconds = time.monotonic() - start
+        self._phase_times.add(PHASE_OF_METHOD[method], seconds, self._drain_call_times())
+        logger.debug("%s: %d rows in %.2f s", method, len(data), seconds)
         return output
+
+    def _drain_call_times(self) -> CallTotals | None:
+        backend = self._backend
+        if not isinstance(backend, ReportsCallTimes):
+            return None
+        return CallTotals.from_mapping(backend.drain_call_times())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def collect_phase_timings(self) -> dict[str, float]:
+        """Seconds per phase since the last collect, as verl ``timing_raw`` entries: ``<phase>/adapter`` (the
+        forwarded call in this worker), ``<phase>/http`` (the backend's calls, when it reports them) and
+        ``<phase>/server`` (the server's own seconds, when the server reports them)."""
+        return self._phase_times.collect()
 
     # ------------------------------------------------------------------ weights
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -133,10 +151,12 @@ class RemoteActorRolloutRefWorker(Worker):
             logger.warning("update_weights(mode=%r): the remote backend syncs weights itself; mode ignored", mode)
         start = time.monotonic()
         sync = self.backend.update_weights
+        self._drain_call_times()
         if inspect.iscoroutinefunction(sync):  # a backend written for verl PR #7102's async interface
             result = await sync()
         else:
             result = await asyncio.to_thread(sync)
+        self._phase_times.add(PHASE_OF_METHOD["update_weights"], time.monotonic() - start, self._drain_call_times())
         sampler = result.get(SAMPLER_UPDATE_KEY) if isinstance(result, Mapping) else None
         if sampler is not None and self._rollout_servers:
             await asyncio.gather(*[s.adopt_sampler.remote(sampler) for s in self._rollout_servers])

@@ -267,6 +267,12 @@ class ArcticRLClient(RemoteBackend):
         """What the failure handling did: HTTP retries by reason, replays, restores, journal replays, ..."""
         return {**self._state.http.stats, **{f"recovery/{k}": v for k, v in self._recovery.stats.items()}}
 
+    def drain_call_times(self) -> dict[str, float]:
+        """This client's HTTP calls since the last drain: count, wall seconds and the server's own seconds
+        (:class:`~verl.remote_backend.protocols.ReportsCallTimes`; the reference server reports them, the
+        vendor's does not)."""
+        return self._state.http.call_times.drain().as_mapping()
+
     # ------------------------------------------------------------------------------ properties
 
     @property

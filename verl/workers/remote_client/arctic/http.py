@@ -20,7 +20,9 @@ Every call goes through :meth:`ArcticHttp.request`, which
   A mutating call that may have reached the server but got no answer, and may not be re-sent here,
   raises :class:`AmbiguousCallError` (a ``RemoteConnectionError``): whether it was applied is for
   the caller to find out (:mod:`.recovery` reads the server's counters);
-* counts what it did in :attr:`ArcticHttp.stats` (retries by reason, replays the server reported).
+* counts what it did in :attr:`ArcticHttp.stats` (retries by reason, replays the server reported), and sums
+  each answered call's wall seconds and the server's own (its ``Server-Timing`` header) in
+  :attr:`ArcticHttp.call_times`.
 
 Request bodies are passed to ``requests`` as they are: a DSSST1 ``bytearray`` is sent without a copy.
 What is not here: body encoding (:mod:`.wire`) and what the calls mean (:mod:`.arctic_rl`).
@@ -43,12 +45,14 @@ from requests.adapters import HTTPAdapter
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError
 
 from arctic_rl.protocol import AUTH_HEADER, JSON_MEDIA_TYPE, REQUEST_ID_HEADER, STEP_HEADER
+from arctic_rl.server_timing import SERVER_TIMING_HEADER, server_seconds
 from verl.remote_backend.errors import (
     RemoteConnectionError,
     RemoteJobNotFoundError,
     RemoteServerError,
     RemoteTimeoutError,
 )
+from verl.remote_backend.timings import CallTimes
 
 from .arctic_config import RetryConfig, TimeoutsConfig
 
@@ -154,6 +158,8 @@ class ArcticHttp:
         #: what this session did: ``retries``, ``retry <endpoint>: <why>``, ``replayed``, ``ambiguous``
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
+        #: wall seconds of the calls that got an answer, and the server's own (``Server-Timing``) where sent
+        self.call_times = CallTimes()
 
     def __repr__(self) -> str:  # no token
         return f"ArcticHttp({self.base_url!r}, idempotency={self.idempotency})"
@@ -192,7 +198,8 @@ class ArcticHttp:
         mutating = method != "GET"
         endpoint = f"{method} {path}" + (f"?{'&'.join(f'{k}={v}' for k, v in params.items())}" if params else "")
         budget = self.timeout_of(op)
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        deadline = started + budget
         headers: dict[str, str] = {}
         if self._token:
             headers[AUTH_HEADER] = f"Bearer {self._token}"
@@ -234,6 +241,7 @@ class ArcticHttp:
                 logger.info("%s: the server answered X-Request-Id %s from its replay cache (applied once)",
                             endpoint, request_id)
             if resp.status_code < 400 or resp.status_code in accept_status:
+                self.call_times.record(time.monotonic() - started, server_seconds(resp.headers.get(SERVER_TIMING_HEADER)))
                 return resp
             if resp.status_code in RETRYABLE_STATUS and safe:
                 why = f"HTTP {resp.status_code}: {parse_error_detail(resp)[0]}"
