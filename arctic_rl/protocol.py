@@ -40,6 +40,7 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "REQUIRED_FORWARD_TENSORS",
     "REQUIRED_TRAIN_TENSORS",
+    "ROLLOUT_RS_OPTIONS",
     "SFT_LOSS_NAMES",
     "STEP_HEADER",
     "BatchMeta",
@@ -68,6 +69,7 @@ __all__ = [
     "Processing",
     "ProtocolVersion",
     "ResetPrefixCacheRequest",
+    "RolloutCorrection",
     "SamplingParams",
     "SaveRequest",
     "SaveResponse",
@@ -171,6 +173,8 @@ class Features:
     #: /generate takes sampling_params.logprobs_format="sampled" (one float per generated token instead of the
     #: vendor's per-token candidates) and sampling_params.detokenize=false (no ``text``, the token ids only)
     COMPACT_RESULTS = "compact_results"
+    #: the ``verl_gspo`` and ``verl_bypass_mode`` losses (verl's ``gspo`` and ``bypass_mode`` policy losses)
+    POLICY_LOSSES = "policy_losses"
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +297,7 @@ class ErrorDetail(BaseModel):
 # --------------------------------------------------------------------------------------------
 
 #: Loss functions by name. A request never names code: anything else is a 400.
-LOSS_NAMES: tuple[str, ...] = ("verl_grpo", "grpo", "sft", "sft_ce", "cross_entropy")
+LOSS_NAMES: tuple[str, ...] = ("verl_grpo", "grpo", "verl_gspo", "verl_bypass_mode", "sft", "sft_ce", "cross_entropy")
 SFT_LOSS_NAMES: tuple[str, ...] = ("sft", "sft_ce", "cross_entropy")
 POST_PROCESSORS: tuple[str, ...] = (
     "compute_entropy_and_logprobs",
@@ -303,6 +307,11 @@ POST_PROCESSORS: tuple[str, ...] = (
 )
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_TYPES: tuple[str, ...] = ("low_var_kl", "kl", "abs", "mse")
+#: verl 0.9.1's rejection-sampling criteria (``rollout_corr_helper``), comma-joined in ``rollout_rs``
+ROLLOUT_RS_OPTIONS: tuple[str, ...] = (
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
 
 #: Tensors every ``/forward`` body must carry: dense ``[B, P+R]`` ``input_ids``/``attention_mask``
 #: and ``[B, P]`` ``prompts`` (its width tells the server P). As at the vendor, ``position_ids``
@@ -335,6 +344,40 @@ class LogprobAlignment(str, enum.Enum):
     RESPONSE = "response"
 
 
+class RolloutCorrection(BaseModel):
+    """verl's ``policy_loss.rollout_correction`` as the ``verl_bypass_mode`` loss reads it: IS weights
+    and rejection masks of the current policy against the rollout's log-probs (``old_log_probs``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    #: verl's dataclass default (the actor's ``policy_loss.rollout_correction``) is ``sequence``
+    rollout_is: Literal["token", "sequence"] | None = "sequence"
+    #: an upper bound (truncation) or ``"lower_upper"`` (weights outside are zeroed)
+    rollout_is_threshold: float | str | None = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+
+    @field_validator("rollout_is_threshold")
+    @classmethod
+    def _is_threshold(cls, value: float | str | None) -> float | str | None:
+        if value is not None:
+            bounds = [float(v) for v in str(value).split("_", 1)]  # a non-number: ValueError, a 400
+            if min(bounds) <= 0 or bounds != sorted(bounds):
+                raise ValueError(f"expected a positive bound or 'lower_upper' with 0 < lower <= upper, got {value!r}")
+        return value
+
+    @field_validator("rollout_rs")
+    @classmethod
+    def _rs_options(cls, value: str | None) -> str | None:
+        if value is not None:
+            bad = [o for o in value.split(",") if o.strip() not in ROLLOUT_RS_OPTIONS]
+            if bad or not value.strip():
+                raise ValueError(f"expected comma-separated options of {list(ROLLOUT_RS_OPTIONS)}, got {value!r}")
+        return value
+
+
 class LossConfig(BaseModel):
     """``processing.config`` of a ``/forward-backward`` call: the loss hyper-parameters."""
 
@@ -353,6 +396,8 @@ class LossConfig(BaseModel):
     #: divide the mean by this token count instead of the call's own (``global`` token-mean
     #: across the micro-batches of one step); ``None`` uses the call's own count.
     loss_scale_tokens: float | None = Field(None, gt=0.0)
+    #: read by the ``verl_bypass_mode`` loss only (``None`` there: verl's defaults)
+    rollout_correction: RolloutCorrection | None = None
 
 
 class Processing(BaseModel):

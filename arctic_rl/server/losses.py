@@ -5,11 +5,18 @@ any dotted path it receives there (remote code execution by whoever reaches the 
 maps the names of :data:`arctic_rl.protocol.LOSS_NAMES` to functions defined here and answers any
 other name with :class:`LossNameError` -- it never imports anything a request names.
 
-* ``verl_grpo``, ``grpo``: verl's PPO clipped surrogate (``compute_policy_loss_vanilla`` of
-  verl 0.9.1) with asymmetric clip ratios, optional dual clip for negative advantages, optional
-  rollout importance weights, ``loss_agg_mode`` aggregation, optional KL penalty to the reference
-  policy (``kl_penalty``: ``low_var_kl``/``kl``/``abs``/``mse``) and entropy bonus -- combined as
-  verl's ``ppo_loss`` does: ``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl``.
+verl 0.9.1's policy losses (``core_algos``), each combined as verl's ``ppo_loss`` does:
+``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (optional KL penalty to the reference policy,
+``kl_penalty``: ``low_var_kl``/``kl``/``abs``/``mse``; optional entropy bonus), aggregated by ``loss_agg_mode``:
+
+* ``verl_grpo``, ``grpo``: ``compute_policy_loss_vanilla`` -- the PPO clipped surrogate with asymmetric
+  clip ratios, optional dual clip for negative advantages and optional ``rollout_is_weights``.
+* ``verl_gspo``: ``compute_policy_loss_gspo`` -- the clipped *sequence* ratio (mean log-ratio of the row),
+  no dual clip, optional ``rollout_is_weights``.
+* ``verl_bypass_mode``: ``compute_policy_loss_bypass_mode`` -- ``old_log_probs`` are the rollout's; the IS
+  weights and rejection mask of ``config.rollout_correction`` are computed from the current log-probs
+  (:mod:`arctic_rl.server.rollout_correction`), then ``loss_type`` ``ppo_clip`` (vanilla on the rejection
+  mask, no weights: the ratio is the correction) or ``reinforce`` (``-A * logprob * w``, no clipping).
 * ``sft``, ``sft_ce``, ``cross_entropy``: masked cross-entropy ``-log p(token)``.
 
 Inputs are *response-sliced* ``[B, R]`` tensors (the last ``R`` columns of the body's left-padded
@@ -35,10 +42,12 @@ from typing import Any
 
 import torch
 
-from arctic_rl.protocol import LOSS_NAMES, LossConfig
+from arctic_rl.protocol import LOSS_NAMES, LossConfig, RolloutCorrection
 from arctic_rl.server.logprobs import TokenLogprobs
+from arctic_rl.server.rollout_correction import correction_weights, rejection_mask
 
-__all__ = ["DEFAULT_LOSS", "LOSS_FUNCTIONS", "LossFn", "LossNameError", "compute_loss", "kl_penalty", "resolve_loss"]
+__all__ = ["DEFAULT_LOSS", "LOSS_FUNCTIONS", "LossFn", "LossNameError", "bypass_mode_loss", "compute_loss", "gspo_loss",
+           "kl_penalty", "ppo_clip_loss", "resolve_loss"]
 
 LossFn = Callable[[TokenLogprobs, Mapping[str, torch.Tensor], LossConfig], tuple[torch.Tensor, dict[str, float]]]
 #: the loss of a forward-backward body whose ``processing.loss_fn`` is null
@@ -149,15 +158,8 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> t
 # --------------------------------------------------------------------------------------------
 
 
-def ppo_clip_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: LossConfig):
-    """verl's vanilla PPO/GRPO policy loss plus its optional KL and entropy terms."""
-    logprobs = out.logprobs
-    shape = tuple(logprobs.shape)
-    mask = _mask(batch, ("response_mask", "loss_mask"), shape)
-    old = _float_tensor(batch, "old_log_probs", shape).to(logprobs.dtype)
-    adv = _float_tensor(batch, "advantages", shape).to(logprobs.dtype)
-    weights = _float_tensor(batch, "rollout_is_weights", shape, required=False)
-
+def _vanilla_pg(logprobs, old, adv, mask, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token losses of verl's ``compute_policy_loss_vanilla`` (before weights and aggregation)."""
     low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
     high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
     log_ratio = (logprobs - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
@@ -173,16 +175,59 @@ def ppo_clip_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: Lo
         pg_losses = torch.where(negative, torch.minimum(pg_losses, bound), pg_losses)
     else:
         clipfrac_lower = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    if weights is not None:
-        pg_losses = pg_losses * weights.to(logprobs.dtype)
-    pg_loss = _aggregate(pg_losses, mask, cfg)
-    loss = pg_loss
-    metrics = {
-        "actor/pg_loss": pg_loss.item(),
+    return pg_losses, {
         "actor/pg_clipfrac": clipfrac.item(),
         "actor/pg_clipfrac_lower": clipfrac_lower.item(),
-        "actor/ppo_kl": _masked_mean(-log_ratio, mask).item(),
+        "actor/ppo_kl": _masked_mean(-log_ratio.detach(), mask).item(),
     }
+
+
+def _gspo_pg(logprobs, old, adv, mask, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token losses of verl's ``compute_policy_loss_gspo``: the sequence's mean log-ratio (no gradient)
+    plus the token's own log-prob, so each token carries the sequence ratio's gradient share; no dual clip."""
+    low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
+    high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
+    log_ratio = logprobs - old
+    seq_log_ratio = _masked_sum(log_ratio, mask, dim=-1) / mask.sum(-1).clamp_min(1)
+    log_seq_ratio = (logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    ratio = log_seq_ratio.exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), {
+        "actor/pg_clipfrac": _masked_mean((clipped > unclipped).to(logprobs.dtype), mask).item(),
+        "actor/pg_clipfrac_lower": 0.0,
+        "actor/ppo_kl": _masked_mean(-log_ratio.detach(), mask).item(),
+    }
+
+
+def _policy_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: LossConfig, mode: str):
+    """verl's ``ppo_loss``: the policy loss of ``mode`` plus its optional entropy and KL terms."""
+    logprobs = out.logprobs
+    shape = tuple(logprobs.shape)
+    mask = _mask(batch, ("response_mask", "loss_mask"), shape)
+    old = _float_tensor(batch, "old_log_probs", shape).to(logprobs.dtype)
+    adv = _float_tensor(batch, "advantages", shape).to(logprobs.dtype)
+    weights = _float_tensor(batch, "rollout_is_weights", shape, required=False)
+    weights = None if weights is None else weights.to(logprobs.dtype)
+    pg_mask, extra = mask, {}
+    if mode == "bypass_mode":  # old_log_probs are the rollout's: weights and rejection from the current policy
+        rc = cfg.rollout_correction or RolloutCorrection()
+        log_ratio = logprobs.detach() - old
+        weights, extra = correction_weights(log_ratio, mask, rc)
+        pg_mask, rs_metrics = rejection_mask(log_ratio, mask, rc)
+        extra.update(rs_metrics)
+        if rc.loss_type == "reinforce":
+            pg_losses = -adv * logprobs * (weights if weights is not None else 1.0)
+            pg_metrics = {"actor/ppo_kl": _masked_mean(-log_ratio, pg_mask).item()}
+        else:  # ppo_clip: the ratio to the rollout is the correction; verl applies no weights here
+            pg_losses, pg_metrics = _vanilla_pg(logprobs, old, adv, pg_mask, cfg)
+    else:
+        pg_losses, pg_metrics = (_gspo_pg if mode == "gspo" else _vanilla_pg)(logprobs, old, adv, mask, cfg)
+        if weights is not None:
+            pg_losses = pg_losses * weights
+    pg_loss = _aggregate(pg_losses, pg_mask, cfg)
+    loss = pg_loss
+    metrics = {"actor/pg_loss": pg_loss.item(), **pg_metrics, **extra}
     if out.entropy is not None:
         if tuple(out.entropy.shape) != shape:
             raise ValueError(f"entropy: expected shape {list(shape)}, got {list(out.entropy.shape)}")
@@ -207,6 +252,22 @@ def ppo_clip_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: Lo
     return loss, metrics
 
 
+def ppo_clip_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: LossConfig):
+    """verl's vanilla PPO/GRPO policy loss plus its optional KL and entropy terms."""
+    return _policy_loss(out, batch, cfg, "vanilla")
+
+
+def gspo_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: LossConfig):
+    """verl's ``gspo`` policy loss (sequence-level clipped ratio) plus its optional KL and entropy terms."""
+    return _policy_loss(out, batch, cfg, "gspo")
+
+
+def bypass_mode_loss(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: LossConfig):
+    """verl's ``bypass_mode`` policy loss (``old_log_probs`` are the rollout's; ``cfg.rollout_correction``
+    picks ``ppo_clip`` or ``reinforce`` and the IS weights / rejection) plus its optional KL and entropy terms."""
+    return _policy_loss(out, batch, cfg, "bypass_mode")
+
+
 def sft_cross_entropy(out: TokenLogprobs, batch: Mapping[str, torch.Tensor], cfg: LossConfig):
     """Masked token cross-entropy ``-log p(token)`` aggregated by ``loss_agg_mode``."""
     shape = tuple(out.logprobs.shape)
@@ -220,6 +281,8 @@ LOSS_FUNCTIONS: Mapping[str, LossFn] = MappingProxyType(
     {
         "verl_grpo": ppo_clip_loss,
         "grpo": ppo_clip_loss,
+        "verl_gspo": gspo_loss,
+        "verl_bypass_mode": bypass_mode_loss,
         "sft": sft_cross_entropy,
         "sft_ce": sft_cross_entropy,
         "cross_entropy": sft_cross_entropy,

@@ -60,6 +60,7 @@ FEATURES = (
     Features.LOAD_CHECKPOINT,
     Features.INSTANCE_ID,
     Features.COMPACT_RESULTS,
+    Features.POLICY_LOSSES,
 )
 
 

@@ -25,8 +25,8 @@ The facts, on each server:
   are refused before any call;
 * ``destroy`` releases the jobs.
 
-Only against the vendor's v2 server: a clip ratio the vendor fixes at 0.2 is a start-up warning naming
-the key, and a lost ``/forward-backward`` or ``/step`` answer (a dropping proxy in front of the vendor,
+Only against the vendor's v2 server: a clip ratio the vendor fixes at 0.2, or a policy loss other than
+verl's vanilla one, is refused at start-up naming the key (no job is created), and a lost ``/forward-backward`` or ``/step`` answer (a dropping proxy in front of the vendor,
 which has neither request-id replay nor counters) never applies an update twice: the adapter rebuilds
 the training job from the journal and sends the call once more to the rebuilt job; the final weights
 equal an undisturbed run's and the vendor's ``global_step`` equals the steps asked for.
@@ -37,7 +37,6 @@ weights (metrics can be compared across calls and clients); the steps still coun
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,14 +231,22 @@ def v2_config(model_dir: Path, url: str, workdir: Path, *, micro: int, **actor):
     return main_config(model_dir, Target("vendor-v2", url, None, BF16_ATOL), workdir, micro=micro, **actor)
 
 
-def test_settings_the_vendor_ignores_are_named_at_start_up(vendor_server, tiny_model_dir, tmp_path, caplog):
-    cfg = v2_config(tiny_model_dir, vendor_server.url, tmp_path, micro=4, clip_ratio_high=0.28)
-    with caplog.at_level(logging.WARNING, logger="verl.workers.remote_client.arctic.arctic_rl"):
-        client = ArcticRLClient.from_config(cfg)
-    client.destroy()
-    text = caplog.text
-    assert "actor_rollout_ref.actor.clip_ratio_high=0.28" in text and "always uses 0.2" in text
-    assert "clip_ratio_low" not in text and "attn_implementation" not in text  # defaults: nothing to say
+@pytest.mark.parametrize(("actor", "key", "received"), [
+    ({"clip_ratio_high": 0.28}, "actor_rollout_ref.actor.clip_ratio_high", 0.28),
+    ({"clip_ratio_c": 10.0}, "actor_rollout_ref.actor.clip_ratio_c", 10.0),
+    ({"policy_loss": {"loss_mode": "gspo"}}, "actor_rollout_ref.actor.policy_loss.loss_mode", "gspo"),
+    ({"policy_loss": {"loss_mode": "bypass_mode"}}, "actor_rollout_ref.actor.policy_loss.loss_mode", "bypass_mode"),
+])
+def test_what_the_vendors_loss_cannot_do_is_refused_before_any_job(vendor_server, tiny_model_dir, tmp_path, actor, key,
+                                                                   received):
+    """The vendor's verl_grpo fixes the clip ratios at 0.2 and dual clip at 3.0 and is its only loss: a run asking
+    for anything else fails at start-up naming the key, the reason and the value -- no job is created."""
+    before = len(vendor_server.trace_lines())
+    with pytest.raises(RemoteBackendConfigError) as err:
+        ArcticRLClient.from_config(v2_config(tiny_model_dir, vendor_server.url, tmp_path, micro=4, **actor))
+    assert err.value.field == key and err.value.received == received
+    assert "policy_losses" in str(err.value) and "vendor" in str(err.value)
+    assert not [r for r in vendor_server.trace_lines()[before:] if r["path"] == "/initialize"]
 
 
 def probe_logprobs(client: ArcticRLClient) -> torch.Tensor:

@@ -26,10 +26,10 @@ from verl.workers.remote_client.arctic.builders import (
     build_ds_worker_config,
     build_job_config,
     build_log_prob_ds_config,
-    build_loss_config,
     build_meta,
     plan_batches,
 )
+from verl.workers.remote_client.arctic.loss_config import build_loss_config
 from verl.workers.remote_client.arctic.metrics import FlopsEstimator, mini_batch_metrics
 from verl.workers.remote_client.common.verl_settings import VerlSettings
 
@@ -360,7 +360,7 @@ def test_loss_config_from_the_actor_config():
 
 @pytest.mark.parametrize(
     "actor, field",
-    [({"policy_loss": {"loss_mode": "gspo"}}, "actor_rollout_ref.actor.policy_loss.loss_mode"),
+    [({"policy_loss": {"loss_mode": "sapo"}}, "actor_rollout_ref.actor.policy_loss.loss_mode"),
      ({"kl_loss_type": "k4"}, "actor_rollout_ref.actor.kl_loss_type"),
      ({"clip_ratio_c": 0.5}, "actor_rollout_ref.actor.clip_ratio_c")],
 )
@@ -381,7 +381,8 @@ def test_meta_golden():
         "max_token_len_per_gpu": 4096, "temperature": 0.7, "calculate_entropy": True, "pad_token_id": 3,
         "load_balancer": None, "logits_optimization": "none", "logits_optimization_peak_mem_size_in_gib": 4,
         "logits_compute_in_fp32": False, "global_batch_size": 8, "batch_num_tokens": 40.0,
-        "policy_loss_config": loss.model_dump(mode="json"),
+        # the vanilla body the vendor always got: no rollout_correction (read by verl_bypass_mode only)
+        "policy_loss_config": loss.model_dump(mode="json", exclude={"rollout_correction"}),
         "actor_config": {"ppo_mini_batch_size": 4, "ppo_epochs": 2, "rollout_n": 2, "clip_ratio": 0.2,
                          "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
                          "loss_agg_mode": "token-mean", "use_kl_loss": True, "kl_loss_coef": 0.001,
@@ -456,15 +457,53 @@ def test_reconnect_handle_validation():
 # ------------------------------------------------------------------------------ vendor contract helpers
 
 
-def test_settings_the_vendor_ignores_are_listed():
-    from verl.workers.remote_client.arctic.builders import vendor_ignored_settings
+def test_vendor_refusals_are_decided_from_the_features():
+    """No 'policy_losses' feature (the vendor's server): vanilla at the vendor's fixed clip values only; with it,
+    every served loss mode and any clip values pass. Refusals name the key; the vendor's are told apart."""
+    from arctic_rl.protocol import Features
+    from verl.workers.remote_client.arctic.loss_config import check_loss_support
 
     v, _ = settings(GRPO)
-    assert vendor_ignored_settings(v) == []  # verl's defaults are the vendor's constants
-    v, _ = settings(deep(GRPO, {"actor_rollout_ref": {"actor": {"clip_ratio_high": 0.28, "clip_ratio_c": 10.0}}}))
-    lines = vendor_ignored_settings(v)
-    assert [line.split("=")[0] for line in lines] == ["actor_rollout_ref.actor.clip_ratio_high",
-                                                      "actor_rollout_ref.actor.clip_ratio_c"]
+    check_loss_support(v, frozenset())  # verl's defaults are the vendor's constants
+    for actor, key in [({"clip_ratio_high": 0.28}, "clip_ratio_high"), ({"clip_ratio_c": 10.0}, "clip_ratio_c"),
+                       ({"clip_ratio": 0.3}, "clip_ratio"), ({"policy_loss": {"loss_mode": "gspo"}},
+                                                              "policy_loss.loss_mode")]:
+        v, _ = settings(deep(GRPO, {"actor_rollout_ref": {"actor": actor}}))
+        with pytest.raises(RemoteBackendConfigError) as err:
+            check_loss_support(v, frozenset())
+        assert err.value.field == f"actor_rollout_ref.actor.{key}" and "vendor" in str(err.value)
+        check_loss_support(v, frozenset({Features.POLICY_LOSSES}))
+    v, _ = settings(deep(GRPO, {"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "cispo"}}}}))
+    with pytest.raises(RemoteBackendConfigError) as err:  # unserved everywhere, by name
+        check_loss_support(v, frozenset({Features.POLICY_LOSSES}))
+    assert err.value.field == "actor_rollout_ref.actor.policy_loss.loss_mode" and err.value.received == "cispo"
+    assert "sapo" in str(err.value) and err.value.allowed == ["vanilla", "gspo", "bypass_mode"]
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    (None, {"loss_type": "ppo_clip", "rollout_is": "sequence", "rollout_is_threshold": 2.0}),  # verl's dataclass
+    ({"loss_type": "reinforce"}, {"loss_type": "reinforce", "rollout_is": None}),  # a mapping: the loss's .get
+    ({"rollout_is": "token", "rollout_is_threshold": "0.5_2.0", "bypass_mode": True, "_target_": "x"},
+     {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"}),
+])
+def test_bypass_mode_rollout_correction_as_verls_loss_reads_it(given, expected):
+    actor = {"policy_loss": {"loss_mode": "bypass_mode", **({"rollout_correction": given} if given else {})}}
+    v, _ = settings(deep(GRPO, {"actor_rollout_ref": {"actor": actor}}))
+    rc = build_loss_config(v, loss_scale_tokens=None).rollout_correction
+    assert {k: getattr(rc, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize(("given", "key"), [
+    ({"loss_type": "ppo"}, "loss_type"), ({"rollout_is": "tokens"}, "rollout_is"),
+    ({"rollout_rs": "token_k9"}, "rollout_rs"), ({"rollout_is_threshold": "3_1"}, "rollout_is_threshold"),
+    ({"rollout_is_treshold": 2.0}, "rollout_is_treshold"),
+])
+def test_bypass_mode_rollout_correction_errors_name_the_key(given, key):
+    actor = {"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": given}}
+    v, _ = settings(deep(GRPO, {"actor_rollout_ref": {"actor": actor}}))
+    with pytest.raises(RemoteBackendConfigError) as err:
+        build_loss_config(v, loss_scale_tokens=None)
+    assert err.value.field == f"actor_rollout_ref.actor.policy_loss.rollout_correction.{key}"
 
 
 def test_folding_is_weights_into_advantages_is_exact_under_the_clipped_loss():

@@ -117,7 +117,8 @@ def test_forward_backward_body_is_what_the_models_produce():
 
     from arctic_rl.protocol import BatchMeta, Processing
     from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
-    from verl.workers.remote_client.arctic.builders import build_loss_config, build_meta
+    from verl.workers.remote_client.arctic.builders import build_meta
+    from verl.workers.remote_client.arctic.loss_config import build_loss_config
     from verl.workers.remote_client.arctic.training import TRAIN_POST, forward_body
     from verl.workers.remote_client.common.verl_settings import VerlSettings
 

@@ -48,7 +48,7 @@ from verl.remote_backend.errors import RemoteBackendError, RemoteJobNotFoundErro
 
 from ..common.verl_settings import VerlSettings
 from .arctic_config import ArcticConfig
-from .builders import build_job_config, plan_batches, vendor_ignored_settings
+from .builders import build_job_config, plan_batches
 from .checkpoints import Checkpoints
 from .dialect import Dialect, dialect_for
 from .generation import Sampler, SeedDeriver
@@ -56,6 +56,7 @@ from .http import ArcticHttp, resolve_token
 from .jobs import HANDLE_VERSION, JOB_ORDER, check_handle, create_job, destroy_jobs, read_health, tagged_jobs
 from .local_server import LocalServer, start_local_server
 from .log_probs import LogProbs
+from .loss_config import build_loss_config, check_loss_support
 from .metrics import FlopsEstimator
 from .recovery import Recovery
 from .session import JobCalls, ModelTokens
@@ -138,6 +139,7 @@ class ArcticRLClient(RemoteBackend):
                 arctic = dataclasses.replace(arctic, train=dataclasses.replace(arctic.train, checkpoint_path="training"))
         tag = uuid.uuid4().hex
         bodies = _tagged_bodies(verl, arctic, tag)  # every config error before any side effect
+        build_loss_config(verl, loss_scale_tokens=None)
         if arctic.train.zorro_train.enable and verl.enable_gradient_checkpointing:
             logger.info("arctic: ZoRRO is on, so the reference server does not checkpoint activations "
                         "(actor_rollout_ref.model.enable_gradient_checkpointing=true is ignored there: checkpointed "
@@ -151,6 +153,7 @@ class ArcticRLClient(RemoteBackend):
         try:
             health = read_health(http)
             protocol = detect_protocol(http, arctic.server.protocol)
+            check_loss_support(verl, frozenset(health.features))  # what the server's loss cannot do: before any job
             client = cls(arctic=arctic, verl=verl, http=http, protocol=protocol, health=health, job_ids={},
                          owned=True, local_server=local, client_tag=tag)
             if not health.features:  # not our reference server (the vendor's /health lists no features)
@@ -159,9 +162,6 @@ class ArcticRLClient(RemoteBackend):
                     logger.warning("arctic: remote_backend.train.attn_implementation=%s: the vendor's server packs the "
                                    "rows of a call into one sequence that only a flash-attention backend keeps apart "
                                    "(rows attend to each other with %s)", attn, attn)
-                for line in vendor_ignored_settings(verl):
-                    logger.warning("arctic: the server at %s lists no features (the vendor's server): it ignores %s; "
-                                   "the update runs with the vendor's value", url, line)
             for job_type in JOB_ORDER:
                 job_id = create_job(http, job_type, bodies[job_type], tag=tag,
                                     reclaim_idle_s=arctic.server.reclaim_idle_jobs_s)

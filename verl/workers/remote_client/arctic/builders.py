@@ -1,5 +1,5 @@
 """Pure builders of what the Arctic server is told: ``ds_config``, ``ds_worker_config``, ``JobConfig``,
-the loss config and the per-call ``meta`` of forward/backward bodies.
+and the per-call ``meta`` of forward/backward bodies.
 
 Every function here is a pure function of :class:`..common.verl_settings.VerlSettings` (what verl's config
 says) and :class:`.arctic_config.ArcticConfig` (``config.remote_backend``); the golden-dict tests
@@ -24,8 +24,9 @@ from typing import Any
 from arctic_rl.protocol import DsWorkerConfig, JobConfig, JobType, LossConfig
 from verl.remote_backend.errors import RemoteBackendConfigError
 
-from ..common.verl_settings import KL_TYPE_ALIASES, OptimSettings, VerlSettings
+from ..common.verl_settings import OptimSettings, VerlSettings
 from .arctic_config import ArcticConfig, DeepSpeedSettings
+from .loss_config import loss_body
 
 __all__ = [
     "BatchPlan",
@@ -33,16 +34,12 @@ __all__ = [
     "build_ds_worker_config",
     "build_job_config",
     "build_log_prob_ds_config",
-    "build_loss_config",
     "build_lr_scheduler",
     "build_meta",
     "plan_batches",
     "resolve_attn_implementation",
-    "vendor_ignored_settings",
 ]
 
-#: what the vendor's ``verl_grpo`` loss uses whatever it is sent (its clip ratios are constants)
-VENDOR_FIXED_LOSS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
 
 _ACTOR = "actor_rollout_ref.actor"
 _OPTIM = f"{_ACTOR}.optim"
@@ -294,36 +291,6 @@ def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: Arctic
     return JobConfig.model_validate(body).model_dump(mode="json")
 
 
-def build_loss_config(verl: VerlSettings, *, loss_scale_tokens: float | None) -> LossConfig:
-    """``processing.config`` of /forward-backward from verl's actor config."""
-    if verl.loss_mode != "vanilla":
-        raise RemoteBackendConfigError(f"{_ACTOR}.policy_loss.loss_mode", "not served by the Arctic loss `verl_grpo`",
-                                       allowed=["vanilla"], received=verl.loss_mode)
-    kl_type = KL_TYPE_ALIASES.get(verl.kl_loss_type)
-    if kl_type is None:
-        raise RemoteBackendConfigError(f"{_ACTOR}.kl_loss_type", "unsupported KL estimator",
-                                       allowed=sorted(KL_TYPE_ALIASES), received=verl.kl_loss_type)
-    try:
-        return LossConfig(
-            clip_ratio=verl.clip_ratio,
-            clip_ratio_low=verl.clip_ratio_low,
-            clip_ratio_high=verl.clip_ratio_high,
-            clip_ratio_c=verl.clip_ratio_c,
-            loss_agg_mode=verl.loss_agg_mode,
-            use_kl_loss=verl.use_kl_loss,
-            kl_loss_coef=verl.kl_loss_coef,
-            kl_loss_type=kl_type,
-            entropy_coeff=verl.entropy_coeff,
-            loss_scale_tokens=loss_scale_tokens,
-        )
-    except ValueError as exc:  # pydantic: name the first bad field in verl's terms
-        errors = getattr(exc, "errors", list)()
-        loc = errors[0]["loc"][0] if errors else "loss"
-        received = errors[0].get("input") if errors else None
-        raise RemoteBackendConfigError(f"{_ACTOR}.{loc}", errors[0]["msg"] if errors else str(exc),
-                                       allowed="see arctic_rl.protocol.LossConfig", received=received) from None
-
-
 def build_meta(
     verl: VerlSettings,
     arctic: ArcticConfig,
@@ -359,7 +326,7 @@ def build_meta(
     if batch_num_tokens is not None:
         meta["batch_num_tokens"] = float(batch_num_tokens)
     if loss is not None:
-        policy = loss.model_dump(mode="json")
+        policy = loss_body(loss)
         meta["policy_loss_config"] = policy
         meta["actor_config"] = {
             "ppo_mini_batch_size": verl.ppo_mini_batch_size,
@@ -370,20 +337,3 @@ def build_meta(
                                       "entropy_coeff")},
         }
     return meta
-
-
-def vendor_ignored_settings(verl: VerlSettings) -> list[str]:
-    """One line per verl setting that the vendor's Arctic server would silently ignore (empty: none).
-
-    Its ``verl_grpo`` loss fixes the PPO clip ratios at 0.2 and the dual-clip bound at 3.0
-    (``integrations/verl/grpo_loss.py``); only our reference server honours other values."""
-    out = []
-    for key, fixed in VENDOR_FIXED_LOSS.items():
-        value = getattr(verl, key)
-        if key in ("clip_ratio_low", "clip_ratio_high") and value is None:
-            value = verl.clip_ratio
-        if value is not None and float(value) != fixed:
-            out.append(f"{_ACTOR}.{key}={value} (the vendor's verl_grpo loss always uses {fixed})")
-    if verl.clip_ratio_c is None:
-        out.append(f"{_ACTOR}.clip_ratio_c=null (the vendor's verl_grpo loss always applies dual clip at 3.0)")
-    return out

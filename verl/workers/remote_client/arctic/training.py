@@ -26,9 +26,10 @@ from verl.remote_backend.errors import RemoteBackendConfigError
 from ..common.verl_settings import VerlSettings
 from .answers import parse_answer
 from .arctic_config import ArcticConfig
-from .builders import BatchPlan, build_loss_config, build_meta
+from .builders import BatchPlan, build_meta
 from .dialect import Payload
 from .layout import RESPONSE_KEYS, dense_batch, fold_is_weights, plan_layout, shuffled_rows, split_rows
+from .loss_config import build_loss_config, loss_body, loss_fn_name
 from .metrics import FlopsEstimator, mini_batch_metrics
 from .request import JobRequest
 from .session import JobCalls, ModelTokens
@@ -113,7 +114,9 @@ class Trainer:
             for mini in split_rows(rows, mini_rows):
                 t0 = time.perf_counter()
                 tokens = float(batch["response_mask"].index_select(0, mini).sum())
-                scale = (verl.loss_scale_factor or max(tokens, 1.0)) if token_mean else None
+                # verl 0.9.1's token-mean divides by the mini-batch's tokens (loss_scale_factor is read by
+                # seq-mean-token-sum-norm only, which the protocol refuses)
+                scale = max(tokens, 1.0) if token_mean else None
                 loss = build_loss_config(verl, loss_scale_tokens=scale)
                 # one /forward-backward per mini-batch (the server splits it into its GAS micro-batches),
                 # then one /step: the vendor's contract. batch_num_tokens in meta is where the vendor reads it.
@@ -121,7 +124,8 @@ class Trainer:
                                   max_response_len=layout.response_width, temperature=temperature,
                                   calculate_entropy=entropy, pad_token_id=pad,
                                   global_batch_size=mini_rows, batch_num_tokens=scale or tokens, loss=loss)
-                processing = Processing(loss_fn="verl_grpo", post=list(TRAIN_POST), config=loss.model_dump(mode="json"))
+                processing = Processing(loss_fn=loss_fn_name(verl), post=list(TRAIN_POST),
+                                        config=loss_body(loss))
                 body = forward_body({k: v.index_select(0, mini) for k, v in batch.items()}, meta, processing)
                 res = self.calls.post_tensors(path, JobType.TRAINING, body, op="forward_backward", idempotent=False,
                                               counter=("pending_forward_backward", 0))

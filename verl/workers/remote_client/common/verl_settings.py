@@ -12,6 +12,7 @@ What is not here: validation of batch shapes (a vendor's layout module) or of an
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,17 @@ def _clip_grad(cfg: Any, actor: str) -> float:
     return 1.0
 
 
+def _mapping_or_none(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # verl's RolloutCorrectionConfig itself
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if not isinstance(value, dict):
+        raise RemoteBackendConfigError("actor_rollout_ref.actor.policy_loss.rollout_correction", "expected a mapping "
+                                       "of verl's RolloutCorrectionConfig fields", allowed="a mapping", received=value)
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class OptimSettings:
     """``actor_rollout_ref.actor.optim`` (verl's ``FSDPOptimizerConfig``) plus the clipping norm."""
@@ -109,6 +121,9 @@ class VerlSettings:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
     loss_mode: str = "vanilla"
+    #: ``actor.policy_loss.rollout_correction`` as the config holds it (``None``: absent, verl's dataclass
+    #: defaults apply; a mapping: what was set, verl's bypass loss ``.get``-defaults the rest)
+    rollout_correction: dict[str, Any] | None = None
     entropy_coeff: float = 0.0
     calculate_entropy: bool = False
     use_kl_loss: bool = False
@@ -171,6 +186,7 @@ class VerlSettings:
             loss_agg_mode=str(select(cfg, f"{actor}.loss_agg_mode", "token-mean")),
             loss_scale_factor=select(cfg, f"{actor}.loss_scale_factor", None),
             loss_mode=str(select(cfg, f"{actor}.policy_loss.loss_mode", "vanilla")),
+            rollout_correction=_mapping_or_none(select(cfg, f"{actor}.policy_loss.rollout_correction", None)),
             entropy_coeff=float(select(cfg, f"{actor}.entropy_coeff", 0.0)),
             calculate_entropy=bool(select(cfg, f"{actor}.calculate_entropy", False)),
             use_kl_loss=bool(select(cfg, f"{actor}.use_kl_loss", False)),
