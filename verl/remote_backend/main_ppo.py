@@ -4,7 +4,9 @@ The same command line as verl's ``python -m verl.trainer.main_ppo`` (a GRPO reci
 arrays work unchanged), plus ``remote_backend=<name>``; no plugin variable, no ``+``. Steps:
 
 0. check the backend's name and its ``remote_backend.*`` keys (``command_line``): a typo fails
-   here, in one line, naming the closest valid name or key;
+   here, in one line, naming the closest valid name or key; after composition, every missing
+   setting and every value verl cannot convert are listed in one line, and an unreachable
+   ``remote_backend.server.url`` is one line too (``preflight``), before anything starts;
 1. rewrite the overrides: settings a remote-backend run needs (``settings.forced_settings``)
    replace the recipe's values, each replacement reported on stderr;
 2. compose ``remote_backend_ppo_trainer`` (verl's ``ppo_trainer`` + the backend's option group);
@@ -24,6 +26,7 @@ import importlib.util
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -31,6 +34,7 @@ from omegaconf import DictConfig
 
 from verl.remote_backend.command_line import check_command_line, exit_on_usage_error
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.preflight import PreflightError, check_server_reachable, check_settings
 from verl.remote_backend.settings import check_cluster_cpus, ensure_ray_cpus, joins_running_cluster, rewrite_overrides
 
 __all__ = ["CONFIG_DIR", "CONFIG_NAME", "main", "register_searchpath_plugin", "run", "start_ray"]
@@ -72,6 +76,10 @@ def _has_accelerator() -> bool:
 
 def run(config: DictConfig) -> None:
     """Run verl's trainer on the backend selected in ``config`` (a composed main config)."""
+    check_settings(config)
+    cluster = joins_running_cluster(config)
+    if not cluster:  # on a running cluster its CPUs are checked first (below)
+        check_server_reachable(config)
     import ray
     from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
@@ -93,12 +101,12 @@ def run(config: DictConfig) -> None:
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     resolve_total_training_steps(config)
     runner = RemoteBackendTaskRunnerV1 if config.trainer.use_v1 else RemoteBackendTaskRunnerV0
-    cluster = joins_running_cluster(config)
     with signals_raise():
         try:
             if cluster:  # its CPUs are what `ray start` gave it: refuse before creating anything on the server
                 start_ray(config)
                 _check_cluster_cpus(config)
+                check_server_reachable(config)
             with BackendOwner.create(config):
                 try:
                     if not cluster:
@@ -169,7 +177,27 @@ def start_ray(config: DictConfig) -> None:
 
 @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
 def _hydra_main(config: DictConfig) -> None:
-    run(config)
+    try:
+        run(config)
+    except PreflightError as exc:  # a setting to change: one line, not Hydra's traceback
+        exit_on_usage_error(exc)
+
+
+class _DropCpuOnlyPlatformWarnings(logging.Filter):
+    """verl's platform probe warns, in every process, that no GPU is there: on a remote-backend driver
+    that owns no GPU by design, that is no news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("No supported accelerator detected" in message or "is registered but not available" in message)
+
+
+def _quiet_start_up() -> None:
+    """Leave out verl's start-up notes that do not concern a remote-backend run: the optional training
+    engines it lacks (torchtitan, veomni, ...) and, without a GPU, its platform probe's warnings."""
+    warnings.filterwarnings("ignore", message=r"\w+ engine is not available", category=UserWarning)
+    if not _has_accelerator():
+        logging.getLogger("verl.plugin.platform.platform_manager").addFilter(_DropCpuOnlyPlatformWarnings())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         check_command_line(args)
     except RemoteBackendConfigError as exc:
         exit_on_usage_error(exc)
+    _quiet_start_up()
     args, notes = rewrite_overrides(args, has_accelerator=_has_accelerator())
     for note in notes:
         print(f"[remote_backend] {note}", file=sys.stderr)
