@@ -52,7 +52,8 @@ def test_wheel_carries_both_halves_and_the_config_group(wheel_files):
         "verl/remote_backend/errors.py",
         "arctic_rl/__init__.py",
         "arctic_rl/protocol.py",
-        "arctic_rl/dssst1.py",
+        "arctic_rl/dssst1/__init__.py",
+        "arctic_rl/dssst1/decode.py",
     ):
         assert required in names, f"{required} missing from the wheel"
     repo_yaml = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "verl/trainer/config/remote_backend").glob("*.yaml"))
