@@ -94,8 +94,6 @@ arithmetic_prepare() {
         console_run '^\[make_data\]' "${PYTHON}" "${TASK_DIR}/make_data.py" --out "${DATA_DIR}" \
             --style "${PROMPT_STYLE}" --n-train "${N_TRAIN}" --n-val "${N_VAL}" --seed "${SEED}" --model "${MODEL_DIR}"
     fi
-    mkdir -p "${RUN_DIR}"
-    rm -f "${RUN_DIR}/metrics.jsonl"
 }
 
 arithmetic_groups() {

@@ -6,7 +6,7 @@
 # to one log file. VERBOSE=1 prints everything on the terminal as well (and traces the script).
 #
 #   source "${SCRIPT_DIR}/../common/console.sh"
-#   console_init "${RUN_DIR}/run.log"          # the log file; VERBOSE=1 also turns on `set -x`
+#   console_init "${RUN_DIR}/run.log"          # the log file (emptied unless RESUME=true); VERBOSE=1: `set -x`
 #   console_header "title" "line" ...          # the run's header: a rule, the lines, a rule
 #   console_say "text"                         # always on the terminal (and in the log)
 #   console_run 'REGEX' cmd args...            # cmd's output -> log; lines matching REGEX -> terminal
@@ -23,7 +23,7 @@ CONSOLE_TAIL_LINES="${CONSOLE_TAIL_LINES:-40}"
 console_init() {
     CONSOLE_LOG="$1"
     mkdir -p "$(dirname "${CONSOLE_LOG}")"
-    : > "${CONSOLE_LOG}"
+    if [ "${RESUME:-false}" != true ]; then : > "${CONSOLE_LOG}"; fi  # a resumed run appends to its log
     if [ "${VERBOSE}" = 1 ]; then
         set -x
     else

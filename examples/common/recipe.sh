@@ -9,6 +9,10 @@
 #   recipe_env                              # unbuffered Python, full Hydra errors, every Ray worker's lines
 #   recipe_local_env                        # recipe_env, plus one thread per process and an offline hub
 #   recipe_bool NAME "${VALUE}"             # exits 2 unless VALUE is true or false, naming NAME
+#   recipe_run_dir PARENT NAME              # RUN_NAME, RUN_DIR: PARENT/NAME_<time stamp> (a new one per run) unless
+#                                           #   RUN_NAME or RUN_DIR is given
+#   recipe_claim_run_dir                    # creates RUN_DIR (never reuses another run's unless OVERWRITE=true) and
+#                                           #   points PARENT/latest at it
 #   recipe_optional_count NAME "${VALUE}"   # exits 2 unless VALUE is empty or a positive integer, naming NAME
 #   recipe_trainer_group PROJECT           # TRAINER=(verl's trainer options every example sets; a file logger)
 #   recipe_generated_task_groups PROJECT   # ALGO, REWARD (TASK_DIR/reward.py) and TRAINER of a task generated
@@ -65,6 +69,52 @@ recipe_optional_count() {
     if [ -n "$2" ] && ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then
         echo "$1: expected a positive integer or nothing, got '$2'" >&2; exit 2
     fi
+}
+
+# Every run gets a directory of its own, so that no run erases another's files. Without RUN_NAME and RUN_DIR it is
+# PARENT/NAME_<YYYYmmdd-HHMMSS> (NAME says what the run is; a second run in the same second gets a -2 suffix);
+# with RUN_NAME it is PARENT/RUN_NAME, with RUN_DIR that directory. A given directory that already holds files is
+# refused, naming it, unless OVERWRITE=true (its files are deleted first) or RESUME=true (they are kept: verl
+# continues from its checkpoints, if the recipe saved any, and run.log is appended to).
+recipe_run_dir() {
+    local parent="$1" name="$2"
+    RECIPE_RUN_DIR_GIVEN=true
+    if [ -n "${RUN_DIR:-}" ]; then
+        RUN_NAME="${RUN_NAME:-$(basename "${RUN_DIR}")}"
+    elif [ -n "${RUN_NAME:-}" ]; then
+        RUN_DIR="${parent}/${RUN_NAME}"
+    else
+        RECIPE_RUN_DIR_GIVEN=false
+        RUN_NAME="${name}_$(date +%Y%m%d-%H%M%S)"
+        RUN_DIR="${parent}/${RUN_NAME}"
+    fi
+}
+
+recipe_claim_run_dir() {
+    local base="${RUN_DIR}" n=1
+    OVERWRITE="${OVERWRITE:-false}" RESUME="${RESUME:-false}"
+    recipe_bool OVERWRITE "${OVERWRITE}"
+    recipe_bool RESUME "${RESUME}"
+    mkdir -p "$(dirname "${RUN_DIR}")"
+    if [ "${RECIPE_RUN_DIR_GIVEN:-true}" = true ]; then
+        if [ -d "${RUN_DIR}" ] && [ -n "$(ls -A "${RUN_DIR}")" ] && [ "${RESUME}" != true ]; then
+            if [ "${OVERWRITE}" != true ]; then
+                echo "RUN_DIR: ${RUN_DIR} already holds a run's files; set OVERWRITE=true to delete them first," \
+                    "RESUME=true to continue that run, or leave RUN_NAME and RUN_DIR unset for a new directory" >&2
+                exit 2
+            fi
+            find "${RUN_DIR}" -mindepth 1 -delete
+        fi
+        mkdir -p "${RUN_DIR}"
+    else
+        until mkdir "${RUN_DIR}" 2>/dev/null; do  # mkdir fails on an existing directory: never share one
+            n=$((n + 1))
+            if [ "${n}" -gt 99 ]; then echo "RUN_DIR: cannot create ${base} (or ${base}-N)" >&2; exit 2; fi
+            RUN_DIR="${base}-${n}"
+        done
+        RUN_NAME="$(basename "${RUN_DIR}")"
+    fi
+    ln -sfn "$(basename "${RUN_DIR}")" "$(dirname "${RUN_DIR}")/latest"
 }
 
 recipe_env() {
@@ -131,18 +181,26 @@ recipe_generated_task_groups() {
 }
 
 # The end of every example run: metrics.csv, reward_curve.png and summary.json (first-WINDOW / last-WINDOW mean
-# reward) from verl's metrics file, then the closing lines naming them. Reads PYTHON, RUN_DIR and
-# VERL_FILE_LOGGER_PATH; further arguments go to plot.py (e.g. --title).
+# reward, when the run has that many steps) from verl's metrics file, then the closing lines naming the files it
+# wrote. Reads PYTHON, RUN_DIR and VERL_FILE_LOGGER_PATH; further arguments go to plot.py (e.g. --title).
 #   recipe_finish "title line" WINDOW [plot.py options...]
 recipe_finish() {
-    local line="$1" window="$2"
+    local line="$1" window="$2" summary
     shift 2
     console_run '^\[plot\]' "${PYTHON}" "${RECIPE_PLOT}" "${VERL_FILE_LOGGER_PATH}" --out-dir "${RUN_DIR}" \
         --window "${window}" "$@"
-    console_header "${line} Results in ${RUN_DIR}:" \
-        "  metrics.jsonl    verl's per-step metrics (file logger)" \
-        "  metrics.csv      the same, one row per step" \
-        "  reward_curve.png critic/score/mean per step" \
-        "  summary.json     first-${window} / last-${window} mean reward, gain, peak" \
-        "  run.log          the full output of this run"
+    # the closing lines name only what this run wrote (a run shorter than the window has no first/last means)
+    if grep -q '"gain"' "${RUN_DIR}/summary.json" 2>/dev/null; then
+        summary="first-${window} / last-${window} mean reward, gain, peak"
+    else
+        summary="steps logged (fewer than ${window}: no first-${window} / last-${window} means)"
+    fi
+    # SECONDS: bash's count since the script started (model, data, verl, Ray, the server and every step)
+    local lines=("${line} $((SECONDS / 60)) min $((SECONDS % 60)) s in all. Results in ${RUN_DIR}:")
+    [ -f "${VERL_FILE_LOGGER_PATH}" ] && lines+=("  metrics.jsonl    verl's per-step metrics (file logger)")
+    [ -f "${RUN_DIR}/metrics.csv" ] && lines+=("  metrics.csv      the same, one row per step")
+    [ -f "${RUN_DIR}/reward_curve.png" ] && lines+=("  reward_curve.png mean reward per step")
+    [ -f "${RUN_DIR}/summary.json" ] && lines+=("  summary.json     ${summary}")
+    lines+=("  run.log          the full output of this run")
+    console_header "${lines[@]}"
 }

@@ -25,8 +25,6 @@ reverse_text_prepare() {
         console_run '^\[make_data\]' "${PYTHON}" "${TASK_DIR}/make_data.py" --out "${DATA_DIR}" --n-train 4096 \
             --n-val 128 --seed "${SEED}"
     fi
-    mkdir -p "${RUN_DIR}"
-    rm -f "${RUN_DIR}/metrics.jsonl"
 }
 
 reverse_text_groups() {

@@ -50,11 +50,11 @@ recipe_bool ZORRO "${ZORRO}"
 recipe_local_env
 recipe_optional_count KV_CACHE_BYTES "${KV_CACHE_BYTES}"
 arithmetic_settings  # DEVICE, BATCH, N, ... (env or defaults for the device)
-RUN_NAME="${RUN_NAME:-arl_${PROMPT_STYLE}_zorro_${ZORRO}_${DEVICE}_seed${SEED}}"
-RUN_DIR="${RUN_DIR:-${OUT_DIR}/runs/${RUN_NAME}}"
+recipe_run_dir "${OUT_DIR}/runs" "arl_${PROMPT_STYLE}_zorro_${ZORRO}_${DEVICE}_seed${SEED}"  # a new directory per run
 PRINT_ONLY="$(recipe_print_only "$@")"
 
 if [ "${PRINT_ONLY}" = false ]; then
+    recipe_claim_run_dir
     console_init "${RUN_DIR}/run.log"
     console_header \
         "arithmetic GRPO: SmolLM2-135M-Instruct, ${PROMPT_STYLE} prompts, ${STEPS} steps, ZoRRO ${ZORRO}, seed ${SEED}" \
@@ -106,6 +106,7 @@ fi
 recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
-console_say "[grpo] starting verl, Ray and the server (a minute or two before step 1) ..."
+console_say "[grpo] starting verl, Ray and the server (step 1 follows once they are up and the server loaded the" \
+    "model: a minute or two, more on a loaded machine) ..."
 console_run '^\[remote_backend\] step [0-9]+' "${LAUNCH[@]}"
 arithmetic_finish "arithmetic GRPO finished." "arithmetic GRPO, SmolLM2-135M-Instruct (${PROMPT_STYLE}, ZoRRO ${ZORRO})"

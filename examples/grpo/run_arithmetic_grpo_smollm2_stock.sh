@@ -79,10 +79,10 @@ case "${FUSED_KERNELS}" in
     true|false) ;;
     *) echo "FUSED_KERNELS: expected auto, true or false, got '${FUSED_KERNELS}'" >&2; exit 2 ;;
 esac
-RUN_NAME="${RUN_NAME:-stock_${PROMPT_STYLE}_${DEVICE}_seed${SEED}}"
-RUN_DIR="${RUN_DIR:-${OUT_DIR}/runs/${RUN_NAME}}"
+recipe_run_dir "${OUT_DIR}/runs" "stock_${PROMPT_STYLE}_${DEVICE}_seed${SEED}"  # a new directory per run
 
 if [ "${PRINT_ONLY}" = false ]; then
+    recipe_claim_run_dir
     console_init "${RUN_DIR}/run.log"
     console_header \
         "arithmetic GRPO: SmolLM2-135M-Instruct, ${PROMPT_STYLE} prompts, ${STEPS} steps, seed ${SEED}" \

@@ -27,8 +27,6 @@ SEED="${SEED:-42}"
 # A running Arctic RL server; empty/unset: start the bundled reference server on DEVICE.
 ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
 DEVICE="${DEVICE:-cuda}"
-RUN_NAME="${RUN_NAME:-qwen3_0p6b_gsm8k_grpo_arl_zorro_${ZORRO}}"
-RUN_DIR="${OUT_DIR}/${RUN_NAME}"
 PYTHON="${PYTHON:-python3}"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -36,6 +34,8 @@ source "${SCRIPT_DIR}/../common/gsm8k.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
 recipe_env
 PRINT_ONLY="$(recipe_print_only "$@")"
+recipe_run_dir "${OUT_DIR}" "qwen3_0p6b_gsm8k_grpo_arl_zorro_${ZORRO}"  # a new directory per run (RESUME=true RUN_NAME=<run> continues one)
+if [ "${PRINT_ONLY}" = false ]; then recipe_claim_run_dir; fi
 # The server this run talks to: a remote_backend.server.url=... override wins over ARCTIC_RL_URL.
 SERVER_URL="$(recipe_server_url "${ARCTIC_RL_URL}" "$@")"
 
@@ -90,7 +90,6 @@ REMOTE_BACKEND=(
 recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
-mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
 console_init "${RUN_DIR}/run.log"
 console_header \
     "GSM8K GRPO, ${MODEL_DIR}, ZoRRO ${ZORRO}, ${STEPS} steps, verl 0.9.1 + remote backend 'arctic'" \

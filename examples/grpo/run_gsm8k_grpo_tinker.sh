@@ -23,14 +23,14 @@ OUT_DIR="${OUT_DIR:-${PWD}/outputs/gsm8k}"
 STEPS="${STEPS:-80}"
 SEED="${SEED:-42}"
 TINKER_URL="${TINKER_URL:-}"
-RUN_NAME="${RUN_NAME:-gsm8k_grpo_tinker_rank${LORA_RANK}}"
-RUN_DIR="${OUT_DIR}/${RUN_NAME}"
 PYTHON="${PYTHON:-python3}"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 source "${SCRIPT_DIR}/../common/gsm8k.sh"  # with recipe.sh and console.sh
 recipe_env
 PRINT_ONLY="$(recipe_print_only "$@")"
+recipe_run_dir "${OUT_DIR}" "gsm8k_grpo_tinker_rank${LORA_RANK}"  # a new directory per run (RESUME=true RUN_NAME=<run> continues one)
+if [ "${PRINT_ONLY}" = false ]; then recipe_claim_run_dir; fi
 # The service this run talks to: a remote_backend.server.url=... override wins over TINKER_URL.
 SERVICE_URL="$(recipe_server_url "${TINKER_URL}" "$@")"
 if [ "${PRINT_ONLY}" = false ] && [ -z "${TINKER_API_KEY:-}" ]; then
@@ -78,7 +78,6 @@ REMOTE_BACKEND=(
 recipe_launch tinker DATA MODEL_ARGS ACTOR ROLLOUT ALGO TRAINER REMOTE_BACKEND -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
-mkdir -p "$(dirname "${VERL_FILE_LOGGER_PATH}")"
 console_init "${RUN_DIR}/run.log"
 console_header \
     "GSM8K GRPO, ${MODEL} + LoRA rank ${LORA_RANK}, ${STEPS} steps, verl 0.9.1 + remote backend 'tinker'" \

@@ -33,8 +33,6 @@ DATA_DIR="${DATA_DIR:-${OUT_DIR}/data_seed${SEED}}"
 WARM_TARGET="${WARM_TARGET:-0.45}"
 # true: run the warm start on the reference server too (its cross_entropy loss) instead of in plain PyTorch.
 WARM_VIA_SERVER="${WARM_VIA_SERVER:-false}"
-RUN_NAME="${RUN_NAME:-grpo_zorro_${ZORRO}_seed${SEED}}"
-RUN_DIR="${RUN_DIR:-${OUT_DIR}/runs/${RUN_NAME}}"
 PYTHON="${PYTHON:-python3}"
 # A running Arctic RL server (e.g. `python -m arctic_rl.server`); empty: the adapter starts one on 127.0.0.1.
 ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
@@ -42,19 +40,25 @@ ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
 source "${SCRIPT_DIR}/../common/reverse_text.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
 recipe_bool WARM_VIA_SERVER "${WARM_VIA_SERVER}"
+# A new directory per run, OUT_DIR/runs/grpo_zorro_<Z>_seed<S>_<time> (OUT_DIR/runs/latest points at it); a given
+# RUN_NAME or RUN_DIR that holds files is refused unless OVERWRITE=true (deletes them) or RESUME=true (keeps them).
+recipe_run_dir "${OUT_DIR}/runs" "grpo_zorro_${ZORRO}_seed${SEED}"
 recipe_local_env
 PRINT_ONLY="$(recipe_print_only "$@")"
 # The server this run talks to: a remote_backend.server.url=... override wins over ARCTIC_RL_URL.
 SERVER_URL="$(recipe_server_url "${ARCTIC_RL_URL}" "$@")"
 if [ -n "${SERVER_URL}" ]; then
     SERVER_LINE="the Arctic RL server at ${SERVER_URL} (given; none is started here)"
-    START_LINE="[grpo] starting verl and Ray, connecting to ${SERVER_URL} (about a minute before step 1) ..."
+    START_LINE="[grpo] starting verl and Ray, connecting to ${SERVER_URL} (step 1 comes once they are up: under"
+    START_LINE+=" a minute to two minutes on a 2-core machine, depending on its load) ..."
 else
     SERVER_LINE="the reference Arctic RL server, started here on 127.0.0.1 (stopped at the end)"
-    START_LINE="[grpo] starting verl, Ray and the reference server (about a minute before step 1) ..."
+    START_LINE="[grpo] starting verl, Ray and the reference server (step 1 comes once they are up: 46 s to two"
+    START_LINE+=" minutes on a 2-core machine, depending on its load) ..."
 fi
 
 if [ "${PRINT_ONLY}" = false ]; then
+    recipe_claim_run_dir
     console_init "${RUN_DIR}/run.log"
     console_header \
         "reverse-text GRPO: a tiny Qwen3 (built here) learns to reverse strings; ${STEPS} steps, ZoRRO ${ZORRO}, seed ${SEED}" \

@@ -29,8 +29,6 @@ MODEL_DIR="${MODEL_DIR:-${OUT_DIR}/model_warm_seed${SEED}}"
 INIT_MODEL_DIR="${INIT_MODEL_DIR:-${OUT_DIR}/model_init_seed${SEED}}"
 DATA_DIR="${DATA_DIR:-${OUT_DIR}/data_seed${SEED}}"
 WARM_TARGET="${WARM_TARGET:-0.45}"
-RUN_NAME="${RUN_NAME:-grpo_tinker_rank${LORA_RANK}_seed${SEED}}"
-RUN_DIR="${RUN_DIR:-${OUT_DIR}/runs/${RUN_NAME}}"
 PYTHON="${PYTHON:-python3}"
 # The Tinker peer kit (setup.sh, start.sh, stop.sh); a running Tinker server at TINKER_URL is used instead when set.
 TINKER_PEER_KIT="${TINKER_PEER_KIT:-${REPO_DIR}/../shared/peers/tinker}"
@@ -39,6 +37,7 @@ PEER_PORT="${PEER_PORT:-8765}"
 
 source "${SCRIPT_DIR}/../common/reverse_text.sh"  # with recipe.sh and console.sh
 recipe_local_env
+recipe_run_dir "${OUT_DIR}/runs" "grpo_tinker_rank${LORA_RANK}_seed${SEED}"  # a new directory per run (recipe.sh)
 # The SDK insists on a key of the hosted service's shape; a local server checks nothing.
 export TINKER_API_KEY="${TINKER_API_KEY:-tml-local-peer}"
 PRINT_ONLY="$(recipe_print_only "$@")"
@@ -51,6 +50,7 @@ else
 fi
 
 if [ "${PRINT_ONLY}" = false ]; then
+    recipe_claim_run_dir
     console_init "${RUN_DIR}/run.log"
     console_header \
         "reverse-text GRPO through Tinker: a tiny Qwen3 + LoRA rank ${LORA_RANK}; ${STEPS} steps, seed ${SEED}" \

@@ -13,7 +13,7 @@
 # The GRPO recipe itself is a run_*.sh script (default: the reverse-text one, which builds its own tiny model
 # and data; RECIPE=examples/grpo/run_gsm8k_grpo_arl.sh for GSM8K), run on the cluster with the
 # same Hydra overrides; extra arguments of this script are appended to them. The recipe's knobs
-# (DATA_DIR, MODEL_DIR, OUT_DIR, STEPS, ZORRO, SEED, RUN_NAME, VERBOSE) reach it when they are set here.
+# (DATA_DIR, MODEL_DIR, OUT_DIR, STEPS, ZORRO, SEED, RUN_NAME, OVERWRITE, RESUME, VERBOSE) reach it when set here.
 #
 #   ARCTIC_RL_URL=http://127.0.0.1:7000 STEPS=2 bash examples/ray_cluster/submit_grpo.sh   # README: try it here
 #   ARCTIC_RL_URL=http://arctic-head:7000 ARCTIC_RL_TOKEN=... DATA_DIR=/shared/gsm8k \
@@ -37,7 +37,7 @@ RECIPE="${RECIPE:-examples/grpo/run_reverse_text_grpo_arl_local.sh}"
 PACKAGE_MODE="${PACKAGE_MODE:-pip}"
 # The recipe's knobs that travel to the job when set here (data and model as the cluster nodes see them:
 # shared storage or a hub name); unset ones keep the recipe's defaults.
-RECIPE_KNOBS=(DATA_DIR MODEL_DIR OUT_DIR STEPS ZORRO SEED RUN_NAME VERBOSE)
+RECIPE_KNOBS=(DATA_DIR MODEL_DIR OUT_DIR STEPS ZORRO SEED RUN_NAME OVERWRITE RESUME VERBOSE)
 SUBMISSION_ID="${SUBMISSION_ID:-verl_grpo_arl_$(date -u +%Y%m%dT%H%M%SZ)}"
 # DRY_RUN=1: print the runtime_env (token redacted) and the entrypoint, submit nothing.
 DRY_RUN="${DRY_RUN:-0}"

@@ -4,8 +4,8 @@ verl's file logger (``trainer.logger=[console,file]``, path from ``VERL_FILE_LOG
 line per ``log`` call: ``{"step": 3, "data": {"critic/score/mean": 0.51, "timing_s/gen": 1.2, ...}}``.
 Several lines may share a step (validation is logged separately); they are merged.
 
-``metrics.csv`` has one row per step and one column per numeric metric. ``reward_curve.png`` plots
-``critic/score/mean`` (verl's mean sequence reward of the step's rollouts) per step. The summary is
+``metrics.csv`` has one row per step and one column per numeric metric. ``reward_curve.png`` plots the
+mean reward of each step's samples (verl calls it ``critic/score/mean``; GRPO trains no critic). The summary is
 the learning bar of the examples: mean of the first ``--window`` steps and of the last ``--window`` steps
 (5 by default, as the reverse-text example; the arithmetic example uses 10), their difference and the peak.
 Other examples (examples/arithmetic) use this script too, with their own ``--title``.
@@ -78,6 +78,12 @@ def write_csv(metrics: dict[int, dict[str, float]], path: str | Path) -> Path:
     return Path(path)
 
 
+def axis_label(metric: str) -> str:
+    """What the y axis shows: "mean reward" for verl's ``critic/score/mean`` (the mean reward of the step's
+    samples; GRPO trains no critic, the name is verl's), else the metric's own name."""
+    return "mean reward" if metric == REWARD_METRIC else metric
+
+
 def plot_curve(steps: list[int], values: list[float], path: str | Path, *, metric: str = REWARD_METRIC,
                title: str = "reverse-text GRPO through verl + Arctic RL") -> Path:
     """Save a PNG of ``metric`` per step (matplotlib, Agg backend)."""
@@ -87,9 +93,10 @@ def plot_curve(steps: list[int], values: list[float], path: str | Path, *, metri
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5, label=metric)
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
+    label = axis_label(metric)
+    ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5, label=f"{label} ({metric})")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(label)
     ax.set_ylim(0.0, 1.0)
     ax.grid(True, alpha=0.3)
     ax.set_title(title)

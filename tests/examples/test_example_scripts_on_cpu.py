@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -154,8 +155,11 @@ def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
     assert reward_path == REPO_ROOT / "examples" / "reverse_text" / "reward.py"
     assert _get(cfg, "actor_rollout_ref.model.path") == str(tmp_path / "rt" / "model_warm_seed0")
     # verl's file logger runs in a Ray worker: on a running cluster the path must travel in the runtime_env
-    metrics = tmp_path / "rt" / "runs" / "grpo_zorro_true_seed0" / "metrics.jsonl"
-    assert _get(cfg, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH") == str(metrics)
+    # a directory of its own for every run (no RUN_NAME given): what it is plus a time stamp
+    metrics = pathlib.Path(_get(cfg, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH"))
+    assert metrics.name == "metrics.jsonl" and metrics.parent.parent == tmp_path / "rt" / "runs"
+    assert re.fullmatch(r"grpo_zorro_true_seed0_\d{8}-\d{6}", metrics.parent.name), metrics
+    assert _get(cfg, "trainer.experiment_name") == metrics.parent.name
     assert "file" in _get(cfg, "trainer.logger")
     if not torch.cuda.is_available():
         assert _get(cfg, "trainer.device") == "cpu"  # derived by the entry point
