@@ -175,6 +175,9 @@ class Features:
     COMPACT_RESULTS = "compact_results"
     #: the ``verl_gspo`` and ``verl_bypass_mode`` losses (verl's ``gspo`` and ``bypass_mode`` policy losses)
     POLICY_LOSSES = "policy_losses"
+    #: /generate calls join the sampler's running batch as they arrive and each is answered when its own sequences
+    #: end (no call waits for another); a client sends calls as they come instead of gathering them into batches
+    CONTINUOUS_BATCHING = "continuous_batching"
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,6 +660,9 @@ class GenerateResponse(BaseModel):
 
     job_id: int
     results: list[GenerateResult]
+    #: the sampler's weight version every sample of this answer ran on (servers that batch continuously say so;
+    #: absent at the vendor's: read each result's ``weight_version`` then, itself optional)
+    weight_version: int | None = None
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,26 +34,49 @@ class Completion:  # vllm.outputs.CompletionOutput's fields read by the engine
 class RequestOutput:
     outputs: list[Completion]
     num_cached_tokens: int = 0
+    request_id: str = ""
+    finished: bool = True
 
 
 @dataclass
 class OutputsOf:
-    """Stands in for ``vllm.LLM``: ``generate`` returns the given outputs at once and records what it was asked."""
+    """Stands in for ``vllm.LLM``: its ``llm_engine`` (vLLM's ``LLMEngine`` interface: ``add_request``, ``step``,
+    ``abort_request``, ``has_unfinished_requests``) finishes every request added since the last step at the next
+    step, with the given outputs in the order the requests came; ``calls`` records each step's prompts and params."""
 
     outputs: list[RequestOutput]
     calls: list = field(default_factory=list)
 
-    def generate(self, prompts, params, use_tqdm=False):
-        self.calls.append((prompts, params))
-        return self.outputs
+    def __post_init__(self) -> None:
+        self.llm_engine = self
+        self._added: list = []
+
+    def add_request(self, request_id, prompt, params):
+        self._added.append((request_id, prompt, params))
+        return request_id
+
+    def step(self):
+        added, self._added = self._added, []
+        self.calls.append(([p for _, p, _ in added], [sp for _, _, sp in added]))
+        for (request_id, _, _), out in zip(added, self.outputs, strict=True):
+            out.request_id = request_id
+        return self.outputs[: len(added)]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._added)
+
+    def abort_request(self, request_ids) -> None:
+        self._added = [a for a in self._added if a[0] not in set(request_ids)]
 
 
 def vllm_stand_in_modules() -> dict[str, types.ModuleType]:
     """``vllm`` (its ``SamplingParams`` keeps the keywords it is given) and ``vllm.inputs`` (``TokensPrompt``)."""
     vllm, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
+    sampling = types.ModuleType("vllm.sampling_params")
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     inputs.TokensPrompt = dict
-    return {"vllm": vllm, "vllm.inputs": inputs}
+    sampling.RequestOutputKind = types.SimpleNamespace(CUMULATIVE=0, DELTA=1, FINAL_ONLY=2)
+    return {"vllm": vllm, "vllm.inputs": inputs, "vllm.sampling_params": sampling}
 
 
 def engine_around(llm: Any, *, vocab_size: int, max_model_len: int, weight_version: int = 0):

@@ -5,7 +5,8 @@ are integers counting from 1 for the life of the process. A job is reserved (sta
 ``INITIALIZING``) before its engine is built, so concurrent ``/initialize`` calls cannot both
 win; it becomes ``RUNNING`` when the engine is ready, and is removed if building fails. Every
 compute call on a job holds its :class:`asyncio.Lock`, so calls on one job run one at a time,
-in arrival order, while ``/health`` and other jobs stay responsive.
+in arrival order, while ``/health`` and other jobs stay responsive -- except ``/generate`` on a sampler that
+batches continuously, which runs beside the others (``generating`` counts them; see :mod:`.service`).
 
 Jobs live in memory only: a restarted server has none (its ``instance_id`` tells clients so).
 What is not here: the engines (:mod:`arctic_rl.server.engines`), HTTP.
@@ -42,6 +43,8 @@ class Job:
     calls: int = 0
     last_call_at: float = field(default_factory=time.time)  # creation, or the end of the latest call
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: ``/generate`` calls in flight on a sampler that batches continuously (they take no lock)
+    generating: int = 0
 
     def info(self) -> dict[str, Any]:
         """``GET /job/{id}`` (:class:`arctic_rl.protocol.JobInfo` plus engine details)."""
@@ -55,10 +58,10 @@ class Job:
             "created_at": self.created_at,
             "calls": self.calls,
             "client_tag": self.config.client_tag,
-            "busy": self.lock.locked(),  # a call is computing on the job (or waits for it)
+            "busy": self.lock.locked() or self.generating > 0,  # a call is computing on the job (or waits for it)
             # seconds since the job last finished a call (or was created); 0 while busy. A client whose
             # driver was SIGKILLed leaves jobs that only grow idle: see remote_backend.server.reclaim_idle_jobs_s
-            "idle_s": 0.0 if self.lock.locked() else round(max(0.0, time.time() - self.last_call_at), 3),
+            "idle_s": 0.0 if self.lock.locked() or self.generating > 0 else round(max(0.0, time.time() - self.last_call_at), 3),
         }
         if self.engine is not None and hasattr(self.engine, "info"):
             info.update(self.engine.info())

@@ -14,6 +14,10 @@ Decisions documented here (and in ``docs/SERVER.md``):
   written to ``<base>/checkpoint-<step>`` (``step`` defaults to the global step) and
   ``<base>/latest`` points at it.
 * ``/weight-sync``'s query ``job_id`` must be its ``source_sub_job_id`` (the training job).
+* ``/generate`` on a sampler that batches continuously (both of ours; :mod:`.engines.continuous`) takes no job
+  lock: calls run side by side in the sampler's running batch, each answered when its own sequences end, with the
+  ``weight_version`` it ran on. A weight sync, sleep, wake or prefix-cache reset holds the job lock and waits, in
+  the engine, for the calls in flight; calls that arrive meanwhile wait for it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from arctic_rl.protocol import (
     WeightSyncRequest,
 )
 from arctic_rl.server import checkpoint as ckpt
-from arctic_rl.server.errors import ApiError, BadRequest, from_validation_error
+from arctic_rl.server.errors import ApiError, BadRequest, Conflict, from_validation_error
 from arctic_rl.server.idempotency import IdempotencyCache
 from arctic_rl.server.jobs import Job, JobRegistry, JobState
 from arctic_rl.server.settings import ServerSettings
@@ -61,6 +65,7 @@ FEATURES = (
     Features.INSTANCE_ID,
     Features.COMPACT_RESULTS,
     Features.POLICY_LOSSES,
+    Features.CONTINUOUS_BATCHING,
 )
 
 
@@ -330,7 +335,10 @@ class ServerState:
         job = self.jobs.get(job_id, JobType.SAMPLING)
         request, params = parse_generate_request(body)
         t0 = time.perf_counter()
-        results = await self._on_job(job, job.engine.generate, request, params)
+        if hasattr(job.engine, "submit_generate"):
+            results = await self._generate_continuous(job, request, params)
+        else:
+            results = await self._on_job(job, job.engine.generate, request, params)
         logger.info(
             "generate job=%d prompts=%d n=%d tokens=%d %.3fs",
             job_id,
@@ -339,4 +347,29 @@ class ServerState:
             sum(r["generation_len"] for r in results),
             time.perf_counter() - t0,
         )
-        return {"job_id": job_id, "results": results}
+        version = results[0]["weight_version"] if results else getattr(job.engine, "weight_version", None)
+        return {"job_id": job_id, "results": results, "weight_version": version}
+
+    async def _generate_continuous(self, job: Job, request: Any, params: Any) -> list[dict[str, Any]]:
+        """A ``/generate`` call on a sampler that batches continuously: no job lock -- the call joins the running
+        batch and is answered when its own sequences end; the answer is built in a worker thread. Weight syncs,
+        sleep and wake (under the job lock) wait inside the engine for the calls in flight."""
+        from arctic_rl.server.engines.continuous import LoopClosed
+
+        job.calls += 1
+        job.generating += 1
+        try:
+            pending = await self._in_thread(job.engine.submit_generate, request, params)
+            try:
+                raw = await asyncio.wrap_future(pending.future)
+            except asyncio.CancelledError:
+                pending.cancel()
+                raise
+            except LoopClosed as exc:
+                raise Conflict(f"job {job.job_id}: {exc}", field="job_id", received=job.job_id) from None
+            except ValueError as exc:  # the engine refused a request (a vLLM validation error)
+                raise BadRequest(str(exc)) from None
+            return await self._in_thread(pending.finish, raw)
+        finally:
+            job.generating -= 1
+            job.last_call_at = time.time()

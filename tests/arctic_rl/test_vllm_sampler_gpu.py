@@ -197,3 +197,65 @@ def test_training_and_generation_alternate_without_oom(engines):
         results = gen(sampler, prompts, n=2, temperature=1.0, max_tokens=64, logprobs=True)
         assert len(results) == 128 and {r["weight_version"] for r in results} == {version}
     assert not sampler.info()["sleeping"]
+
+
+# ---------------------------------------------------------------------------- continuous batching
+
+
+def _submit(sampler, prompts, **params):
+    return sampler.submit_generate(GenerateRequest(prompts=prompts), SamplingParams(**params))
+
+
+def test_concurrent_calls_join_the_running_batch_and_a_short_call_returns_first(engines):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, sampler = engines
+    long_prompt, short_prompt = list(range(40, 72)), list(range(80, 90))
+    finished_at: dict[str, float] = {}
+
+    def run(name, prompts, **params):
+        out = gen(sampler, prompts, **params)
+        finished_at[name] = time.perf_counter()
+        return out
+
+    with ThreadPoolExecutor(8) as pool:
+        long = pool.submit(run, "long", [long_prompt] * 4, temperature=1.0, max_tokens=600, ignore_eos=True)
+        time.sleep(0.2)  # the long call is decoding
+        shorts = [pool.submit(run, f"short{i}", [short_prompt], temperature=0, max_tokens=4, ignore_eos=True)
+                  for i in range(4)]
+        short_results = [f.result() for f in shorts]
+        assert not long.done()  # each short call was answered while the long one still ran
+        long_results = long.result()
+    assert all(finished_at[f"short{i}"] < finished_at["long"] for i in range(4))
+    assert len(long_results) == 4 and {r["generation_len"] for r in long_results} == {600}
+    assert len({tuple(r[0]["token_ids"]) for r in short_results}) == 1  # greedy: the same 4 tokens every time
+    assert sampler.info()["continuous_batching"] is True
+
+
+def test_weight_sync_during_generation_waits_for_the_calls_in_flight(engines):
+    import threading
+    import time
+
+    train, sampler = engines
+    prompt = list(range(20, 52))
+    version = sampler.weight_version
+    running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=400, ignore_eos=True, logprobs=True)
+    _train_step(train)
+    synced = {}
+    torch.cuda.synchronize()
+    sync = threading.Thread(target=lambda: synced.setdefault("v", sampler.load_weights(train.weights())))
+    sync.start()
+    while sampler._loop().controls_waiting() == 0:  # the load is queued behind the call in flight
+        assert sync.is_alive() and not running.future.done()
+        time.sleep(0.005)
+    after = _submit(sampler, [prompt], temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+    before_results = running.result()
+    sync.join(timeout=120)
+    assert synced["v"] == version + 1
+    # the call in flight ran on the old weights from first token to last, and says so
+    assert {r["weight_version"] for r in before_results} == {version}
+    after_results = after.result()  # queued behind the sync: runs on the new weights only
+    assert {r["weight_version"] for r in after_results} == {version + 1}
+    assert_close_lps(torch.tensor(sampled_lps(after_results[0])),
+                     train_lps(train, prompt, after_results[0]["token_ids"]))

@@ -20,6 +20,12 @@ Chosen by ``--sampler vllm`` (or ``auto`` on a CUDA machine with ``vllm``; see
   completed it, ``finish_reason="stop"``);
 * ``prefix_cache_len`` is the number of prompt tokens vLLM's prefix cache served.
 
+Continuous batching: every ``/generate`` call is queued into one running batch (:mod:`.continuous`,
+:mod:`.vllm_steps`): a thread steps vLLM's in-process ``LLMEngine``, calls that arrive while others run join the
+batch between steps, and each call is answered when its own sequences end, with ``weight_version`` the version it
+ran on. Weight loads, sleep, wake and prefix-cache resets run on that thread once no call is in flight (calls that
+arrive meanwhile wait for them), so no step sees half-updated weights and no answer mixes two versions.
+
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``/weight-sync``
 from a training job on the same GPU hands its live tensors to ``model.load_weights`` with no
 host round trip; the prefix cache is reset after every sync, and the next ``/generate`` uses the
@@ -49,7 +55,16 @@ from arctic_rl.server.engines.common import (
     load_tokenizer,
     resolve_device,
 )
+from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending
 from arctic_rl.server.engines.vllm_answer import answer_from_outputs
+from arctic_rl.server.engines.vllm_options import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    MAX_LOGPROBS,
+    VLLM_OPTIONS,
+    engine_options,
+    prompt_seeds,
+)
+from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.settings import ServerSettings
@@ -59,79 +74,19 @@ __all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "MAX_LOGPROBS", "VLLM_OPTIONS", "Vl
 
 logger = logging.getLogger("arctic_rl.server")
 
-#: vLLM's share of the GPU when the job does not say (the rest is left to training and log-probs)
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.4
-#: the most top tokens per generated token a request may ask for (``sampling_params.logprobs``)
-MAX_LOGPROBS = 20
-#: ``vllm_config`` keys passed to ``vllm.LLM`` and their types
-VLLM_OPTIONS: dict[str, type | tuple[type, ...]] = {
-    "gpu_memory_utilization": (float, int),
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "enforce_eager": bool,
-    "enable_chunked_prefill": bool,
-    "enable_prefix_caching": bool,
-    "quantization": str,
-    "kv_cache_dtype": str,
-    # a fixed KV-cache size instead of the share left after vLLM's memory profiling: several engines can then
-    # start side by side on one GPU (profiling assumes no other process frees memory meanwhile)
-    "kv_cache_memory_bytes": int,
-}
-#: ``vllm_config`` keys that are accepted and not used (one GPU, one engine)
-_IGNORED_OPTIONS = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")
 _WAKE_TAGS = ("weights", "kv_cache")
-
-
-def engine_options(vllm_config: dict[str, Any] | None) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments from a job's ``vllm_config`` (400 naming a bad key or value)."""
-    options: dict[str, Any] = {"gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION}
-    for key, value in (vllm_config or {}).items():
-        field = f"vllm_config.{key}"
-        if key in _IGNORED_OPTIONS:
-            if value not in (None, 1):
-                raise BadRequest(f"{field}: this server runs one vLLM engine on one GPU", field=field,
-                                 allowed=[1], received=value)
-            continue
-        if key not in VLLM_OPTIONS:
-            logger.info("vllm_config.%s is not used by this server's vLLM engine", key)
-            continue
-        if value is None:
-            continue
-        kind = VLLM_OPTIONS[key]
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise BadRequest(f"{field}: wrong type", field=field, allowed=str(kind), received=value)
-        options[key] = value
-    share = options["gpu_memory_utilization"]
-    if not 0 < share <= 1:
-        raise BadRequest("vllm_config.gpu_memory_utilization: the share of GPU memory vLLM may take",
-                         field="vllm_config.gpu_memory_utilization", allowed="(0, 1]", received=share)
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
-        if key in options and options[key] < 1:
-            raise BadRequest(f"vllm_config.{key}: must be positive", field=f"vllm_config.{key}", allowed=">= 1",
-                             received=options[key])
-    return options
-
-
-def prompt_seeds(seed: int | None, n_prompts: int, n: int) -> list[int | None]:
-    """vLLM seeds for the prompts of one ``/generate`` call.
-
-    A seed in vLLM is per request: two requests with the same prompt and the same seed sample the same
-    tokens. A call carries many prompts -- verl's ``n`` samples of a prompt usually arrive as ``n`` copies
-    of it, batched into one call by the rollout server -- so one seed for the whole call would make every
-    copy identical and every GRPO group's advantages zero. Without a seed each prompt draws from the
-    engine's generator (the samples of a group differ, as in stock verl); with one, prompt ``i`` gets
-    ``seed + i * n`` (vLLM gives its sample ``j`` that plus ``j``), so the call is reproducible and no two
-    samples share a seed.
-    """
-    if seed is None:
-        return [None] * n_prompts
-    return [(int(seed) + i * n) % (2**62) for i in range(n_prompts)]
 
 
 def _model_weight_norm(worker: Any) -> dict[str, float | int]:
     """Runs inside vLLM's worker: :func:`~.weights.weight_norm` of the live model."""
     return weight_norm(worker.model_runner.model)
+
+
+def _final_only(params: Any) -> None:
+    """Ask vLLM for a request's final output only (as ``LLM.generate`` does): one ``RequestOutput`` per prompt."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY
 
 
 def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
@@ -276,9 +231,25 @@ class VllmSamplingEngine:
                 received="weights discarded",
             )
 
-    def generate(self, request: GenerateRequest, params: SamplingParams) -> list[dict[str, Any]]:
-        from vllm.inputs import TokensPrompt
+    def _loop(self) -> ContinuousLoop:
+        """The continuous-batching loop around ``llm.llm_engine`` (made on first use, see :mod:`.vllm_steps`)."""
+        loop = self.__dict__.get("_generation_loop")
+        if loop is None:
+            from vllm.inputs import TokensPrompt
 
+            core = VllmStepCore(self.llm.llm_engine, make_prompt=lambda ids: TokensPrompt(prompt_token_ids=ids),
+                                final_only=_final_only, weight_version=lambda: self.weight_version,
+                                ready=self._check_awake)
+            loop = self._generation_loop = ContinuousLoop(core, name="vLLM sampler")
+        return loop
+
+    def _control(self, fn):
+        """Run ``fn`` on the engine's loop thread once no ``/generate`` call is in flight (weights, memory, cache)."""
+        return self._loop().control(fn)
+
+    def submit_generate(self, request: GenerateRequest, params: SamplingParams) -> Pending:
+        """Validate a ``/generate`` call and queue it into the running batch; the answer is built by
+        :meth:`Pending.finish` once its sequences are done (see :mod:`.continuous`)."""
         prompts = self._prompt_ids(list(request.prompts))
         vllm_params = self._vllm_params(params, prompts)
         self._check_awake()
@@ -286,18 +257,27 @@ class VllmSamplingEngine:
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
+        def build(call: Call, outputs: list[Any]) -> list[dict[str, Any]]:
+            return answer_from_outputs(outputs, prompts, params, decode=decode, weight_version=call.weight_version)
+
+        loop = self._loop()
+        return Pending(loop, loop.submit(VllmCall(prompts, vllm_params)), build)
+
+    def generate(self, request: GenerateRequest, params: SamplingParams) -> list[dict[str, Any]]:
+        """``/generate`` from a worker thread: queued into the running batch, answered when its sequences end."""
         t0 = time.perf_counter()
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], vllm_params, use_tqdm=False
-        )
-        results = answer_from_outputs(outputs, prompts, params, decode=decode, weight_version=self.weight_version)
+        results = self.submit_generate(request, params).result()
         logger.debug("vLLM generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
         return results
 
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
-        """Copy the training job's live tensors into vLLM's model (GPU to GPU) and bump the version."""
+        """Copy the training job's live tensors into vLLM's model (GPU to GPU) and bump the version, once the
+        calls in flight have finished (they answer with the version they ran on)."""
+        return self._control(lambda: self._load_weights(weights))
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> int:
         if self.sleeping["weights"]:
             self.llm.wake_up(tags=["weights"])
             self.sleeping["weights"] = False
@@ -318,9 +298,12 @@ class VllmSamplingEngine:
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """Release vLLM's GPU memory: level 1 keeps the weights in host memory, level 2 discards them
-        (the next ``/weight-sync`` brings them back)."""
+        (the next ``/weight-sync`` brings them back). Calls in flight finish first."""
         if level not in (1, 2):
             raise BadRequest("level: the vLLM sleep level", field="level", allowed=[1, 2], received=level)
+        return self._control(lambda: self._sleep(level))
+
+    def _sleep(self, level: int) -> dict[str, Any]:
         if all(self.sleeping.values()):
             return {"status": "sleeping", "level": self.sleep_level, "seconds": 0.0, "freed_bytes": 0,
                     "weight_version": self.weight_version}
@@ -345,6 +328,9 @@ class VllmSamplingEngine:
         bad = [t for t in wanted if t not in _WAKE_TAGS]
         if bad:
             raise BadRequest("tags: what to wake", field="tags", allowed=list(_WAKE_TAGS), received=bad[0])
+        return self._control(lambda: self._wake_up(wanted))
+
+    def _wake_up(self, wanted: list[str]) -> dict[str, Any]:
         todo = [t for t in wanted if self.sleeping[t]]
         t0 = time.perf_counter()
         if todo:
@@ -362,15 +348,16 @@ class VllmSamplingEngine:
                 "seconds": seconds, "weights_discarded": self.weights_discarded}
 
     def reset_prefix_cache(self) -> dict[str, Any]:
-        """Drop vLLM's cached prompt blocks (asleep, the KV cache is already gone: nothing to drop)."""
-        ok = bool(self.llm.reset_prefix_cache()) if not any(self.sleeping.values()) else True
+        """Drop vLLM's cached prompt blocks (asleep, the KV cache is already gone: nothing to drop), once the
+        calls in flight have finished."""
+        ok = self._control(lambda: bool(self.llm.reset_prefix_cache()) if not any(self.sleeping.values()) else True)
         return {"status": "ok" if ok else "busy", "reset": ok}
 
     def weight_norm(self) -> dict[str, Any]:
         if self.sleeping["weights"]:
             raise Conflict("the vLLM sampler's weights are asleep; call /wake-inference first", field="job_id",
                            allowed="an awake sampling job", received="asleep")
-        return self.llm.collective_rpc(_model_weight_norm)[0]
+        return self._control(lambda: self.llm.collective_rpc(_model_weight_norm)[0])
 
     def info(self) -> dict[str, Any]:
         return {
@@ -382,9 +369,14 @@ class VllmSamplingEngine:
             "gpu_memory_utilization": self.options["gpu_memory_utilization"],
             "sleeping": any(self.sleeping.values()),
             "sleep_level": self.sleep_level,
+            "continuous_batching": True,
+            "generate_in_flight": self._loop().in_flight() if "_generation_loop" in self.__dict__ else 0,
         }
 
     def close(self) -> None:
+        loop = self.__dict__.pop("_generation_loop", None)
+        if loop is not None:
+            loop.close("destroyed")
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()

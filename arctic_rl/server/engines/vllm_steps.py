@@ -1,0 +1,117 @@
+"""vLLM's in-process engine driven step by step: the core of the vLLM sampler's continuous batching.
+
+:class:`VllmStepCore` is the :class:`~.continuous.StepCore` the vLLM sampler hands its
+:class:`~.continuous.ContinuousLoop`: it adds each call's prompts to ``vllm.LLM``'s own ``LLMEngine``
+(``add_request(request_id, TokensPrompt, SamplingParams)``, final outputs only), runs ``engine.step()``, and hands
+back each call once all of its prompts' ``RequestOutput``s are in -- vLLM's scheduler mixes the prefill of new
+requests into the decode of running ones, so calls join the running batch between steps.
+
+Why not ``vllm.v1.engine.async_llm.AsyncLLM``: vLLM's async engine always runs its engine core in a separate
+process (``EngineCoreClient.make_client`` refuses asyncio without multiprocessing), so a weight sync would become a
+cross-process transfer. The synchronous ``LLMEngine`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine
+core -- and the model -- in the server process: ``collective_rpc`` still copies the training job's live tensors
+device to device. The loop thread gives it the async engine's behaviour (requests join while others run, each
+answered when its own sequences end). Plain Python over vLLM's objects: no vLLM import, so the CPU tests drive it
+with a stand-in engine (``tests/_helpers_vllm.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from arctic_rl.server.engines.continuous import Call
+
+__all__ = ["VllmCall", "VllmStepCore"]
+
+
+@dataclass
+class VllmCall:
+    """A call's payload (token-id prompts and one ``vllm.SamplingParams`` per prompt) and its outputs so far."""
+
+    prompts: list[list[int]]
+    params: list[Any]
+    outputs: list[Any] = field(default_factory=list)
+    #: the ids given to vLLM (one per prompt) and any other id vLLM reports them under
+    request_ids: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    left: int = 0
+
+
+class VllmStepCore:
+    """``LLMEngine.add_request`` / ``step`` behind the loop (see the module docstring).
+
+    Args:
+        engine: ``vllm.LLM(...).llm_engine`` (or an object with its ``add_request``, ``step``, ``abort_request``
+            and ``has_unfinished_requests``).
+        make_prompt: token ids -> the prompt object vLLM takes (``vllm.inputs.TokensPrompt``).
+        final_only: sets a ``SamplingParams`` to report final outputs only (``RequestOutputKind.FINAL_ONLY``).
+        weight_version: the engine's current weight version (read when a call is admitted).
+        ready: raises when the engine cannot take a call now (asleep, weights discarded); run at admission.
+    """
+
+    def __init__(self, engine: Any, *, make_prompt: Callable[[list[int]], Any], final_only: Callable[[Any], None],
+                 weight_version: Callable[[], int], ready: Callable[[], None] = lambda: None) -> None:
+        self.engine = engine
+        self.ready = ready
+        self.make_prompt = make_prompt
+        self.final_only = final_only
+        self.weight_version = weight_version
+        self._owner: dict[str, tuple[Call, int]] = {}
+
+    def admit(self, call: Call) -> None:
+        job: VllmCall = call.payload
+        self.ready()
+        job.outputs = [None] * len(job.prompts)
+        job.left = len(job.prompts)
+        call.weight_version = self.weight_version()
+        call.state = job
+        try:
+            for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True)):
+                request_id = f"c{call.call_id}-{i}"
+                self.final_only(params)
+                job.request_ids.append(request_id)
+                self._owner[request_id] = (call, i)
+                internal = self.engine.add_request(request_id, self.make_prompt(prompt), params)
+                if isinstance(internal, str) and internal != request_id:  # vLLM may suffix the id it keeps
+                    job.aliases.append(internal)
+                    self._owner[internal] = (call, i)
+        except BaseException:
+            self.abort(call)
+            raise
+
+    def step(self) -> list[tuple[Call, Any]]:
+        finished: list[tuple[Call, Any]] = []
+        outputs = self.engine.step()
+        for out in outputs:
+            if not getattr(out, "finished", True):
+                continue
+            owner = self._owner.get(out.request_id)
+            if owner is None:
+                continue  # a request of an aborted call, or one the engine ran for someone else
+            call, i = owner
+            job: VllmCall = call.state
+            if job.outputs[i] is None:
+                job.outputs[i] = out
+                job.left -= 1
+            if job.left == 0:
+                self._forget(job)
+                finished.append((call, job.outputs))
+        if not outputs and not self.engine.has_unfinished_requests() and self._owner:
+            stuck = sorted({c.call_id for c, _ in self._owner.values()})
+            raise RuntimeError(f"vLLM engine has no unfinished request, but calls {stuck} have no output")
+        return finished
+
+    def abort(self, call: Call) -> None:
+        job: VllmCall | None = call.state if isinstance(call.state, VllmCall) else None
+        if job is None:
+            return
+        ids = [r for r in job.request_ids if r in self._owner]
+        self._forget(job)
+        if ids:
+            self.engine.abort_request(ids)
+
+    def _forget(self, job: VllmCall) -> None:
+        for request_id in (*job.request_ids, *job.aliases):
+            self._owner.pop(request_id, None)
