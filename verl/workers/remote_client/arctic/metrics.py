@@ -82,7 +82,8 @@ def mini_batch_metrics(call: Mapping[str, Any], step: Mapping[str, Any], *, kl_c
             if tokens is None or number is None:
                 continue
             name, value = name[: -len(".sum")], (number / tokens if tokens > 0 else 0.0)
-        target = _TOKEN_MEANS.get(name) or _COUNTED.get(name)
+        # verl's bypass_mode loss reports its rollout-correction diagnostics under rollout_corr/...: as they are
+        target = _TOKEN_MEANS.get(name) or _COUNTED.get(name) or (name if name.startswith("rollout_corr/") else None)
         number = _scalar(value)
         if target is not None and number is not None:
             out[target] = number
