@@ -31,8 +31,10 @@ from pydantic import ValidationError
 
 from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
 from arctic_rl.server.engines.common import compute_dtype, load_model, load_tokenizer, model_vocab_size, resolve_device
+from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending
 from arctic_rl.server.engines.fast_generation import can_run_static, generate_batch_static
 from arctic_rl.server.engines.generation import generate_batch
+from arctic_rl.server.engines.hf_steps import HfCall, HfStepCore
 from arctic_rl.server.engines.weights import copy_weights, weight_norm
 from arctic_rl.server.errors import BadRequest, from_validation_error
 from arctic_rl.server.settings import ServerSettings
@@ -182,7 +184,8 @@ class SamplingEngine:
 
     # ------------------------------------------------------------------ generate
 
-    def generate(self, request: GenerateRequest, params: SamplingParams) -> list[dict[str, Any]]:
+    def _prepare(self, request: GenerateRequest, params: SamplingParams):
+        """A call's token-id prompts, stop ids, seeded generator, decoder and top-k (400 naming a bad field)."""
         prompts = self._prompt_ids(list(request.prompts))
         longest = max(len(p) for p in prompts)
         if self.max_positions and longest + params.max_tokens > self.max_positions:
@@ -206,14 +209,56 @@ class SamplingEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(int(seed))
-        rows = [(pi, si) for pi in range(len(prompts)) for si in range(params.n)]
 
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
-        want_lps = params.wants_logprobs
         # vLLM: the sampled token + the top `logprobs`; the compact shape keeps the sampled token's value only
-        top_k = (0 if params.sampled_logprobs_only else int(params.logprobs)) if want_lps else None
+        top_k = (0 if params.sampled_logprobs_only else int(params.logprobs)) if params.wants_logprobs else None
+        return prompts, stop_ids, generator, decode, top_k
+
+    def _result(self, sample, prompt_len: int, pi: int, si: int, params: SamplingParams, version: int) -> dict:
+        return sample_result(
+            text=result_text(sample.text, params),
+            token_ids=sample.token_ids,
+            finish_reason=sample.finish_reason,
+            prompt_len=prompt_len,
+            prefix_cache_len=0,
+            logprobs=result_logprobs(sample.token_ids, sample.candidates, params),
+            prompt_index=pi,
+            sample_index=si,
+            weight_version=version,
+        )
+
+    # ------------------------------------------------------------------ continuous batching (the server's path)
+
+    def _loop(self) -> ContinuousLoop:
+        loop = self.__dict__.get("_generation_loop")
+        if loop is None:
+            core = HfStepCore(self.model, pad_id=self.pad_id, weight_version=lambda: self.weight_version)
+            loop = self._generation_loop = ContinuousLoop(core, name="transformers sampler")
+        return loop
+
+    def submit_generate(self, request: GenerateRequest, params: SamplingParams) -> Pending:
+        """Queue a ``/generate`` call into the running batch (:mod:`.hf_steps`); it is answered when its own rows
+        end, whatever else runs."""
+        prompts, stop_ids, generator, decode, top_k = self._prepare(request, params)
+
+        def build(call: Call, samples: list) -> list[dict[str, Any]]:
+            n = params.n
+            return [self._result(s, len(prompts[i // n]), i // n, i % n, params, call.weight_version)
+                    for i, s in enumerate(samples)]
+
+        loop = self._loop()
+        return Pending(loop, loop.submit(HfCall(prompts, params, generator, stop_ids, decode, top_k)), build)
+
+    # ------------------------------------------------------------------ one call at a time (in-process callers)
+
+    def generate(self, request: GenerateRequest, params: SamplingParams) -> list[dict[str, Any]]:
+        """One call on its own, in chunks of ``batch_size`` rows (on CUDA the compiled loop of
+        :mod:`.fast_generation`); the server's ``/generate`` takes :meth:`submit_generate` instead."""
+        prompts, stop_ids, generator, decode, top_k = self._prepare(request, params)
+        rows = [(pi, si) for pi in range(len(prompts)) for si in range(params.n)]
         results: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         for start in range(0, len(rows), self.batch_size):
@@ -230,25 +275,17 @@ class SamplingEngine:
                 top_logprobs=top_k,
             )
             for (pi, si), sample in zip(chunk, samples, strict=True):
-                results.append(
-                    sample_result(
-                        text=result_text(sample.text, params),
-                        token_ids=sample.token_ids,
-                        finish_reason=sample.finish_reason,
-                        prompt_len=len(prompts[pi]),
-                        prefix_cache_len=0,
-                        logprobs=result_logprobs(sample.token_ids, sample.candidates, params),
-                        prompt_index=pi,
-                        sample_index=si,
-                        weight_version=self.weight_version,
-                    )
-                )
+                results.append(self._result(sample, len(prompts[pi]), pi, si, params, self.weight_version))
         logger.debug("generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
         return results
 
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        """Copy the training model's weights in once no call is in flight (calls queued meanwhile wait)."""
+        return self._loop().control(lambda: self._load_weights(weights))
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> int:
         copy_weights(self.model, weights)
         self.weight_version += 1
         return self.weight_version
@@ -287,7 +324,12 @@ class SamplingEngine:
             "device": str(self.device),
             "dtype": str(self.dtype),
             "batch_size": self.batch_size,
+            "continuous_batching": True,
+            "generate_in_flight": self._loop().in_flight() if "_generation_loop" in self.__dict__ else 0,
         }
 
     def close(self) -> None:
+        loop = self.__dict__.pop("_generation_loop", None)
+        if loop is not None:
+            loop.close("destroyed")
         del self.model
