@@ -246,7 +246,8 @@ def test_what_the_vendors_loss_cannot_do_is_refused_before_any_job(vendor_server
         ArcticRLClient.from_config(v2_config(tiny_model_dir, vendor_server.url, tmp_path, micro=4, **actor))
     assert err.value.field == key and err.value.received == received
     assert "policy_losses" in str(err.value) and "vendor" in str(err.value)
-    assert not [r for r in vendor_server.trace_lines()[before:] if r["path"] == "/initialize"]
+    paths = [r["path"] for r in vendor_server.trace_lines()[before:]]
+    assert "/health" in paths and "/initialize" not in paths  # decided from its /health (no features), before any job
 
 
 def probe_logprobs(client: ArcticRLClient) -> torch.Tensor:
