@@ -1,5 +1,7 @@
-"""The ``arctic`` rollout replica: request coalescing, sampling-parameter mapping, and (slow) the
-real server actor in Ray talking to the reference Arctic RL server through ArcticRLClient."""
+"""The ``arctic`` rollout replica: request coalescing (servers without ``continuous_batching``), sampling-parameter
+mapping, and (slow) the real server actor in Ray talking to the reference Arctic RL server through ArcticRLClient
+(which batches continuously: the samples of a prompt go as one request, ``tests/remote_backend/
+test_rollout_dispatch_on_cpu.py``)."""
 
 from __future__ import annotations
 
@@ -258,7 +260,7 @@ def test_invalid_values_raise_naming_the_field():
 
 # ------------------------------------------------------------------ the real server actor
 @pytest.mark.slow
-def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path, tiny_model_dir):
+def test_server_actor_generates_token_ids_one_request_per_prompts_samples(tmp_path, tiny_model_dir):
     import ray
     from _helpers_arctic import start_ray, verl_main_config
     from server_process import running_server
@@ -296,7 +298,9 @@ def test_server_actor_generates_token_ids_in_coalesced_batches(tmp_path, tiny_mo
                     assert all(lp <= 0 for lp in out.log_probs)
                 assert outs[6].log_probs is None and outs[6].token_ids == outs[7].token_ids  # greedy is greedy
                 stats = ray.get(server.stats.remote())
-                assert stats["samples"] == 8 and 2 <= stats["batches"] < 8  # coalesced; 4 per batch at most
+                # our server batches continuously and takes n: the rollout.n = 2 samples of a prompt went as one
+                # request with n = 2 (3 for the sampled calls, 1 for the greedy pair), each sent once complete
+                assert stats["samples"] == 8 and stats["batches"] == 4
 
                 ray.get(server.set_global_steps.remote(3))
                 assert ray.get(server.generate.remote("s", tokenizer_prompt, greedy)).extra_fields["global_steps"] == 3

@@ -8,10 +8,16 @@ verl's agent loop asks a rollout *replica* for a server Ray actor and calls its
   one :class:`RemoteRolloutServer` actor (no CPU or GPU reserved) and links it to the forwarder
   worker, which tells it the weight version after every weight sync;
 * the server re-attaches to the driver's backend and sends *token ids* to the backend's
-  ``generate`` (:class:`~verl.remote_backend.protocols.RemoteSampler`), coalescing concurrent
-  calls into bounded batches (:mod:`.coalescer`; ``remote_backend.rollout.max_batch_size`` /
-  ``max_wait_ms`` / ``max_in_flight``, read as the shared
-  :class:`~verl.workers.remote_client.common.rollout_batching.RolloutBatching`);
+  ``generate`` (:class:`~verl.remote_backend.protocols.RemoteSampler`). How depends on the backend's
+  ``features`` (:func:`backend_features`; the names a server lists in ``/health``):
+
+  - ``continuous_batching`` (the server takes calls into its running batch): each call goes as it comes, the
+    ``rollout.n`` samples of one prompt as one request with ``n`` when the server also lists ``n_samples``
+    (:mod:`.sample_groups`; at most ``remote_backend.rollout.max_batch_size`` requests in flight, a group
+    waits at most ``max_wait_ms`` for its samples);
+  - otherwise (the vendor's server): concurrent calls are coalesced into bounded batches, one row per sample
+    (:mod:`.coalescer`; ``max_batch_size`` / ``max_wait_ms`` / ``max_in_flight``, read as the shared
+    :class:`~verl.workers.remote_client.common.rollout_batching.RolloutBatching`);
 * :func:`normalize_sampling_params` maps verl's per-sample sampling parameters onto the
   backend-neutral dict every sampler takes; a backend's server subclass may refine it
   (:meth:`RemoteRolloutServer.convert_sampling_params`).
@@ -27,6 +33,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -35,11 +42,29 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.protocols import RemoteSampler, adopter_of, result_field
-from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer
+from verl.remote_backend.workers.coalescer import BatchFn, RequestAborted, RequestCoalescer
+from verl.remote_backend.workers.sample_groups import GroupFn, SampleGrouper
 from verl.remote_backend.workers.worker import attach_rollout_server
 from verl.workers.remote_client.common.rollout_batching import RolloutBatching
 
-__all__ = ["RemoteRolloutReplica", "RemoteRolloutServer", "normalize_sampling_params", "remote_server_class"]
+__all__ = ["CONTINUOUS_BATCHING", "N_SAMPLES", "RemoteRolloutReplica", "RemoteRolloutServer", "backend_features",
+           "normalize_sampling_params", "remote_server_class", "rollout_dispatcher"]
+
+#: feature names (a backend's ``features``, the server's ``/health`` list) the rollout server acts on
+CONTINUOUS_BATCHING = "continuous_batching"
+N_SAMPLES = "n_samples"
+
+
+def backend_features(backend: object) -> frozenset[str]:
+    """The capability names a backend's ``features`` attribute lists (the server's ``/health`` features for the
+    Arctic adapter); none when it has no such attribute."""
+    features = getattr(backend, "features", None)
+    if callable(features):
+        features = features()
+    try:
+        return frozenset(str(f) for f in features or ())
+    except TypeError:
+        return frozenset()
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -86,6 +111,22 @@ def normalize_sampling_params(
     return raw
 
 
+def rollout_dispatcher(backend: object, batching: RolloutBatching, *, samples_per_prompt: int,
+                       run_batch: BatchFn, run_group: GroupFn) -> RequestCoalescer | SampleGrouper:
+    """How the rollout server sends verl's one-sample calls to ``backend`` (see the module docstring): a
+    :class:`SampleGrouper` (``run_group``: one prompt, ``n`` samples) when the backend lists
+    ``continuous_batching``, else a :class:`RequestCoalescer` (``run_batch``: many prompts, one sample each)."""
+    features = backend_features(backend)
+    if CONTINUOUS_BATCHING in features:
+        use_n = N_SAMPLES in features
+        logger.info("rollout server: the sampler batches continuously; calls go as they come, %s",
+                    f"the {samples_per_prompt} samples of a prompt as one request" if use_n else "one per sample")
+        return SampleGrouper(run_group, group_size=samples_per_prompt, max_wait_ms=batching.max_wait_ms,
+                             max_in_flight=batching.max_batch_size, use_n=use_n)
+    return RequestCoalescer(run_batch, max_batch_size=batching.max_batch_size, max_wait_ms=batching.max_wait_ms,
+                            max_in_flight=batching.max_in_flight)
+
+
 def _stop_reason(finish_reason: str | None) -> str | None:
     if finish_reason in ("stop", "length"):
         return "completed"
@@ -109,6 +150,7 @@ class RemoteRolloutServer:
         rollout = main.actor_rollout_ref.rollout
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
+        self.samples_per_prompt = max(1, int(rollout.get("n", 1) or 1)) if hasattr(rollout, "get") else 1
         self.batching = RolloutBatching.from_main_config(main)
         backend = attach_backend(self._context)
         if not isinstance(backend, RemoteSampler):
@@ -117,7 +159,8 @@ class RemoteRolloutServer:
                 allowed="a backend implementing verl.remote_backend.protocols.RemoteSampler", received=self._context.name,
             )
         self._backend: RemoteSampler = backend
-        self._coalescer: RequestCoalescer | None = None
+        self._coalescer: RequestCoalescer | SampleGrouper | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self.global_steps = 0
         self._admit = asyncio.Event()  # closed between abort_all_requests and resume_generation
         self._admit.set()
@@ -129,14 +172,12 @@ class RemoteRolloutServer:
         """Answer once the actor is constructed (and attached)."""
         return True
 
-    def _coalescer_for_loop(self) -> RequestCoalescer:
+    def _coalescer_for_loop(self) -> RequestCoalescer | SampleGrouper:
         if self._coalescer is None:
-            self._coalescer = RequestCoalescer(
-                self._generate_batch,
-                max_batch_size=self.batching.max_batch_size,
-                max_wait_ms=self.batching.max_wait_ms,
-                max_in_flight=self.batching.max_in_flight,
-            )
+            self._coalescer = rollout_dispatcher(self._backend, self.batching, samples_per_prompt=self.samples_per_prompt,
+                                                 run_batch=self._generate_batch, run_group=self._generate_group)
+            if isinstance(self._coalescer, SampleGrouper):
+                self._executor = ThreadPoolExecutor(self.batching.max_batch_size, thread_name_prefix="generate")
         return self._coalescer
 
     async def _generate_batch(self, prompts: list[list[int]], params: dict[str, Any]) -> Sequence[Any]:
@@ -145,6 +186,14 @@ class RemoteRolloutServer:
         self.batches += 1
         self.samples += len(prompts)
         logger.debug("generate: %d prompts in %.2f s", len(prompts), time.monotonic() - start)
+        return results
+
+    async def _generate_group(self, prompt: list[int], params: dict[str, Any]) -> Sequence[Any]:
+        """``params.get("n", 1)`` samples of one prompt, in a thread of the server's own pool (many at once)."""
+        results = await asyncio.get_running_loop().run_in_executor(self._executor, self._backend.generate,
+                                                                   [prompt], params)
+        self.batches += 1
+        self.samples += int(params.get("n", 1))
         return results
 
     def convert_sampling_params(self, params: Mapping[str, Any], prompt_len: int) -> dict[str, Any]:

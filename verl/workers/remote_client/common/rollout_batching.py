@@ -2,7 +2,10 @@
 
 verl's agent loop sends one ``generate`` call per sample; the rollout server
 (:mod:`verl.remote_backend.workers.replica`) gathers concurrent calls into batches
-(:mod:`verl.remote_backend.workers.coalescer`). How large a batch may get, how long it waits for more
+(:mod:`verl.remote_backend.workers.coalescer`) -- or, against a server that lists ``continuous_batching``, sends
+them as they come, the samples of one prompt as one request (:mod:`verl.remote_backend.workers.sample_groups`:
+``max_batch_size`` requests in flight at most, ``max_wait_ms`` the longest a prompt's first sample waits for the
+others, ``max_in_flight`` unused). How large a batch may get, how long it waits for more
 calls and how many batches may be in flight are :class:`RolloutBatching`: each vendor's config mirror
 extends it (its yaml may pick other values, e.g. more batches in flight), and the rollout server reads
 it with :meth:`RolloutBatching.from_main_config` -- the one place the fields and range checks live.
@@ -27,11 +30,11 @@ ROLLOUT_NODE = "remote_backend.rollout"
 class RolloutBatching:
     """``remote_backend.rollout``'s batching options (a vendor's rollout config extends this class)."""
 
-    #: most generate calls handled together
+    #: most generate calls handled together (against a server that batches continuously: most requests in flight)
     max_batch_size: int = 64
-    #: milliseconds a batch waits for more calls before it is sent
+    #: milliseconds a batch waits for more calls before it is sent (continuously: a prompt's samples for each other)
     max_wait_ms: float = 5.0
-    #: batches in flight at once
+    #: batches in flight at once (not used against a server that batches continuously)
     max_in_flight: int = 1
 
     def _validate(self, p: str) -> None:
