@@ -85,8 +85,9 @@ def plan_run(main_config: object, tinker: TinkerConfig) -> TinkerRun:
     _refuse(verl.entropy_coeff == 0, f"{_ACTOR}.entropy_coeff", "Tinker's built-in losses have no entropy bonus",
             0.0, verl.entropy_coeff)
     loss_mode = str(select(main_config, f"{_ACTOR}.policy_loss.loss_mode", "vanilla") or "vanilla")
-    _refuse(loss_mode == "vanilla", f"{_ACTOR}.policy_loss.loss_mode", "only the PPO clipped objective maps onto "
-            "Tinker's built-in losses", "vanilla", loss_mode)
+    _refuse(loss_mode == "vanilla", f"{_ACTOR}.policy_loss.loss_mode", "only verl's PPO clipped objective maps "
+            "onto Tinker's built-in losses (verl's gspo and bypass_mode run on the Arctic reference server)", "vanilla",
+            loss_mode)
     _refuse(verl.loss_agg_mode in LOSS_AGG_MODES, f"{_ACTOR}.loss_agg_mode", "not expressible with Tinker's "
             "summed losses", list(LOSS_AGG_MODES), verl.loss_agg_mode)
     _refuse(verl.rollout_temperature == 1.0, "actor_rollout_ref.rollout.temperature", "Tinker scores log-probs at "
