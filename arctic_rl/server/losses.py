@@ -122,7 +122,8 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """verl's ``agg_loss`` for the three modes of the protocol (single rank)."""
+    """verl's ``agg_loss`` for the three modes of the protocol (single rank), as its actor calls it: token-mean
+    over ``loss_scale_tokens`` (the mini-batch's tokens), the seq-means over the batch's rows."""
     mode = cfg.loss_agg_mode
     if mode == "token-mean":
         denom = cfg.loss_scale_tokens if cfg.loss_scale_tokens is not None else mask.sum().clamp_min(1)
@@ -135,8 +136,11 @@ def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> t
         raise ValueError(
             f"loss_agg_mode: expected one of token-mean, seq-mean-token-sum, seq-mean-token-mean, got {mode!r}"
         )
-    seq_mask = tokens_per_seq > 0  # fully masked sequences do not count
-    return _masked_sum(seq_losses, seq_mask) / seq_mask.sum().clamp_min(1)
+    # verl's actor divides by global_batch_size, the mini-batch's rows (fully masked ones included: a row
+    # that rejection sampling emptied still counts); the engine's micro-batches are equal, so each one's
+    # rows, with DeepSpeed's division by GAS, give that
+    seq_mask = tokens_per_seq > 0
+    return _masked_sum(seq_losses, seq_mask) / max(int(loss_mat.shape[0]), 1)
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:

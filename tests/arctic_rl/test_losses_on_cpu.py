@@ -78,11 +78,12 @@ def test_aggregation_modes(mode, expected):
     assert loss.item() == pytest.approx(expected)
 
 
-def test_fully_masked_rows_do_not_count_in_seq_mean():
+def test_fully_masked_rows_count_in_seq_mean_as_verls_actor_counts_them():
+    """verl's actor divides the seq-means by global_batch_size, the mini-batch's rows, empty ones included."""
     out, batch = fixture()
     batch["response_mask"] = torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])
     loss, m = compute_loss("verl_grpo", out, batch, LossConfig(loss_agg_mode="seq-mean-token-sum"))
-    assert loss.item() == pytest.approx(1.4)
+    assert loss.item() == pytest.approx(1.4 / 2)
     assert m["num_tokens"] == 4.0
 
 
@@ -280,11 +281,13 @@ def test_matches_verl_policy_loss(mode, kl_type):
         clip_ratio_c=2.5,
         loss_agg_mode=mode,
     )
+    # as verl's ppo_loss sets it for one mini-batch on one rank (row 0 is empty: it counts in the seq-means)
+    actor.global_batch_info.update(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=b)
     pg, pg_metrics = core_algos.compute_policy_loss_vanilla(
         old, lp, adv, mask, loss_agg_mode=mode, config=actor, rollout_is_weights=weights
     )
-    ent = core_algos.agg_loss(entropy, mask, mode)
-    kl = core_algos.agg_loss(core_algos.kl_penalty(lp, ref, kl_type), mask, mode)
+    ent = core_algos.agg_loss(entropy, mask, mode, **actor.global_batch_info)
+    kl = core_algos.agg_loss(core_algos.kl_penalty(lp, ref, kl_type), mask, mode, **actor.global_batch_info)
     verl_loss = pg - 0.01 * ent + 0.1 * kl
 
     cfg = LossConfig(

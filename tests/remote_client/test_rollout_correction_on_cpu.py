@@ -78,6 +78,13 @@ CASES = {
     "bypass_mode-reinforce-token-is-normalized-rs": bypass_loss(
         loss_type="reinforce", rollout_is="token", rollout_is_threshold="0.3_3.0", rollout_is_batch_normalize=True,
         rollout_rs="token_k3,seq_mean_k1", rollout_rs_threshold="1.0,0.5_2.0"),
+    # rejection emptying whole rows: they still count in verl's seq-means (global_batch_size = the rows)
+    "decoupled-seq-is-seq-rs-seq-mean-token-sum": merge(
+        decoupled(rollout_is="sequence", rollout_rs="seq_mean_k3", rollout_rs_threshold=0.1),
+        actor(loss_agg_mode="seq-mean-token-sum")),
+    "bypass_mode-ppo_clip-row-rs-seq-mean-token-mean": merge(
+        bypass_loss(loss_type="ppo_clip", rollout_rs="seq_max_k2", rollout_rs_threshold=0.3),
+        actor(loss_agg_mode="seq-mean-token-mean")),
     # gspo (with decoupled token IS weights, which it applies)
     "gspo": merge(actor(policy_loss={"loss_mode": "gspo"}, loss_agg_mode="seq-mean-token-mean"),
                   decoupled(rollout_is="token", rollout_is_threshold=2.0)),
@@ -209,6 +216,7 @@ def test_remote_loss_and_gradient_equal_stock_verls_actor_loss(case):
     cfg = verl_main_config(merge(actor(ppo_mini_batch_size=len(PROMPT_LENS), ppo_micro_batch_size_per_gpu=ROWS),
                                  {"actor_rollout_ref": {"rollout": {"n": N}}}, CASES[case]))
     data, values, entropy = fixed_batch()
+    tokens_before = int(data["response_mask"].values().sum())
     trainer_step(data, cfg)
     with_entropy = cfg.actor_rollout_ref.actor.entropy_coeff != 0
     stock, stock_metrics = stock_loss(cfg, data, values, entropy, with_entropy=with_entropy)
@@ -217,6 +225,11 @@ def test_remote_loss_and_gradient_equal_stock_verls_actor_loss(case):
     (remote_grad,) = torch.autograd.grad(remote, values)
 
     assert stock.item() != 0.0 and stock_grad.abs().sum() > 0
+    if "rs" in case.split("-"):  # rejection bit: some tokens (whole rows, for a row criterion) left the loss
+        if "bypass_mode" in case:
+            assert remote_metrics["rollout_corr/rollout_rs_masked_fraction"] > 0
+        else:
+            assert int(data["response_mask"].values().sum()) < tokens_before
     torch.testing.assert_close(remote.detach(), stock.detach(), rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(remote_grad, stock_grad, rtol=1e-5, atol=1e-8)
     # folded into the advantages, a weight of 0 (IcePop) leaves its token unclipped in pg_clipfrac: a metric only

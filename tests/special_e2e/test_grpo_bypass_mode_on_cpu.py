@@ -1,0 +1,71 @@
+"""Two GRPO steps of stock verl 0.9.1 in rollout-correction bypass mode with verl's ``bypass_mode`` policy loss,
+on the Arctic RL reference server, on CPU.
+
+The recipe is verl's own way of asking for it: ``algorithm.rollout_correction.bypass_mode=true`` (the V1
+trainer takes the rollout's log-probs as the old ones and skips the old-log-prob pass; the sampler must return
+them: ``actor_rollout_ref.rollout.calculate_log_probs=true``) and
+``actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode`` with its ``policy_loss.rollout_correction``
+(``loss_type`` ``ppo_clip`` or ``reinforce``; token-level IS weights truncated at 2). The reference server runs
+the update with its ``verl_bypass_mode`` loss; its log shows no old-log-prob ``/forward``.
+
+Run by hand (prints the command it runs)::
+
+    pytest -m e2e tests/special_e2e/test_grpo_bypass_mode_on_cpu.py -s
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from _helpers_e2e import (
+    build_task,
+    entry_point_command,
+    entry_point_env,
+    parse_console_metrics,
+    run_in_own_session,
+    tiny_grpo_overrides,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_two_grpo_steps_with_the_bypass_mode_loss(tmp_path, loss_type):
+    task = build_task(tmp_path / "task")
+    cmd = entry_point_command([
+        *tiny_grpo_overrides(task, tmp_path / "run", micro_batch=4),
+        "algorithm.rollout_correction.bypass_mode=true",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+        f"+actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type={loss_type}",
+        "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=token",
+        "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold=2.0",
+        "remote_backend=arctic",
+        "remote_backend.train.deepspeed.bf16=false",
+    ])
+    print("running:", " ".join(cmd), flush=True)
+    start = time.monotonic()
+    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(), timeout=1500)
+    (tmp_path / "run.log").write_text(output)
+    print(f"wall time {time.monotonic() - start:.0f} s, log {tmp_path / 'run.log'}", flush=True)
+    assert returncode == 0, output[-6000:]
+
+    steps = parse_console_metrics(output)
+    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    for step, metrics in steps.items():
+        # the loss's rollout_corr/ metrics under verl's actor prefix, as stock verl's worker logs them
+        for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/kl_loss",
+                    "actor/rollout_corr/rollout_is_mean", "actor/rollout_corr/rollout_is_max"):
+            assert key in metrics, f"step {step}: {key} not logged"
+            assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
+        assert 0 < metrics["actor/rollout_corr/rollout_is_max"] <= 2.0  # truncated at the threshold
+        assert ("actor/pg_clipfrac" in metrics) == (loss_type == "ppo_clip")  # reinforce does not clip
+        assert "timing_s/old_log_prob/server" not in metrics  # no old-log-prob pass on the server
+        assert metrics["training/global_step"] == step
+    server_log = "\n".join(p.read_text(errors="replace")
+                           for p in (tmp_path / "run" / "checkpoints" / "arctic_server").glob("*.log"))
+    assert server_log.count("loss_fn=verl_bypass_mode") == 2 and "loss_fn=verl_grpo" not in server_log
+    assert server_log.count("forward job=") == 2  # the reference log-probs only: one /forward a step
+    assert "remote backend 'arctic' destroyed" in output
