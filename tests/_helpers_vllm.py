@@ -89,3 +89,51 @@ def engine_around(llm: Any, *, vocab_size: int, max_model_len: int, weight_versi
     eng.max_model_len, eng.vocab_size, eng.eos_ids, eng.weight_version = max_model_len, vocab_size, set(), weight_version
     eng.sleeping, eng.weights_discarded = {"weights": False, "kv_cache": False}, False
     return eng
+
+
+class StepwiseLLM:
+    """Stands in for ``vllm.LLM`` with a step-wise engine (vLLM's ``LLMEngine`` interface): each ``step`` gives every
+    running request one token, the engine's current weight version (so an answer that spans a weight load shows two
+    values), and a request ends after its ``max_tokens`` steps with ``n`` completions. ``add_request`` returns an id
+    with a suffix, as vLLM's does, and outputs carry the caller's id; ``collective_rpc`` (a weight load) bumps the
+    version and refuses while requests run, as a real load would corrupt them."""
+
+    def __init__(self) -> None:
+        self.llm_engine = self
+        self.version = 100
+        self.running: dict[str, list] = {}  # request id -> [params, tokens per sample]
+        self.steps = 0
+        self.max_running = 0
+
+    def add_request(self, request_id, prompt, params):
+        self.running[request_id] = [params, [[] for _ in range(params.n)]]
+        self.max_running = max(self.max_running, len(self.running))
+        return f"{request_id}-internal"
+
+    def step(self):
+        self.steps += 1
+        done = []
+        for request_id, (params, samples) in list(self.running.items()):
+            for tokens in samples:
+                tokens.append(self.version)
+            if len(samples[0]) >= params.max_tokens:
+                del self.running[request_id]
+                done.append(RequestOutput([Completion(j, list(t), None) for j, t in enumerate(samples)],
+                                          request_id=request_id))
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.running.pop(request_id, None)
+
+    def collective_rpc(self, fn, args=()):
+        if self.running:
+            raise RuntimeError("weights loaded while requests run")
+        self.version += 1
+        return [len(args[0]) if args else 0]
+
+    def reset_prefix_cache(self) -> bool:
+        return not self.running
