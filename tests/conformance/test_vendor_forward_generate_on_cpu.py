@@ -137,6 +137,22 @@ class TestZorroOff:
             want = [float(lp[len(ids) - 1 + j, t]) for j, t in enumerate(res.token_ids)]
             assert max(abs(a - b) for a, b in zip(res.logprobs, want)) < 1e-3
 
+    def test_the_samples_of_a_prompt_go_one_row_per_sample(self, client, monkeypatch):
+        """The vendor keeps one output per prompt and lists no features: verl's ``B x n`` one-sample calls reach it
+        as rows of coalesced ``/generate`` calls, one row per sample with ``n`` = 1 (our server gets one request
+        per prompt with ``n``: ``tests/remote_backend/test_rollout_dispatch_on_cpu.py``), and the samples have the
+        shape verl's GRPO step reads -- the same check as on our server."""
+        from _helpers_rollout import check_grpo_samples, dispatch_grpo_samples
+
+        from verl.remote_backend.workers.replica import backend_features
+
+        assert not {"continuous_batching", "n_samples"} & backend_features(client)
+        tok = client.tokenizer
+        prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in ("hello world", "abc", "xyz")]
+        sent, samples = dispatch_grpo_samples(client, prompts, N, monkeypatch)
+        assert sum(body["prompts"] for body in sent) == len(prompts) * N and all(body["n"] == 1 for body in sent)
+        check_grpo_samples(samples, prompts, N)
+
     def test_weight_sync_is_followed_by_a_prefix_cache_reset_of_the_sampler(self, client, vendor_server):
         """As the vendor's own client does after a sync."""
         before = len(vendor_server.trace_lines())
