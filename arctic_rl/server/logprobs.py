@@ -10,8 +10,15 @@ layout of a plain pass and :func:`to_shifted` moves response-aligned values into
 Memory: the LM head runs only at the positions whose logits are needed (``R`` per row, or one per
 unique prompt plus ``R-1`` per row with ZoRRO), and the fp32 log-softmax is computed a few rows at
 a time, forward and backward, by a small autograd function that keeps no fp32 copy of the logits
-for the backward (it recomputes the softmax there). Everything is differentiable when grad is
-enabled and works under ``torch.no_grad()``.
+for the backward (it recomputes the softmax there). Where those logits would take more than one
+chunk (``_FP32_CHUNK_BYTES`` in fp32) and the model's LM head is a plain projection of its last
+hidden states (:func:`chunked_head_supported`), the model returns its hidden states instead (its LM
+head is swapped for an identity while it runs) and the head runs chunk by chunk: never the whole
+``[positions, V]`` logits at once, and in the backward each chunk's logits are recomputed from the
+hidden states (one more LM-head matmul per chunk) instead of being kept from the forward. Values
+and gradients equal the unchunked computation's to float precision. Everything is differentiable
+when grad is enabled and works under ``torch.no_grad()``. The largest logits buffer of a pass is
+reported to :mod:`arctic_rl.server.memory`.
 
 What is not here: losses (:mod:`arctic_rl.server.losses`), HTTP or engines.
 """
@@ -24,9 +31,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from arctic_rl.server import memory
+from arctic_rl.server.chunked_head import chunked_head_supported, head_stats, hidden_states_out, logits_bytes
 from arctic_rl.server.zorro import causal_lm_logits, zorro_forward, zorro_unsupported_reason
 
-__all__ = ["TokenLogprobs", "response_logprobs", "set_compiled_token_stats", "shifted_logprobs", "to_shifted"]
+__all__ = [
+    "TokenLogprobs",
+    "chunked_head_supported",
+    "response_logprobs",
+    "set_compiled_token_stats",
+    "shifted_logprobs",
+    "to_shifted",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +200,23 @@ def _token_stats(
         empty = logits.new_zeros((n, k), dtype=_compute_dtype(logits.dtype))
         return empty, (empty if want_entropy else None)
     step = max(1, _FP32_CHUNK_BYTES // max(1, k * v * 4))
+    memory.note_buffer("logits", logits.numel() * logits.element_size())
+    memory.note_buffer("logits_fp32_chunk", min(n, step) * k * v * 4)
     lp, entropy = _TokenStats.apply(logits, targets.long(), float(temperature), bool(want_entropy), step)
     return lp, (entropy if want_entropy else None)
+
+def _chunked(model: torch.nn.Module, positions: int) -> bool:
+    """The hidden-state path: where the ``positions`` logits would take more than one fp32 chunk."""
+    return logits_bytes(model, positions) > _FP32_CHUNK_BYTES and chunked_head_supported(model)
+
+
+def _stats(head: torch.nn.Module | None, values: torch.Tensor, targets: torch.Tensor, temperature: float,
+           want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token values from logits (``head`` is ``None``) or from hidden states and the LM head."""
+    if head is None:
+        return _token_stats(values, targets, temperature, want_entropy)
+    return head_stats(head, values, targets, temperature, want_entropy, token_stats=_token_stats,
+                      chunk_bytes=_FP32_CHUNK_BYTES)
 
 
 def _zorro_logprobs(
@@ -197,17 +228,20 @@ def _zorro_logprobs(
     temperature: float,
     want_entropy: bool,
 ) -> TokenLogprobs:
-    out = zorro_forward(model, input_ids, attention_mask, position_ids, p)
+    batch, total = input_ids.shape
+    with hidden_states_out(model, _chunked(model, batch * (total - p))) as head:
+        out = zorro_forward(model, input_ids, attention_mask, position_ids, p)
     targets = input_ids[:, p:]
     # the first response token: every row of a group shares the prompt's last-position logits
     # ([B, V] rows picked from [U, V]; the backward of index_select sums them per prompt)
-    first_lp, first_ent = _token_stats(
-        out.first_logits.index_select(0, out.row_to_group).unsqueeze(1), targets[:, :1], temperature, want_entropy
+    first_lp, first_ent = _stats(
+        head, out.first_logits.index_select(0, out.row_to_group).unsqueeze(1), targets[:, :1], temperature,
+        want_entropy,
     )
     rest_targets = targets[:, 1:]
     if out.rest_rows is not None:  # rest_logits' rows are sorted by prompt: reorder the targets, then the results
         rest_targets = rest_targets.index_select(0, out.rest_rows)
-    rest_lp, rest_ent = _token_stats(out.rest_logits, rest_targets, temperature, want_entropy)
+    rest_lp, rest_ent = _stats(head, out.rest_logits, rest_targets, temperature, want_entropy)
     if out.rest_rows is not None:
         inverse = torch.empty_like(out.rest_rows)
         inverse[out.rest_rows] = torch.arange(out.rest_rows.numel(), device=inverse.device)
@@ -247,10 +281,11 @@ def response_logprobs(
         if reason is None:
             return _zorro_logprobs(model, input_ids, attention_mask, position_ids, p, temperature, calculate_entropy)
         logger.warning("ZoRRO requested but not possible (%s); running the plain forward", reason)
-    logits = causal_lm_logits(
-        model, input_ids, attention_mask, position_ids, torch.arange(p - 1, total - 1, device=input_ids.device)
-    )
-    logprobs, entropy = _token_stats(logits, targets, temperature, calculate_entropy)
+    with hidden_states_out(model, _chunked(model, batch * (total - p))) as head:
+        values = causal_lm_logits(
+            model, input_ids, attention_mask, position_ids, torch.arange(p - 1, total - 1, device=input_ids.device)
+        )
+    logprobs, entropy = _stats(head, values, targets, temperature, calculate_entropy)
     return TokenLogprobs(logprobs, entropy, batch * total, batch)
 
 
@@ -271,10 +306,11 @@ def shifted_logprobs(
     total = input_ids.shape[1]
     if total < 2:
         raise ValueError(f"input_ids: expected at least 2 columns to predict a token, got {total}")
-    logits = causal_lm_logits(
-        model, input_ids, attention_mask, position_ids, torch.arange(total - 1, device=input_ids.device)
-    )
-    lp, ent = _token_stats(logits, input_ids[:, 1:], temperature, calculate_entropy)
+    with hidden_states_out(model, _chunked(model, input_ids.shape[0] * (total - 1))) as head:
+        values = causal_lm_logits(
+            model, input_ids, attention_mask, position_ids, torch.arange(total - 1, device=input_ids.device)
+        )
+    lp, ent = _stats(head, values, input_ids[:, 1:], temperature, calculate_entropy)
     return F.pad(lp, (0, 1)), (F.pad(ent, (0, 1)) if ent is not None else None)
 
 

@@ -219,7 +219,7 @@ def test_ds_config_for_cpu_golden():
         ({"optimizer": {"params": {"betas": [0.9]}}}, "ds_config.optimizer.params.betas"),
         ({"gradient_accumulation_steps": 0}, "ds_config.gradient_accumulation_steps"),
         ({"gradient_accumulation_steps": 1.5}, "ds_config.gradient_accumulation_steps"),
-        ({"zero_optimization": {"stage": 3}}, "ds_config.zero_optimization.stage"),
+        ({"zero_optimization": {"stage": 4}}, "ds_config.zero_optimization.stage"),
         ({"scheduler": {"type": "OneCycle"}}, "ds_config.scheduler.type"),
     ],
 )

@@ -228,15 +228,17 @@ def forward_logprobs(
 
     Both are ``[B, P+R]``, the vendor's layouts (:class:`~arctic_rl.protocol.LogprobAlignment`): ZoRRO
     on, response-aligned (column ``P+j`` = log p(response token ``j``), zeros in the prompt columns);
-    off, shifted (column ``c`` = log p(token ``c+1``)). Rows are processed in chunks of at most
-    ``max_token_len`` tokens (at least one row) to bound memory; ZoRRO's passes hold as many rows as
-    fit in ``max_token_len`` of the tokens ZoRRO computes (:mod:`~arctic_rl.server.zorro_passes`).
+    off, shifted (column ``c`` = log p(token ``c+1``); with ``meta.response_logprobs_only``, the response
+    tokens' columns only, zeros elsewhere, and the LM head runs at those positions only). Rows are
+    processed in chunks of at most ``max_token_len`` tokens (at least one row) to bound memory; ZoRRO's
+    passes hold as many rows as fit in ``max_token_len`` of the tokens ZoRRO computes
+    (:mod:`~arctic_rl.server.zorro_passes`).
     With ZoRRO on, the pass itself is chosen by :func:`~arctic_rl.server.zorro_rule.choose_zorro` (the
     plain pass where deduplicating the prompts would not pay) and, among the calls it sends to ZoRRO,
     by ``tuner``'s timings of both passes (:mod:`~arctic_rl.server.zorro_tuner`); the layout stays
     response-aligned either way.
     """
-    from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs
+    from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs, to_shifted
 
     device = next(model.parameters()).device
     rows, total = batch.rows, batch.total_len
@@ -288,6 +290,11 @@ def forward_logprobs(
                 ent = torch.nn.functional.pad(out.entropy, left) if out.entropy is not None else None
                 tokens_computed += out.tokens_computed
                 unique += out.unique_prompts
+            elif batch.meta.response_logprobs_only:  # the LM head at the response's positions only
+                out = response_logprobs(model, ids, mask, pos, part.prompt_len, temperature=temperature,
+                                        calculate_entropy=want_entropy)
+                lp = to_shifted(out.logprobs, part.prompt_len, total)
+                ent = to_shifted(out.entropy, part.prompt_len, total) if out.entropy is not None else None
             else:
                 lp, ent = shifted_logprobs(
                     model, ids, mask, pos, temperature=temperature, calculate_entropy=want_entropy

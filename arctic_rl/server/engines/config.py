@@ -9,8 +9,11 @@ Two pure functions of a :class:`~arctic_rl.protocol.JobConfig`'s dicts:
   this device: AdamW through ``torch.optim`` (``torch_adam``: no JIT op build), bf16 only where
   the device supports it, ``managed_gradient_accumulation=false`` (the server's ``/step`` is the
   accumulation boundary; each ``/forward-backward`` is split into ``gradient_accumulation_steps``
-  micro-batches, as at the vendor), batch sizes made consistent, ZeRO stage 0-2, and an allow-listed
-  scheduler. Every rewrite is reported as a note.
+  micro-batches, as at the vendor), batch sizes made consistent, ZeRO stage 0-3 with the memory
+  savers DeepSpeed runs on one process without building an op (``offload_optimizer`` and, at stage 3,
+  ``offload_param`` to ``cpu``: the optimizer then steps with ``torch.optim.AdamW`` on the host), and an
+  allow-listed scheduler. Every rewrite is reported as a note; what the server cannot honour is a 400
+  naming the key (NVMe offload, offload at stage 0, parameter offload below stage 3).
 
 What is not here: building the engine (:mod:`arctic_rl.server.engines.training`).
 """
@@ -35,7 +38,9 @@ __all__ = [
 
 #: DeepSpeed schedulers the reference server builds (``constant``/absent: no scheduler)
 SCHEDULERS = ("WarmupLR", "WarmupCosineLR", "WarmupDecayLR", "constant")
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
+#: where ``zero_optimization.offload_optimizer`` / ``offload_param`` may put their tensors (NVMe needs an op build)
+OFFLOAD_DEVICES = ("cpu", "none")
 _OPTIMIZERS = ("adamw", "adam")
 _ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay")
 #: top-level ds_config keys passed to DeepSpeed (after the rewrites below); others are dropped
@@ -54,8 +59,13 @@ _KEPT_KEYS = (
     "prescale_gradients",
     "gradient_predivide_factor",
 )
-#: zero_optimization keys kept (offload would JIT-build cpu_adam; stage 3 is refused)
-_ZERO_KEYS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter")
+#: zero_optimization keys kept (offload_* are checked by :func:`_offload`)
+_ZERO_KEYS = (
+    "stage", "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter", "sub_group_size",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+)  # fmt: skip
+_OFFLOAD_KEYS = ("device", "pin_memory")
 #: ds_worker_config keys a client may send that this server accepts but does not act on
 _KNOWN_UNUSED = (
     "use_unpad",
@@ -158,6 +168,28 @@ def _scheduler(cfg: dict) -> dict | None:
     return {"type": sched["type"], "params": dict(params)}
 
 
+def _offload(zero: dict, key: str, stage: int, min_stage: int) -> dict | None:
+    """``zero_optimization.<key>`` as DeepSpeed takes it, ``None`` when absent or ``device: none``; a 400 for
+    what this server cannot run (NVMe, a stage below ``min_stage``)."""
+    section = zero.get(key)
+    if section is None:
+        return None
+    field = f"ds_config.zero_optimization.{key}"
+    if not isinstance(section, dict):
+        raise BadRequest(f"{field}: expected an object such as {{'device': 'cpu'}}", field=field, received=section)
+    device = section.get("device", "none")
+    if device not in OFFLOAD_DEVICES:
+        raise BadRequest(f"{field}.device: the reference server offloads to host memory only (NVMe offload needs "
+                         "DeepSpeed's async-io op)", field=f"{field}.device", allowed=list(OFFLOAD_DEVICES),
+                         received=device)
+    if device == "none":
+        return None
+    if stage < min_stage:
+        raise BadRequest(f"{field}: DeepSpeed offloads this only at ZeRO stage {min_stage} or above",
+                         field="ds_config.zero_optimization.stage", allowed=list(range(min_stage, 4)), received=stage)
+    return {k: section[k] for k in _OFFLOAD_KEYS if k in section}
+
+
 def build_training_ds_config(
     ds_config: dict[str, Any] | None, *, device: str, bf16_supported: bool
 ) -> tuple[dict[str, Any], list[str]]:
@@ -203,16 +235,20 @@ def build_training_ds_config(
     stage = zero.get("stage", 0)
     if stage not in ZERO_STAGES or isinstance(stage, bool):
         raise BadRequest(
-            "ds_config.zero_optimization.stage: the reference server runs ZeRO stages 0-2",
+            "ds_config.zero_optimization.stage: the reference server runs ZeRO stages 0-3",
             field="ds_config.zero_optimization.stage",
             allowed=list(ZERO_STAGES),
             received=stage,
         )
-    ignored_zero = sorted(k for k in zero if k not in _ZERO_KEYS)
+    ignored_zero = sorted(k for k in zero if k not in _ZERO_KEYS and k not in ("offload_optimizer", "offload_param"))
     if ignored_zero:
         notes.append(f"ds_config.zero_optimization: ignored {ignored_zero}")
     out["zero_optimization"] = {k: zero[k] for k in _ZERO_KEYS if k in zero}
     out["zero_optimization"]["stage"] = stage
+    for key, min_stage in (("offload_optimizer", 1), ("offload_param", 3)):
+        section = _offload(zero, key, stage, min_stage)
+        if section is not None:
+            out["zero_optimization"][key] = section
     out["zero_optimization"]["overlap_comm"] = False  # unmanaged accumulation allows it only with stage 2
 
     bf16 = bool((src.get("bf16") or {}).get("enabled")) if isinstance(src.get("bf16"), dict) else False

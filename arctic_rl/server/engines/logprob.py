@@ -23,6 +23,7 @@ from arctic_rl.server.engines.common import (
 )
 from arctic_rl.server.engines.config import parse_worker_knobs
 from arctic_rl.server.engines.weights import copy_weights
+from arctic_rl.server.memory import JobMemory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro_rule import ZorroChoiceLog
@@ -39,6 +40,7 @@ class LogProbEngine:
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
         self.config = config
         self.device = resolve_device(settings.device)
+        self.memory = JobMemory(self.device)
         self.zorro_min_saving = settings.zorro_min_saving
         self.zorro_choices = ZorroChoiceLog("log_prob")
         self.zorro_tuner = ZorroTuner("log_prob", "/forward", trials=settings.zorro_trials)
@@ -56,16 +58,21 @@ class LogProbEngine:
 
     def forward(self, batch: ParsedBatch) -> tuple[dict, dict, LogprobAlignment]:
         job_t = self.knobs.temperature if self.knobs.zorro_train_enable else None
-        return forward_logprobs(
-            self.model,
-            batch,
-            zorro=bool(self.knobs.zorro_train_enable or batch.meta.zorro_train_enable),
-            temperature=batch.scoring_temperature(job_t),
-            max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
-            zorro_min_saving=self.zorro_min_saving,
-            choice_log=self.zorro_choices,
-            tuner=self.zorro_tuner,
-        )
+        with self.memory.tracking():
+            return forward_logprobs(
+                self.model,
+                batch,
+                zorro=bool(self.knobs.zorro_train_enable or batch.meta.zorro_train_enable),
+                temperature=batch.scoring_temperature(job_t),
+                max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
+                zorro_min_saving=self.zorro_min_saving,
+                choice_log=self.zorro_choices,
+                tuner=self.zorro_tuner,
+            )
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes by part (:mod:`arctic_rl.server.memory`): the weights and the passes' buffers."""
+        return self.memory.report(self.model)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
         copy_weights(self.model, weights)
@@ -73,7 +80,8 @@ class LogProbEngine:
         return self.weight_version
 
     def info(self) -> dict[str, Any]:
-        return {"weight_version": self.weight_version, "device": str(self.device), "dtype": str(self.dtype)}
+        return {"weight_version": self.weight_version, "device": str(self.device), "dtype": str(self.dtype),
+                "memory": self.memory_report()}
 
     def close(self) -> None:
         del self.model

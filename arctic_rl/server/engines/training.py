@@ -47,6 +47,7 @@ from arctic_rl.server.engines.common import (
 from arctic_rl.server.engines.config import build_training_ds_config, parse_worker_knobs
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.logprobs import set_compiled_token_stats
+from arctic_rl.server.memory import JobMemory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro import group_prompts, zorro_unsupported_reason
@@ -100,6 +101,7 @@ class TrainingEngine:
         self.config = config
         self.job_dir = job_dir
         self.device = resolve_device(settings.device)
+        self.memory = JobMemory(self.device)
         self.zorro_min_saving = settings.zorro_min_saving
         self.zorro_choices = ZorroChoiceLog("training")
         self.zorro_tuners = {call: ZorroTuner("training", call, trials=settings.zorro_trials)
@@ -144,14 +146,15 @@ class TrainingEngine:
         wrapper = _PolicyModule(model)
         params = [p for p in wrapper.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=wrapper, model_parameters=params, config=self.ds_config)
-        self.torch_compile = resolve_compile_mode(settings.torch_compile, self.device)
+        self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
+        # ZeRO-3 gathers each layer's parameters in hooks around its forward: compiled layers are not tried there
+        self.torch_compile = resolve_compile_mode(settings.torch_compile if self.zero_stage < 3 else "off", self.device)
         compile_model(self.model, self.torch_compile)  # after DeepSpeed wrapped it
         # where torch.compile works on a GPU, ZoRRO's response pass uses compiled FlexAttention (no prompt copies)
         set_response_attention("flex" if self.device.type == "cuda" and self.torch_compile != "off" else "expand")
         set_compiled_token_stats(self.torch_compile != "off")  # fused log-softmax / entropy chunks
         self.gas = int(self.engine.gradient_accumulation_steps())
         self.pending = 0  # 1 after a /forward-backward until the /step that closes it
-        self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
         logger.info(
             "training engine ready: %s, %s, ZeRO-%d, GAS=%d, lr=%s, zorro=%s, torch_compile=%s",
             config.model_name,
@@ -188,7 +191,15 @@ class TrainingEngine:
 
     # ------------------------------------------------------------------ compute
 
+    def memory_report(self) -> dict[str, int]:
+        """Bytes by part (:mod:`arctic_rl.server.memory`): model, gradients, optimizer, the passes' buffers."""
+        return self.memory.report(self.model, self.engine.optimizer)
+
     def forward_backward(self, batch: ParsedBatch) -> dict[str, Any]:
+        with self.memory.tracking():
+            return self._forward_backward(batch)
+
+    def _forward_backward(self, batch: ParsedBatch) -> dict[str, Any]:
         """One mini-batch of fwd+bwd, split into GAS micro-batches; returns ``{metrics, avg_loss}``.
 
         As at the vendor's worker: the call's rows are split into ``gradient_accumulation_steps``
@@ -294,6 +305,7 @@ class TrainingEngine:
                 parts.append(({k: float(v) for k, v in m.items()}, tokens))
             tokens_computed += out.tokens_computed
             unique_prompts += out.unique_prompts
+            del loss, carry, out, micro_metrics  # this pass's outputs go before the next pass's forward
         self.pending = 1
         if rule is not None and rule.use_zorro and tuner.timing:
             if self.device.type == "cuda":  # the last backward's kernels belong to this call's time
@@ -352,7 +364,8 @@ class TrainingEngine:
         if learning_rate is not None:
             logger.info("step: learning_rate=%s ignored (the DeepSpeed scheduler decides the LR)", learning_rate)
         pre_norm = self._param_grad_norm() if self.zero_stage == 0 else None
-        self.engine.step()
+        with self.memory.tracking():
+            self.engine.step()
         self.pending = 0
         norm = self.engine.get_global_grad_norm()
         if norm is None:
@@ -369,24 +382,31 @@ class TrainingEngine:
     def forward(self, batch: ParsedBatch) -> tuple[dict, dict, LogprobAlignment]:
         self.engine.eval()
         try:
-            return forward_logprobs(
-                self.model,
-                batch,
-                zorro=self._zorro(batch),
-                temperature=self._temperature(batch),
-                max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
-                zorro_min_saving=self.zorro_min_saving,
-                choice_log=self.zorro_choices,
-                tuner=self.zorro_tuners["/forward"],
-            )
+            with self.memory.tracking():
+                return forward_logprobs(
+                    self.model,
+                    batch,
+                    zorro=self._zorro(batch),
+                    temperature=self._temperature(batch),
+                    max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
+                    zorro_min_saving=self.zorro_min_saving,
+                    choice_log=self.zorro_choices,
+                    tuner=self.zorro_tuners["/forward"],
+                )
         finally:
             self.engine.train()
 
     # ------------------------------------------------------------------ state
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The live parameters and buffers by Hugging Face name (no copy)."""
-        return self.model.state_dict()
+        """The live parameters and buffers by Hugging Face name (no copy); under ZeRO-3, whose parameters are
+        partitioned between passes, a gathered copy (the whole model's size, for as long as it is held)."""
+        if self.zero_stage < 3:
+            return self.model.state_dict()
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+            return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
 
     def save(self, ckpt: Path, *, export_hf: bool) -> dict[str, Any]:
         """Write model + optimizer + scheduler + step + RNG to ``ckpt`` (``.../checkpoint-<step>``)."""
@@ -401,7 +421,8 @@ class TrainingEngine:
         hf_path = None
         if export_hf:
             hf_dir = ckpt / "hf"
-            self.model.save_pretrained(str(hf_dir), safe_serialization=True)
+            state = self.weights() if self.zero_stage == 3 else None  # ZeRO-3: the gathered weights
+            self.model.save_pretrained(str(hf_dir), safe_serialization=True, state_dict=state)
             load_tokenizer(self.tokenizer_source).save_pretrained(str(hf_dir))
             hf_path = str(hf_dir)
         return {"path": str(ckpt), "hf_path": hf_path, "global_step": self.global_step}
@@ -422,6 +443,7 @@ class TrainingEngine:
 
     def info(self) -> dict[str, Any]:
         return {
+            "memory": self.memory_report(),
             "global_step": self.global_step,
             "pending_forward_backward": self.pending,
             "pending_micro_batches": self.pending * self.gas,
