@@ -178,6 +178,9 @@ class Features:
     #: /generate calls join the sampler's running batch as they arrive and each is answered when its own sequences
     #: end (no call waits for another); a client sends calls as they come instead of gathering them into batches
     CONTINUOUS_BATCHING = "continuous_batching"
+    #: /forward takes ``meta.response_logprobs_only=true``: the log-probs (and entropy) of the response tokens
+    #: only, in the same layout with zeros elsewhere; the prompt positions' LM head is never run
+    RESPONSE_LOGPROBS = "response_logprobs"
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,6 +428,9 @@ class BatchMeta(BaseModel):
     max_token_len_per_gpu: int | None = None
     temperature: float = Field(1.0, gt=0.0)
     calculate_entropy: bool = False
+    #: /forward of servers listing ``Features.RESPONSE_LOGPROBS``: values at the response tokens only (zeros at
+    #: the prompt's); others ignore it and answer every position
+    response_logprobs_only: bool = False
     pad_token_id: int = 0
     global_batch_size: int | None = None
     batch_num_tokens: float | None = Field(None, ge=0)

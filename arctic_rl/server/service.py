@@ -49,6 +49,7 @@ from arctic_rl.server import checkpoint as ckpt
 from arctic_rl.server.errors import ApiError, BadRequest, Conflict, from_validation_error
 from arctic_rl.server.idempotency import IdempotencyCache
 from arctic_rl.server.jobs import Job, JobRegistry, JobState
+from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import parse_batch_body
 
@@ -66,7 +67,16 @@ FEATURES = (
     Features.COMPACT_RESULTS,
     Features.POLICY_LOSSES,
     Features.CONTINUOUS_BATCHING,
+    Features.RESPONSE_LOGPROBS,
 )
+
+
+def _with_memory(job: Job) -> dict[str, Any]:
+    """``/status``'s view of a job: its info with ``memory`` (bytes by part, :mod:`arctic_rl.server.memory`)."""
+    info = job.info()
+    if "memory" not in info and job.engine is not None:
+        info["memory"] = job_memory(job.engine)
+    return info
 
 
 def _translate_errors(fn, *args):
@@ -140,7 +150,7 @@ class ServerState:
             "instance_id": self.instance_id,
             "device": self.settings.device,
             "uptime_s": time.time() - self.started_at,
-            "jobs": {str(job.job_id): job.info() for job in self.jobs.all()},
+            "jobs": {str(job.job_id): _with_memory(job) for job in self.jobs.all()},
         }
 
     def job_info(self, job_id: int) -> dict[str, Any]:
@@ -210,6 +220,7 @@ class ServerState:
             m["micro_batches"],
             time.perf_counter() - t0,
         )
+        m.update(memory_metrics(self.jobs.all()))  # every job's parts: memory/<job type>/<part>_gib
         return {"job_id": job_id, **out}
 
     async def forward(self, job_id: int, body: Any) -> dict[str, Any]:
