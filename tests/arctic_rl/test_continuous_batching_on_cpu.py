@@ -6,6 +6,7 @@ Checked on the real sampler (tiny Qwen3, CPU):
   one still runs -- in the engine and through the server's HTTP ``/generate`` (the route takes no job lock);
 * a call that joined a running batch samples what it samples alone (greedy: the same tokens; its log-probs equal a
   direct ``transformers`` computation of the same sequence), so merging the batches mixes nothing between calls;
+* a full batch (``max_rows``: the job's ``max_num_seqs``, else ``--generate-batch-size``) makes new calls wait;
 * a weight sync sent during a generation waits for it: the call in flight is answered with the old version and
   old-weight tokens, the call queued behind the sync with the new version and new-weight tokens only;
 * the loop itself: control operations wait for the calls in flight, calls after a control wait for it, a failed
@@ -83,6 +84,25 @@ def test_joined_calls_keep_their_own_parameters_and_log_probs(engine):
             z = engine.model(input_ids=ids).logits[0, 2 + k : -1].float() / temperature
         want = torch.log_softmax(z, -1).gather(-1, torch.tensor(res["token_ids"])[:, None])[:, 0]
         assert torch.allclose(torch.tensor(res["logprobs"]), want, atol=1e-4), k
+
+
+def test_a_full_batch_makes_new_calls_wait_in_order(engine):
+    core = engine._loop().core
+    assert core.max_rows == engine.batch_size == 64  # --generate-batch-size (or the job's max_num_seqs)
+    core.max_rows = 4
+    try:
+        full = submit(engine, [LONG] * 2, n=2, temperature=0, max_tokens=24, ignore_eos=True)
+        while not core.rows:
+            time.sleep(0.001)
+        waiting = submit(engine, [SHORT], temperature=0, max_tokens=2, ignore_eos=True)
+        time.sleep(0.05)
+        assert not waiting.future.done() and len(core.rows) == 4  # no room: it waits for the batch
+        full.result()
+        assert [r["generation_len"] for r in waiting.result()] == [2]
+        big = submit(engine, [SHORT] * 6, temperature=0, max_tokens=2, ignore_eos=True)  # larger than the batch
+        assert len(big.result()) == 6  # an idle core takes any call
+    finally:
+        core.max_rows = engine.batch_size
 
 
 def test_a_weight_sync_during_generation_never_mixes_weights(engine):

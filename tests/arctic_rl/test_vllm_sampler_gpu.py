@@ -5,8 +5,13 @@ adapter creates its jobs (sampling, then training), and both share the one GPU. 
 the ``/generate`` parameters (n, seed, greedy, max_tokens, stop tokens, stop strings, text
 prompts, log-prob candidates, 400s), log-probs against the training model, a weight sync after an
 optimizer step (the next generation uses the new weights), sleep / wake at levels 1 and 2, and a
-loop of sleep -> train -> wake -> sync -> generate with no OOM. Skipped without a CUDA device or
-without ``vllm`` (run on a GPU box: ``python -m pytest tests/arctic_rl/test_vllm_sampler_gpu.py``).
+loop of sleep -> train -> wake -> sync -> generate with no OOM; continuous batching: calls from several threads
+join the running batch and a short call returns while a long one still runs, and a weight sync sent during a
+generation waits for it (the running call answers with the old version, the call queued behind the sync with
+the new one and the trainer's log-probs). Skipped without a CUDA device or without ``vllm``. On a GPU box with
+vLLM 0.26 installed::
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m pytest -q -p no:randomly tests/arctic_rl/test_vllm_sampler_gpu.py
 """
 
 from __future__ import annotations

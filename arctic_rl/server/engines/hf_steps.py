@@ -13,7 +13,9 @@ each row's next-token logits:
   padding columns no row needs any more), answers each call whose rows have all ended, and runs one decode forward
   for the rows left.
 
-So a short call sent while a long one runs is answered first, and a call never waits for another to end. The
+So a short call sent while a long one runs is answered first, and a call never waits for another to end -- unless
+the batch holds ``max_rows`` rows (the job's ``vllm_config.max_num_seqs``, else ``--generate-batch-size``): then a
+new call waits, in order, for rows to end (a call larger than that runs alone). The
 weight version a call reports is the one at its admission; the loop runs weight loads only when no row is in
 flight (:mod:`.continuous`), so it is the version of every token of the call.
 """
@@ -62,8 +64,10 @@ class _Row:
 class HfStepCore:
     """One running batch over a ``transformers`` causal LM (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, pad_id: int, weight_version: Callable[[], int]) -> None:
+    def __init__(self, model: torch.nn.Module, *, pad_id: int, weight_version: Callable[[], int],
+                 max_rows: int = 0) -> None:
         self.model = model
+        self.max_rows = max_rows
         self.pad_id = pad_id
         self.weight_version = weight_version
         self.device = next(model.parameters()).device
@@ -78,6 +82,13 @@ class HfStepCore:
         self.logits: torch.Tensor | None = None  # [rows, vocab]: what each row samples from next
 
     # ------------------------------------------------------------------ admit
+
+    def has_room(self, call: Call, admitting: list[Call]) -> bool:
+        """Whether ``call``'s rows fit beside the running ones (``max_rows``; 0 = no limit)."""
+        if self.max_rows <= 0:
+            return True
+        rows = sum(len(c.payload.prompts) * c.payload.params.n for c in (*admitting, call))
+        return len(self.rows) + rows <= self.max_rows
 
     @torch.no_grad()
     def admit(self, call: Call) -> None:

@@ -235,7 +235,8 @@ class SamplingEngine:
     def _loop(self) -> ContinuousLoop:
         loop = self.__dict__.get("_generation_loop")
         if loop is None:
-            core = HfStepCore(self.model, pad_id=self.pad_id, weight_version=lambda: self.weight_version)
+            core = HfStepCore(self.model, pad_id=self.pad_id, weight_version=lambda: self.weight_version,
+                              max_rows=self.batch_size)
             loop = self._generation_loop = ContinuousLoop(core, name="transformers sampler")
         return loop
 
