@@ -376,11 +376,11 @@ class ServerState:
             except asyncio.CancelledError:
                 pending.cancel()
                 raise
-            except LoopClosed as exc:
-                raise Conflict(f"job {job.job_id}: {exc}", field="job_id", received=job.job_id) from None
             except ValueError as exc:  # the engine refused a request (a vLLM validation error)
                 raise BadRequest(str(exc)) from None
             return await self._in_thread(pending.finish, raw)
+        except LoopClosed as exc:  # destroyed while the call waited or ran
+            raise Conflict(f"job {job.job_id}: {exc}", field="job_id", received=job.job_id) from None
         finally:
             job.generating -= 1
             job.last_call_at = time.time()
