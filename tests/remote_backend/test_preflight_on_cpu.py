@@ -32,7 +32,15 @@ BARE_MISSING = [
     "actor_rollout_ref.model.path=",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=",
+    "trainer.logger=[console]",  # verl's default adds wandb, which has no login here (entry_point_env drops it)
 ]
+
+
+@pytest.fixture(autouse=True)
+def _no_wandb_login(monkeypatch):
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", "/nonexistent/netrc")
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -67,7 +75,7 @@ def test_a_bare_command_lists_every_missing_setting_at_once():
     with pytest.raises(PreflightError) as info:
         check_settings(_compose([]))
     message = str(info.value)
-    assert message.startswith("command line: 6 settings to add or change: ")
+    assert message.startswith("command line: 7 settings to add or change: ")
     assert "\n" not in message and all(key.rstrip("=") in message for key in BARE_MISSING)
     assert "'gae'" in message and "train.parquet" in message  # what was given, next to what to set
 
@@ -125,7 +133,9 @@ def test_an_unreachable_server_is_one_error_naming_the_key_the_address_and_null(
 # ---------------------------------------------------------------- the entry point, as a user types it
 
 def _run_entry_point(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
-    env = entry_point_env(HYDRA_FULL_ERROR="1")
+    env = entry_point_env(HYDRA_FULL_ERROR="1", NETRC="/nonexistent/netrc")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        env.pop(name, None)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "verl.remote_backend.main_ppo", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
@@ -158,3 +168,12 @@ def test_the_entry_point_fails_in_one_line_for_each_case(task, tmp_path):
     assert "remote_backend.server.url: cannot reach http://127.0.0.1:" in lines["url"]
     assert "remote_backend.server.url=null" in lines["url"] and "retry" not in lines["url"]
     print({name: round(wall, 1) for name, wall in walls.items()})
+
+
+def test_a_logger_that_cannot_start_is_named_with_what_to_set(task, tmp_path, monkeypatch):
+    recipe = tiny_grpo_overrides(task, tmp_path)
+    (problem,) = missing_settings(_compose([*recipe, "trainer.logger=[console,wandb]"]))
+    assert problem.startswith("trainer.logger=[console] (got ['console', 'wandb']: wandb has no login here")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert missing_settings(_compose([*recipe, "trainer.logger=[console,wandb]"])) == []
+    assert missing_settings(_compose([*recipe, "trainer.logger=[console,file]"])) == []

@@ -7,7 +7,8 @@ verl's micro-batch assertion, then on a missing data file inside Ray; ``actor.op
 retry warnings and a traceback. Here:
 
 * :func:`missing_settings` lists every setting a run needs and lacks (or has a value the remote
-  backend cannot run), all at once;
+  backend cannot run, or a logger that cannot start: verl's default ``wandb`` without a login),
+  all at once;
 * :func:`unconvertible_values` names every value that verl's config dataclasses cannot convert,
   with its dotted key, the type expected and what was given;
 * :func:`check_settings` raises one :class:`PreflightError` holding both lists;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
 import os
 import socket
@@ -73,6 +75,31 @@ def _needs_reference(config: DictConfig) -> bool:
     return bool(_select(config, "actor_rollout_ref.actor.use_kl_loss") or _select(config, "algorithm.use_kl_in_reward"))
 
 
+#: loggers of verl's ``trainer.logger`` -> the module each imports (``verl.utils.tracking``)
+_LOGGER_MODULES = {"wandb": "wandb", "swanlab": "swanlab", "mlflow": "mlflow", "tensorboard": "tensorboard",
+                   "clearml": "clearml", "trackio": "trackio"}
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace")
+
+
+def _logger_problems(config: DictConfig) -> list[str]:
+    loggers = _select(config, "trainer.logger")
+    names = [str(n) for n in (loggers if isinstance(loggers, (ListConfig, list)) else [loggers]) if n is not None]
+    kept = [n for n in names if n not in _LOGGER_MODULES or importlib.util.find_spec(_LOGGER_MODULES[n]) is not None]
+    why = [f"{n} is not installed" for n in names if n not in kept]
+    if "wandb" in kept and not _wandb_logged_in():
+        kept.remove("wandb")
+        why.append("wandb has no login here: set WANDB_API_KEY, or WANDB_MODE=offline")
+    if not why:
+        return []
+    return [f"trainer.logger=[{','.join(kept or ['console'])}] (got {names}: {'; '.join(why)})"]
+
+
 def missing_settings(config: DictConfig) -> list[str]:
     """One ``key=<what to set> (why)`` entry per setting the run needs and lacks, in command-line order."""
     problems: list[str] = []
@@ -98,7 +125,7 @@ def missing_settings(config: DictConfig) -> list[str]:
                                                        "log_prob_use_dynamic_bsz"):
         problems.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=<rows> (the KL term needs "
                         "reference log-probs; or ref.log_prob_use_dynamic_bsz=True)")
-    return problems
+    return problems + _logger_problems(config)
 
 
 def _dataclass_of(target: Any) -> type | None:

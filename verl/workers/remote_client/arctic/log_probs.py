@@ -22,6 +22,7 @@ from arctic_rl.protocol import (
     ENTROPY_KEY,
     LOGPROB_ALIGNMENT_KEY,
     LOGPROBS_KEY,
+    Features,
     ForwardResponse,
     JobType,
     LogprobAlignment,
@@ -71,7 +72,8 @@ class LogProbs:
         pad = self.tokens.pad_token_id
         meta = build_meta(self.verl, self.arctic, max_prompt_len=layout.prompt_width,
                           max_response_len=layout.response_width, temperature=sampling_temperature(data, self.verl),
-                          calculate_entropy=entropy, pad_token_id=pad)
+                          calculate_entropy=entropy, pad_token_id=pad,
+                          response_logprobs_only=Features.RESPONSE_LOGPROBS in self.calls.state.features)
         body = forward_body(dense_batch(data, layout, pad_token_id=pad, keys=()), meta,
                             Processing(loss_fn=None, post=list(FORWARD_POST), config={}))
         path = self.calls.state.dialect.forward_path

@@ -2,7 +2,8 @@
 
 For each of ``epochs`` x mini-batches: one ``/forward-backward`` (the server splits it into
 ``gradient_accumulation_steps`` micro-batches, the vendor's contract), then one ``/step``. Rollout
-importance weights are folded into the advantages (:func:`.layout.fold_is_weights`); metrics come
+importance weights are folded into the advantages, or dropped for verl's ``bypass_mode`` loss, which makes its
+own (:func:`.loss_config.apply_is_weights`); metrics come
 back under verl's names (:mod:`.metrics`), the call's token means as the server reports them. The
 body is ``{batch, meta, processing}``: ``meta`` from :func:`.builders.build_meta` (validated by
 :class:`arctic_rl.protocol.BatchMeta`), ``processing`` a :class:`arctic_rl.protocol.Processing`.
@@ -28,8 +29,8 @@ from .answers import parse_answer
 from .arctic_config import ArcticConfig
 from .builders import BatchPlan, build_meta
 from .dialect import Payload
-from .layout import RESPONSE_KEYS, dense_batch, fold_is_weights, plan_layout, shuffled_rows, split_rows
-from .loss_config import build_loss_config, loss_body, loss_fn_name
+from .layout import RESPONSE_KEYS, dense_batch, plan_layout, shuffled_rows, split_rows
+from .loss_config import apply_is_weights, build_loss_config, loss_body, loss_fn_name
 from .metrics import FlopsEstimator, mini_batch_metrics
 from .request import JobRequest
 from .session import JobCalls, ModelTokens
@@ -103,7 +104,7 @@ class Trainer:
         batch = dense_batch(data, layout, pad_token_id=pad, keys=keys)
         if "response_mask" not in batch:
             raise RemoteBackendConfigError("data.response_mask", "required by update_actor", received=None)
-        fold_is_weights(batch)
+        apply_is_weights(batch, verl)
         seq_lens = layout.offsets.diff().index_select(0, layout.order)
         temperature = sampling_temperature(data, verl)
         token_mean = verl.loss_agg_mode == "token-mean"
