@@ -5,7 +5,7 @@
 #   bash scripts/install.sh --test    # ... + test tools
 #
 # The checkout is installed in editable mode: edits under verl/remote_backend/, verl/workers/remote_client/
-# and arctic_rl/ are what Python, the tests and Ray's worker processes import (README: "Development").
+# and arctic_rl/ are what Python, the tests and Ray's worker processes import (docs/DEVELOPMENT.md).
 # Environment: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 # TORCH_SPEC (default torch==2.13.0; point it at a CPU or CUDA build as you need).
 #

@@ -202,5 +202,9 @@ recipe_finish() {
     [ -f "${RUN_DIR}/reward_curve.png" ] && lines+=("  reward_curve.png mean reward per step")
     [ -f "${RUN_DIR}/summary.json" ] && lines+=("  summary.json     ${summary}")
     lines+=("  run.log          the full output of this run")
+    if [ -n "$(ls -A "${RUN_DIR}/checkpoints" 2>/dev/null)" ]; then  # verl saved the server's state (trainer.save_freq)
+        lines+=("  checkpoints/     the last step's, kept on the server; as a Hugging Face directory:" \
+                "                   python examples/common/export_hf.py ${RUN_DIR} --out <dir>")
+    fi
     console_header "${lines[@]}"
 }

@@ -71,6 +71,8 @@ PROJECT_NAME=arithmetic_grpo_smollm2
 arithmetic_groups  # DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER: the recipe of every backend
 
 ROLLOUT+=(actor_rollout_ref.rollout.name=arctic)
+# One checkpoint on the server, at the last step: examples/common/export_hf.py turns it into a Hugging Face directory.
+TRAINER+=(trainer.save_freq="${STEPS}")
 
 REMOTE_BACKEND=(
     remote_backend.server.url="$(recipe_hydra_str "${ARCTIC_RL_URL}")"

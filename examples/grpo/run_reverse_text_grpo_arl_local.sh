@@ -83,6 +83,8 @@ MODEL=(
 )
 
 ROLLOUT+=(actor_rollout_ref.rollout.name=arctic)
+# One checkpoint on the server, at the last step: examples/common/export_hf.py turns it into a Hugging Face directory.
+TRAINER+=(trainer.save_freq="${STEPS}")
 
 REF=(
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=256

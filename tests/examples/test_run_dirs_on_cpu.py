@@ -92,6 +92,7 @@ def test_a_second_run_with_an_override_leaves_the_first_runs_files_intact(tmp_pa
     summary = json.loads(files1["summary.json"])
     assert summary["steps"] == 1 and "gain" not in summary
     assert "summary.json     steps logged (fewer than 5: no first-5 / last-5 means)" in first.stdout
+    assert f"python examples/common/export_hf.py {run1} --out <dir>" in first.stdout  # the server saved step 1
     assert re.search(rf"^reverse-text GRPO finished\. \d+ min \d+ s in all\. Results in {re.escape(str(run1))}:$",
                      first.stdout, re.MULTILINE), first.stdout
 
