@@ -10,7 +10,8 @@ is one verl config, read by both sides from the same composed main config (verl'
   engine workers' actor loss, which dispatches to the registered policy loss (``get_policy_loss_fn``) -- with
   the actor config verl builds from the yaml (``omega_conf_to_dataclass``).
 * **remote**: the same trainer-side step (it runs on verl's driver either way), then what the adapter's
-  ``update_actor`` sends for one mini-batch (its layout, dense batch, IS weights folded into the advantages,
+  ``update_actor`` sends for one mini-batch (its layout, dense batch, IS weights folded into the advantages or
+  dropped for ``bypass_mode``,
   ``loss_fn_name``/``build_loss_config``/``build_meta``, ``forward_body``), parsed by the reference server's
   own validation (``parse_batch_body``) and computed by its loss (``compute_loss``) on the log-probs the server
   would hand it (response columns, server row order).
@@ -85,6 +86,11 @@ CASES = {
     "bypass_mode-ppo_clip-row-rs-seq-mean-token-mean": merge(
         bypass_loss(loss_type="ppo_clip", rollout_rs="seq_max_k2", rollout_rs_threshold=0.3),
         actor(loss_agg_mode="seq-mean-token-mean")),
+    # the trainer's (decoupled) weights reach a bypass_mode loss, which ignores them and makes its own
+    "bypass_mode-reinforce-with-decoupled-weights": merge(
+        actor(policy_loss={"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce",
+                                                                              "rollout_is": "token"}}),
+        decoupled(rollout_is="sequence", rollout_is_threshold=2.0)),
     # gspo (with decoupled token IS weights, which it applies)
     "gspo": merge(actor(policy_loss={"loss_mode": "gspo"}, loss_agg_mode="seq-mean-token-mean"),
                   decoupled(rollout_is="token", rollout_is_threshold=2.0)),
@@ -173,8 +179,13 @@ def remote_loss(cfg, data, values, entropy, *, with_entropy: bool):
     from arctic_rl.server.validation import parse_batch_body
     from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
     from verl.workers.remote_client.arctic.builders import build_meta
-    from verl.workers.remote_client.arctic.layout import RESPONSE_KEYS, dense_batch, fold_is_weights, plan_layout
-    from verl.workers.remote_client.arctic.loss_config import build_loss_config, loss_body, loss_fn_name
+    from verl.workers.remote_client.arctic.layout import RESPONSE_KEYS, dense_batch, plan_layout
+    from verl.workers.remote_client.arctic.loss_config import (
+        apply_is_weights,
+        build_loss_config,
+        loss_body,
+        loss_fn_name,
+    )
     from verl.workers.remote_client.arctic.training import TRAIN_POST, forward_body
     from verl.workers.remote_client.common.verl_settings import VerlSettings
 
@@ -183,7 +194,7 @@ def remote_loss(cfg, data, values, entropy, *, with_entropy: bool):
     present = set(data.keys())
     keys = tuple(k for k in RESPONSE_KEYS if k in present and (k != "ref_log_prob" or verl.use_kl_loss))
     batch = dense_batch(data, layout, pad_token_id=0, keys=keys)
-    fold_is_weights(batch)
+    apply_is_weights(batch, verl)
     tokens = float(batch["response_mask"].sum())
     token_mean = verl.loss_agg_mode == "token-mean"
     loss_cfg = build_loss_config(verl, loss_scale_tokens=tokens if token_mean else None)

@@ -15,13 +15,16 @@ What is not here: the batch the loss reads (:mod:`.layout`), the call (:mod:`.tr
 
 from __future__ import annotations
 
+import torch
+
 from arctic_rl.protocol import Features, LossConfig, RolloutCorrection
 from verl.remote_backend.errors import RemoteBackendConfigError
 
 from ..common.verl_settings import KL_TYPE_ALIASES, VerlSettings
+from .layout import fold_is_weights
 
-__all__ = ["POLICY_LOSS_NAMES", "VENDOR_FIXED_LOSS", "VERL_UNSERVED_LOSS_MODES", "build_loss_config",
-           "check_loss_support", "loss_body", "loss_fn_name"]
+__all__ = ["POLICY_LOSS_NAMES", "VENDOR_FIXED_LOSS", "VERL_UNSERVED_LOSS_MODES", "apply_is_weights",
+           "build_loss_config", "check_loss_support", "loss_body", "loss_fn_name"]
 
 _ACTOR = "actor_rollout_ref.actor"
 
@@ -126,3 +129,13 @@ def loss_body(loss: LossConfig) -> dict:
     """The JSON of ``loss`` as sent (``processing.config``, ``meta.policy_loss_config``): without
     ``rollout_correction`` where no loss reads it, so the vanilla body is the one the vendor always got."""
     return loss.model_dump(mode="json", exclude={"rollout_correction"} if loss.rollout_correction is None else None)
+
+
+def apply_is_weights(batch: dict[str, torch.Tensor], verl: VerlSettings) -> None:
+    """The trainer's ``rollout_is_weights`` (decoupled mode), in place: folded into the advantages for the losses
+    that multiply them in (:func:`.layout.fold_is_weights`), dropped for ``bypass_mode``, whose loss computes its
+    own weights from the current log-probs and ignores the batch's (verl's ``compute_policy_loss_bypass_mode``)."""
+    if verl.loss_mode == "bypass_mode":
+        batch.pop("rollout_is_weights", None)
+    else:
+        fold_is_weights(batch)
