@@ -258,3 +258,24 @@ def metric(value) -> float:
     if values is not None:
         (value,) = values
     return float(value)
+
+
+def test_every_registered_verl_policy_loss_is_served_or_refused_by_name():
+    """verl 0.9.1's registry is the list: each loss mode maps to a server loss or is named in the refusal."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl.remote_backend.errors import RemoteBackendConfigError
+    from verl.workers.remote_client.arctic.loss_config import (
+        POLICY_LOSS_NAMES,
+        VERL_UNSERVED_LOSS_MODES,
+        loss_fn_name,
+    )
+    from verl.workers.remote_client.common.verl_settings import VerlSettings
+
+    assert set(POLICY_LOSS_NAMES) | set(VERL_UNSERVED_LOSS_MODES) == set(POLICY_LOSS_REGISTRY)
+    assert not set(POLICY_LOSS_NAMES) & set(VERL_UNSERVED_LOSS_MODES)
+    for mode in VERL_UNSERVED_LOSS_MODES:
+        cfg = verl_main_config(actor(policy_loss={"loss_mode": mode}))
+        with pytest.raises(RemoteBackendConfigError) as err:
+            loss_fn_name(VerlSettings.from_main_config(cfg))
+        assert err.value.field == "actor_rollout_ref.actor.policy_loss.loss_mode" and err.value.received == mode
