@@ -11,7 +11,7 @@ Memory: the LM head runs only at the positions whose logits are needed (``R`` pe
 unique prompt plus ``R-1`` per row with ZoRRO), and the fp32 log-softmax is computed a few rows at
 a time, forward and backward, by a small autograd function that keeps no fp32 copy of the logits
 for the backward (it recomputes the softmax there). Where those logits would take more than one
-chunk (``_FP32_CHUNK_BYTES`` in fp32) and the model's LM head is a plain projection of its last
+chunk (``_HEAD_CHUNK_BYTES`` in fp32) and the model's LM head is a plain projection of its last
 hidden states (:func:`chunked_head_supported`), the model returns its hidden states instead (its LM
 head is swapped for an identity while it runs) and the head runs chunk by chunk: never the whole
 ``[positions, V]`` logits at once, and in the backward each chunk's logits are recomputed from the
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 #: fp32 bytes of logits upcast at once when turning logits into log-probs (per chunk of rows)
 _FP32_CHUNK_BYTES = 256 * 1024 * 1024
+#: fp32 bytes of the logits one chunk of the LM head computes on hidden states (and the logits above which the
+#: head runs chunk by chunk: :mod:`arctic_rl.server.chunked_head`)
+_HEAD_CHUNK_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -207,7 +210,7 @@ def _token_stats(
 
 def _chunked(model: torch.nn.Module, positions: int) -> bool:
     """The hidden-state path: where the ``positions`` logits would take more than one fp32 chunk."""
-    return logits_bytes(model, positions) > _FP32_CHUNK_BYTES and chunked_head_supported(model)
+    return logits_bytes(model, positions) > _HEAD_CHUNK_BYTES and chunked_head_supported(model)
 
 
 def _stats(head: torch.nn.Module | None, values: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -216,7 +219,7 @@ def _stats(head: torch.nn.Module | None, values: torch.Tensor, targets: torch.Te
     if head is None:
         return _token_stats(values, targets, temperature, want_entropy)
     return head_stats(head, values, targets, temperature, want_entropy, token_stats=_token_stats,
-                      chunk_bytes=_FP32_CHUNK_BYTES)
+                      chunk_bytes=_HEAD_CHUNK_BYTES)
 
 
 def _zorro_logprobs(

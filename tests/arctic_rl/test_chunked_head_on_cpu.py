@@ -55,7 +55,7 @@ def make_batch(seed: int = 0, groups: int = 2, n: int = 2):
 
 
 def _run(model, zorro: bool, chunk_bytes: int, monkeypatch):
-    monkeypatch.setattr(logprobs_module, "_FP32_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(logprobs_module, "_HEAD_CHUNK_BYTES", chunk_bytes)
     ids, mask, pos = make_batch()
     model.zero_grad()
     tracker = JobMemory(torch.device("cpu"))
@@ -94,7 +94,7 @@ def test_shifted_and_response_only_forward_equal_the_whole_logits(monkeypatch):
     ids, mask, pos = make_batch()
     with torch.no_grad():
         want_lp, want_ent = shifted_logprobs(model, ids, mask, pos, temperature=0.7, calculate_entropy=True)
-        monkeypatch.setattr(logprobs_module, "_FP32_CHUNK_BYTES", SMALL_CHUNK)
+        monkeypatch.setattr(logprobs_module, "_HEAD_CHUNK_BYTES", SMALL_CHUNK)
         got_lp, got_ent = shifted_logprobs(model, ids, mask, pos, temperature=0.7, calculate_entropy=True)
     torch.testing.assert_close(got_lp, want_lp, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_ent, want_ent, rtol=1e-5, atol=1e-6)

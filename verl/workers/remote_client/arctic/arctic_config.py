@@ -207,6 +207,8 @@ class TrainJobConfig:
     seed: int | None = None
     full_determinism: bool = False
     attn_implementation: str = "auto"
+    #: activation checkpointing of the server's model; None = verl's actor_rollout_ref.model.enable_gradient_checkpointing
+    gradient_checkpointing: bool | None = None
     zorro_train: ZorroTrainConfig = field(default_factory=ZorroTrainConfig)
     logits: LogitsConfig = field(default_factory=LogitsConfig)
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)

@@ -232,7 +232,8 @@ def build_ds_worker_config(verl: VerlSettings, arctic: ArcticConfig) -> dict:
         "logits_optimization_peak_mem_size_in_gib": train.logits.peak_mem_size_in_gib,
         "logits_compute_in_fp32": train.logits.compute_in_fp32,
         "use_liger": verl.use_liger,
-        "enable_gradient_checkpointing": verl.enable_gradient_checkpointing,
+        "enable_gradient_checkpointing": (verl.enable_gradient_checkpointing if train.gradient_checkpointing is None
+                                          else train.gradient_checkpointing),
     }
     if train.zorro_train.enable:
         config["use_unpad"] = True  # the vendor's ZoRRO path runs unpadded
@@ -303,8 +304,11 @@ def build_meta(
     global_batch_size: int | None = None,
     batch_num_tokens: float | None = None,
     loss: LossConfig | None = None,
+    response_logprobs_only: bool = False,
 ) -> dict:
-    """``meta`` of one /forward or /forward-backward body (JSON values only)."""
+    """``meta`` of one /forward or /forward-backward body (JSON values only). ``response_logprobs_only``
+    (a ``/forward`` to a server listing ``Features.RESPONSE_LOGPROBS``: the response tokens' values only)
+    is sent only when true, so other servers never see the key."""
     train = arctic.train
     meta: dict[str, Any] = {
         "zorro_train_enable": train.zorro_train.enable,
@@ -321,6 +325,8 @@ def build_meta(
         "logits_optimization_peak_mem_size_in_gib": train.logits.peak_mem_size_in_gib,
         "logits_compute_in_fp32": train.logits.compute_in_fp32,
     }
+    if response_logprobs_only:
+        meta["response_logprobs_only"] = True
     if global_batch_size is not None:
         meta["global_batch_size"] = int(global_batch_size)
     if batch_num_tokens is not None:

@@ -15,6 +15,10 @@ counts the real tokens of the batch (ZoRRO's savings therefore *raise* the repor
 raise useful throughput). ``mfu = flops / seconds / (peak_tflops_per_device * 1e12 * devices)``,
 with ``seconds`` the wall time of the HTTP calls. The server's device peak is not observable
 from the client: without ``remote_backend.mfu.peak_tflops_per_device`` the metric is 0.0.
+
+Memory: the reference server adds every job's memory by part to each ``/forward-backward``'s metrics
+(``memory/<job type>/<part>_gib``, docs/SERVER.md "Memory"); they come out as
+``actor/arctic/memory/<job type>/<part>_gib`` in verl's metrics (the vendor's server sends none).
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ _COUNTED = {
 }
 
 
+#: the reference server's memory report in a /forward-backward's metrics: ``memory/<job type>/<part>_gib``, every
+#: job's (``training``, ``log_prob``, ``sampling``), passed on as ``arctic/memory/...`` (verl: ``actor/arctic/memory/...``)
+_MEMORY_PREFIX = "memory/"
+
+
 def _scalar(value: Any) -> float | None:
     """A float from a number or a per-rank list (mean); None for anything else."""
     if isinstance(value, bool) or value is None:
@@ -84,6 +93,8 @@ def mini_batch_metrics(call: Mapping[str, Any], step: Mapping[str, Any], *, kl_c
             name, value = name[: -len(".sum")], (number / tokens if tokens > 0 else 0.0)
         # verl's bypass_mode loss reports its rollout-correction diagnostics under rollout_corr/...: as they are
         target = _TOKEN_MEANS.get(name) or _COUNTED.get(name) or (name if name.startswith("rollout_corr/") else None)
+        if name.startswith(_MEMORY_PREFIX):  # the server's memory by job and part (GiB)
+            target = "arctic/" + name
         number = _scalar(value)
         if target is not None and number is not None:
             out[target] = number
