@@ -220,5 +220,13 @@ def test_through_http_a_short_generate_returns_during_a_long_one(reference_serve
         assert [r["generation_len"] for r in short["results"]] == [4]
         assert [r["generation_len"] for r in long_answer["results"]] == [64] * 4
         assert short["weight_version"] == long_answer["weight_version"] == 0  # the answer says its version
+        with ThreadPoolExecutor(1) as pool:  # destroyed while a call runs: that call is a 409, not a 500
+            body = {"prompts": [LONG], "sampling_params": {"max_tokens": 400, "ignore_eos": True}}
+            running = pool.submit(post_frame, reference_server, f"/generate?job_id={job}", body)
+            while not requests.get(f"{url}/job/{job}", timeout=5).json()["busy"]:
+                time.sleep(0.002)
+            requests.post(f"{url}/destroy?job_id={job}", json={"job_type": "sampling"}, timeout=60).raise_for_status()
+            answer = running.result()
+        assert answer.status_code == 409 and answer.json()["detail"]["field"] == "job_id"
     finally:
         requests.post(f"{url}/destroy?job_id={job}", json={"job_type": "sampling"}, timeout=60)

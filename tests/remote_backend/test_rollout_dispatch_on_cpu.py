@@ -127,6 +127,9 @@ def test_the_dispatcher_is_chosen_from_the_backends_features():
 
     ours = make({"continuous_batching", "n_samples", "token_prompts"})
     assert isinstance(ours, SampleGrouper) and ours.use_n and ours.group_size == 8 and ours.max_in_flight == 32
+    deterministic = rollout_dispatcher(_Backend({"continuous_batching", "n_samples"}), batching, samples_per_prompt=8,
+                                       run_batch=noop, run_group=noop, deterministic=True)
+    assert isinstance(deterministic, SampleGrouper) and not deterministic.use_n  # seeds must not depend on timing
     no_n = make({"continuous_batching"})
     assert isinstance(no_n, SampleGrouper) and not no_n.use_n and no_n.group_size == 1
     vendor = make(set())  # the vendor's /health lists no features: today's coalescer, one batch in flight

@@ -12,7 +12,8 @@ verl's agent loop asks a rollout *replica* for a server Ray actor and calls its
   ``features`` (:func:`backend_features`; the names a server lists in ``/health``):
 
   - ``continuous_batching`` (the server takes calls into its running batch): each call goes as it comes, the
-    ``rollout.n`` samples of one prompt as one request with ``n`` when the server also lists ``n_samples``
+    ``rollout.n`` samples of one prompt as one request with ``n`` when the server also lists ``n_samples`` (not
+    under ``rollout.full_determinism``: which samples share a request would depend on timing)
     (:mod:`.sample_groups`; at most ``remote_backend.rollout.max_batch_size`` requests in flight, a group
     waits at most ``max_wait_ms`` for its samples);
   - otherwise (the vendor's server): concurrent calls are coalesced into bounded batches, one row per sample
@@ -112,13 +113,18 @@ def normalize_sampling_params(
 
 
 def rollout_dispatcher(backend: object, batching: RolloutBatching, *, samples_per_prompt: int,
-                       run_batch: BatchFn, run_group: GroupFn) -> RequestCoalescer | SampleGrouper:
+                       run_batch: BatchFn, run_group: GroupFn, deterministic: bool = False
+                       ) -> RequestCoalescer | SampleGrouper:
     """How the rollout server sends verl's one-sample calls to ``backend`` (see the module docstring): a
     :class:`SampleGrouper` (``run_group``: one prompt, ``n`` samples) when the backend lists
-    ``continuous_batching``, else a :class:`RequestCoalescer` (``run_batch``: many prompts, one sample each)."""
+    ``continuous_batching``, else a :class:`RequestCoalescer` (``run_batch``: many prompts, one sample each).
+
+    ``deterministic`` (verl's ``rollout.full_determinism``): one request per sample even where ``n`` is taken --
+    which samples of a prompt share a request would depend on when they arrive, and with it the seeds a backend
+    derives per request."""
     features = backend_features(backend)
     if CONTINUOUS_BATCHING in features:
-        use_n = N_SAMPLES in features
+        use_n = N_SAMPLES in features and not deterministic
         logger.info("rollout server: the sampler batches continuously; calls go as they come, %s",
                     f"the {samples_per_prompt} samples of a prompt as one request" if use_n else "one per sample")
         return SampleGrouper(run_group, group_size=samples_per_prompt, max_wait_ms=batching.max_wait_ms,
@@ -151,6 +157,7 @@ class RemoteRolloutServer:
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
         self.samples_per_prompt = max(1, int(rollout.get("n", 1) or 1)) if hasattr(rollout, "get") else 1
+        self.deterministic = bool(rollout.get("full_determinism", False)) if hasattr(rollout, "get") else False
         self.batching = RolloutBatching.from_main_config(main)
         backend = attach_backend(self._context)
         if not isinstance(backend, RemoteSampler):
@@ -175,7 +182,8 @@ class RemoteRolloutServer:
     def _coalescer_for_loop(self) -> RequestCoalescer | SampleGrouper:
         if self._coalescer is None:
             self._coalescer = rollout_dispatcher(self._backend, self.batching, samples_per_prompt=self.samples_per_prompt,
-                                                 run_batch=self._generate_batch, run_group=self._generate_group)
+                                                 run_batch=self._generate_batch, run_group=self._generate_group,
+                                                 deterministic=self.deterministic)
             if isinstance(self._coalescer, SampleGrouper):
                 self._executor = ThreadPoolExecutor(self.batching.max_batch_size, thread_name_prefix="generate")
         return self._coalescer
