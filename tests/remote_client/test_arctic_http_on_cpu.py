@@ -218,9 +218,8 @@ def test_retry_after_is_honoured_within_the_cap(stub):
 def test_headers_token_request_id_step_and_bytearray_body(stub, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "from-env")
     http = make_http(stub.url)
-    http.step = 7
     frame = bytearray(b"\x00\x01" * 5000)
-    http.request("POST", "/forward", params={"job_id": 2}, data=frame, content_type="application/octet-stream")
+    http.request("POST", "/forward", params={"job_id": 2}, data=frame, content_type="application/octet-stream", step=7)
     http.get_json("/health")
     post, get = stub.seen
     assert post["body"] == bytes(frame) and post["headers"]["Content-Length"] == "10000"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from verl.remote_backend.errors import RemoteProtocolError
+from verl.workers.remote_client.arctic.recovery import Action, CallResult, decide
 from verl.workers.remote_client.arctic.settle import Outcome, outcome_of
 
 
@@ -27,3 +29,51 @@ from verl.workers.remote_client.arctic.settle import Outcome, outcome_of
 )
 def test_a_counter_settles_only_unchanged_or_one_more(before, now, outcome):
     assert outcome_of(before, now) is outcome
+
+
+# ------------------------------------------------------------------------------------------------ decide
+
+FACTS = {"restored": False, "job_gone": False, "ambiguous": True, "safe": False, "replays_ids": False}
+
+
+@pytest.mark.parametrize(
+    "change, action",
+    [
+        ({"restored": True}, Action.RESEND_NEW),  # new jobs: a new call to them
+        ({"restored": True, "job_gone": True}, Action.RESEND_NEW),  # the restore explains the 404
+        ({"job_gone": True, "ambiguous": False}, Action.RAISE),  # same server, job destroyed: the run ends
+        ({"job_gone": True, "safe": True}, Action.RAISE),
+        ({"ambiguous": False}, Action.RESEND_SAME),  # never reached the server
+        ({"safe": True}, Action.RESEND_SAME),  # harmless: /forward, /generate, weight sync -- never settled
+        ({"safe": True, "replays_ids": True}, Action.RESEND_SAME),
+        ({"replays_ids": True}, Action.RESEND_SAME),  # the server answers the same id from its cache
+        ({}, Action.SETTLE),  # an update, no replay: ask the counter
+        ({"settled": Outcome.APPLIED}, Action.APPLIED),
+        ({"settled": Outcome.NOT_APPLIED}, Action.RESEND_NEW),
+        ({"settled": Outcome.UNKNOWN}, Action.REBUILD),  # no counter, or one that jumped or went back
+        ({"safe": True, "settled": Outcome.UNKNOWN}, Action.RESEND_SAME),  # a harmless call is never rebuilt
+        ({"restored": True, "settled": Outcome.APPLIED}, Action.RESEND_NEW),
+    ],
+)
+def test_decide(change, action):
+    assert decide(**{**FACTS, **change}) is action
+
+
+def test_every_action_is_reachable():
+    seen = {decide(restored=r, job_gone=g, ambiguous=a, safe=s, replays_ids=i, settled=o)
+            for r in (False, True) for g in (False, True) for a in (False, True) for s in (False, True)
+            for i in (False, True) for o in (None, *Outcome)}
+    assert seen == set(Action)
+
+
+# ------------------------------------------------------------------------------------------------ CallResult
+
+
+def test_a_call_result_is_answered_or_applied_with_its_answer_lost():
+    answered = CallResult({"global_step": 3})
+    assert answered.answered and answered.answer("POST /step") == {"global_step": 3}
+    assert answered.map(lambda v: v["global_step"]) == CallResult(3)
+    lost = CallResult.lost()
+    assert not lost.answered and lost.value is None and not lost.map(lambda v: 1 / 0).answered
+    with pytest.raises(RemoteProtocolError, match="applied but its answer was lost"):
+        lost.answer("POST /step")

@@ -49,7 +49,7 @@ from verl.remote_backend.errors import RemoteBackendError, RemoteJobNotFoundErro
 from ..common.verl_settings import VerlSettings
 from .arctic_config import ArcticConfig
 from .builders import build_job_config, plan_batches
-from .checkpoints import Checkpoints
+from .checkpoints import Checkpoints, weight_sync_request
 from .dialect import Dialect, dialect_for
 from .generation import Sampler, SeedDeriver
 from .http import ArcticHttp, resolve_token
@@ -96,24 +96,21 @@ class ArcticRLClient(RemoteBackend):
                                job_ids=dict(job_ids), owned=dict(job_ids) if owned else {},
                                instance_id=health.instance_id, client_tag=client_tag, step=int(step))
         http.idempotency = Features.IDEMPOTENCY in self._state.features and arctic.retry.server_idempotency == "auto"
-        self._recovery = Recovery(self._state, arctic.recovery, job_bodies=self._job_bodies,
-                                  sync_weights=lambda: self._checkpoints.sync_weights_now(),
-                                  job_info=lambda: self._calls.job_info(JobType.TRAINING),
-                                  checkpoint_path=arctic.train.checkpoint_path)
-        if self._state.step:
-            self._recovery.journal.start_unknown(self._state.step)
+        # built in dependency order: state, recovery (its own calls: weight sync, job info), calls, roles
+        state, sync = self._state, weight_sync_request(arctic)
+        recovery = self._recovery = Recovery(state, arctic.recovery, job_bodies=self._job_bodies, weight_sync=sync,
+                                             checkpoint_path=arctic.train.checkpoint_path)
         self._local = local_server
-        calls = JobCalls(self._state, self._recovery)
+        calls = JobCalls(state, recovery)
         self._tokens = ModelTokens(verl.tokenizer_path, trust_remote_code=verl.trust_remote_code)
         flops = FlopsEstimator(verl.model_path, peak_tflops_per_device=arctic.mfu.peak_tflops_per_device,
                                trust_remote_code=verl.trust_remote_code)
-        self._checkpoints = Checkpoints(calls, arctic=arctic)
-        self._trainer = Trainer(calls, verl=verl, arctic=arctic, plan=plan_batches(verl, arctic), flops=flops,
-                                tokens=self._tokens, save_checkpoint=self._checkpoints.save_checkpoint)
-        self._log_probs = LogProbs(calls, verl=verl, arctic=arctic, flops=flops, tokens=self._tokens)
-        self._sampler = Sampler(calls, tokens=self._tokens,
+        self._checkpoints = Checkpoints(calls, state, recovery, arctic=arctic, weight_sync=sync)
+        self._trainer = Trainer(calls, state, recovery, verl=verl, arctic=arctic, plan=plan_batches(verl, arctic),
+                                flops=flops, tokens=self._tokens, save_checkpoint=self._checkpoints.save_checkpoint)
+        self._log_probs = LogProbs(calls, state, verl=verl, arctic=arctic, flops=flops, tokens=self._tokens)
+        self._sampler = Sampler(calls, state, tokens=self._tokens,
                                 seeds=SeedDeriver(verl.rollout_seed) if verl.rollout_full_determinism else None)
-        self._calls = calls
         self._atexit = functools.partial(_destroy_at_exit, weakref.ref(self))
         atexit.register(self._atexit)
 
@@ -309,17 +306,17 @@ class ArcticRLClient(RemoteBackend):
 
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
         """Log-probs of the current policy (``/forward`` on the training job)."""
-        with self._calls.training_call():
+        with self._recovery.training_call():
             return self._log_probs.compute(data, JobType.TRAINING)
 
     def compute_ref_log_prob(self, data: TensorDict) -> TensorDict:
         """Log-probs of the reference policy (``/forward`` on the log_prob job)."""
-        with self._calls.training_call():
+        with self._recovery.training_call():
             return self._log_probs.compute(data, JobType.LOG_PROB)
 
     def update_actor(self, data: TensorDict) -> TensorDict:
         """PPO/GRPO update: ``epochs`` x mini-batches of (one ``/forward-backward``, one ``/step``)."""
-        with self._calls.training_call():
+        with self._recovery.training_call():
             return self._trainer.update_actor(data)
 
     def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[GenerateResult]:

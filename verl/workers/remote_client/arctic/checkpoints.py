@@ -7,9 +7,10 @@
   server that can load it back becomes the base a restore starts from (the journal is reset to it).
 
 Routes and bodies come from the run's :class:`~.dialect.Dialect`; every call is harmless to repeat,
-so an unanswered one is re-sent (:class:`~.session.JobCalls`). Answers are read through their models
+so an unanswered one is re-sent (:meth:`~.recovery.Recovery.call`). Answers are read through their models
 (:class:`~arctic_rl.protocol.WeightSyncResponse`, :class:`~arctic_rl.protocol.SaveResponse`,
-:class:`~arctic_rl.protocol.LoadCheckpointResponse`). What is not here: recovery checkpoints' schedule
+:class:`~arctic_rl.protocol.LoadCheckpointResponse`). A save or load that can anchor a restore is told
+to :meth:`~.recovery.Recovery.anchor`. What is not here: recovery checkpoints' schedule
 (:mod:`.checkpoint_schedule`).
 """
 
@@ -25,38 +26,51 @@ from arctic_rl.protocol import (
     SaveResponse,
     WeightSyncResponse,
 )
-from verl.remote_backend.errors import RemoteProtocolError
 
 from .answers import parse_answer
 from .arctic_config import ArcticConfig
 from .dialect import Payload, Route
-from .journal import CheckpointRef
+from .recovery import Recovery
 from .request import JobRequest
 from .session import JobCalls
 from .state import RunState
 
-__all__ = ["Checkpoints"]
+__all__ = ["Checkpoints", "weight_sync_request"]
+
+
+def weight_sync_request(arctic: ArcticConfig) -> JobRequest:
+    """The weight sync between the run's current jobs (addressed afresh at each send: a restore changes them)."""
+    ws = arctic.weight_sync
+
+    def route(state: RunState) -> Route:
+        return state.dialect.weight_sync(
+            training=state.job(JobType.TRAINING), sampling=state.job(JobType.SAMPLING),
+            log_prob=state.job(JobType.LOG_PROB) if ws.sync_log_prob else None, cuda_ipc=ws.cuda_ipc,
+            low_memory=ws.low_memory)
+
+    return JobRequest("POST", "weight sync", op="weight_sync", idempotent=True, route=route)
 
 
 class Checkpoints:
     """Weight sync and checkpoints of the training job (see the module docstring)."""
 
-    def __init__(self, calls: JobCalls, *, arctic: ArcticConfig) -> None:
+    def __init__(self, calls: JobCalls, state: RunState, recovery: Recovery, *, arctic: ArcticConfig,
+                 weight_sync: JobRequest) -> None:
         self.calls = calls
-        self.state = calls.state
-        self.recovery = calls.recovery
+        self.state = state
+        self.recovery = recovery
         self.arctic = arctic
-        self._sync = JobRequest("POST", "weight sync", op="weight_sync", idempotent=True, route=self._sync_route)
+        self._sync = weight_sync
 
     def update_weights(self) -> dict:
         """Push the weights, then drop the sampler's prefix cache where the server can."""
-        with self.calls.training_call():
-            out = self.calls.read(self._sync, WeightSyncResponse)
+        with self.recovery.training_call():
+            out = self.calls.read(self._sync, WeightSyncResponse).answer(self._sync.what)
             if Paths.RESET_PREFIX_CACHE in self.server_paths:
                 body = ResetPrefixCacheRequest().model_dump(mode="json")
                 self.calls.call(JobRequest("POST", Paths.RESET_PREFIX_CACHE, op="weight_sync", idempotent=True,
                                            job=JobType.SAMPLING, payload=Payload(json=body)))
-            return out.model_dump() if out is not None else {}
+            return out.model_dump()
 
     @functools.cached_property
     def server_paths(self) -> frozenset[str]:
@@ -65,34 +79,19 @@ class Checkpoints:
         paths = spec.get("paths") if isinstance(spec, dict) else None
         return frozenset(paths) if isinstance(paths, dict) else frozenset()
 
-    def sync_weights_now(self) -> dict:
-        """One weight-sync call, no recovery around it (a restore calls this while it recovers)."""
-        resp = self._sync.send(self.state)
-        return parse_answer(WeightSyncResponse, resp.json(), self._sync.what).model_dump()
-
-    def _sync_route(self, state: RunState) -> Route:
-        """The weight sync between the run's current jobs (they change with a restore)."""
-        ws = self.arctic.weight_sync
-        return state.dialect.weight_sync(
-            training=state.job(JobType.TRAINING), sampling=state.job(JobType.SAMPLING),
-            log_prob=state.job(JobType.LOG_PROB) if ws.sync_log_prob else None, cuda_ipc=ws.cuda_ipc,
-            low_memory=ws.low_memory)
-
     def save_checkpoint(self, step: int | None = None, *, path: str | None = None, export_hf: bool = False,
                         save_total_limit: int | None = None) -> dict:
         """Save model + optimizer + step on the server (``step`` names it; default: the server's step)."""
         state = self.state
-        with self.calls.training_call():
+        with self.recovery.training_call():
             route = state.dialect.save(step=step, path=path, export_hf=export_hf, save_total_limit=save_total_limit)
-            request = JobRequest("POST", route.path, op="save", idempotent=True, job=JobType.TRAINING,
-                                 payload=Payload(json=route.body))
-            out = state.dialect.decode(self.calls.call(request), request.what)
-            if not isinstance(out, dict):
-                raise RemoteProtocolError(request.what, f"expected an object, got {type(out).__name__}")
+            what = f"POST {route.path}"
+            out = self.calls.post(route.path, JobType.TRAINING, Payload(json=route.body), op="save",
+                                  idempotent=True).answer(what)
             if state.dialect.can_load_checkpoints:  # only a save that can be loaded back anchors a restore
-                saved = parse_answer(SaveResponse, out, request.what)
+                saved = parse_answer(SaveResponse, out, what)
                 step_saved = saved.global_step if saved.global_step is not None else state.step
-                self.recovery.journal.reset(CheckpointRef(str(saved.path), int(step_saved)))
+                self.recovery.anchor(str(saved.path), int(step_saved))
             return dict(out)
 
     def load_checkpoint(self, step: int | None = None, *, path: str | None = None, sync_weights: bool = True) -> dict:
@@ -101,12 +100,10 @@ class Checkpoints:
         body = state.dialect.load_checkpoint_body(step=step, path=path)  # raises where checkpoints cannot load
         request = JobRequest("POST", Paths.LOAD_CHECKPOINT, op="save", idempotent=True, job=JobType.TRAINING,
                              payload=Payload(json=body))
-        with self.calls.training_call():
-            loaded = self.calls.read(request, LoadCheckpointResponse)
-            if loaded is None:  # a harmless call is never settled as applied; kept for the type
-                raise RemoteProtocolError(request.what, "no answer")
+        with self.recovery.training_call():
+            loaded = self.calls.read(request, LoadCheckpointResponse).answer(request.what)
             state.set_step(loaded.global_step)
-            self.recovery.journal.reset(CheckpointRef(str(loaded.path), state.step))
+            self.recovery.anchor(str(loaded.path), state.step)
             if sync_weights:
                 self.update_weights()
             return loaded.model_dump()

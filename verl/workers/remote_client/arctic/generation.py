@@ -52,6 +52,7 @@ from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolE
 
 from .answers import parse_answer
 from .session import JobCalls, ModelTokens
+from .state import RunState
 
 __all__ = ["Sampler", "SeedDeriver", "clean_sampling_params", "ordered_results", "unique_layers"]
 
@@ -129,8 +130,9 @@ def ordered_results(answer: GenerateResponse, num_prompts: int, n: int, *, expan
 class Sampler:
     """``generate`` on the sampling job (see the module docstring)."""
 
-    def __init__(self, calls: JobCalls, *, tokens: ModelTokens, seeds: SeedDeriver | None) -> None:
+    def __init__(self, calls: JobCalls, state: RunState, *, tokens: ModelTokens, seeds: SeedDeriver | None) -> None:
         self.calls = calls
+        self.state = state
         self.tokens = tokens
         self.seeds = seeds
         self._warned: set[str] = set()
@@ -140,7 +142,7 @@ class Sampler:
         prompt order, ``n`` samples of a prompt adjacent, indices filled in."""
         if not prompts:
             return []
-        features = self.calls.state.features
+        features = self.state.features
         params = clean_sampling_params(sampling_params or {}, self._warned)
         n = params.n
         expand = n > 1 and Features.N_SAMPLES not in features
@@ -169,13 +171,14 @@ class Sampler:
         return results
 
     def _post(self, rows: list[list[int]], wire_params: dict[str, Any]) -> GenerateResponse:
-        if Features.TOKEN_PROMPTS in self.calls.state.features:
+        if Features.TOKEN_PROMPTS in self.state.features:
             wire_prompts: list = rows
         else:  # the vendor's servers take text only
             wire_prompts = [self.tokens.tokenizer.decode(r, skip_special_tokens=False) for r in rows]
-        payload = self.calls.state.dialect.generate_payload(wire_prompts, wire_params)
-        out = self.calls.post(Paths.GENERATE, JobType.SAMPLING, payload, op="generate", idempotent=True)
-        return parse_answer(GenerateResponse, out, f"POST {Paths.GENERATE}")
+        payload = self.state.dialect.generate_payload(wire_prompts, wire_params)
+        what = f"POST {Paths.GENERATE}"
+        out = self.calls.post(Paths.GENERATE, JobType.SAMPLING, payload, op="generate", idempotent=True).answer(what)
+        return parse_answer(GenerateResponse, out, what)
 
 
 def unique_layers(rows: list[list[int]]) -> list[list[int]]:

@@ -4,8 +4,8 @@ Every call goes through :meth:`ArcticHttp.request`, which
 
 * reuses pooled keep-alive connections (one ``requests.Session`` per client, ``pool_size`` wide);
 * sends ``Authorization: Bearer <token>`` (token from config or ``ARCTIC_RL_TOKEN``; never logged),
-  and on every mutating call a fresh ``X-Request-Id`` (uuid4, kept across the call's retries) and
-  ``X-Arctic-Step`` (the client's optimizer-step counter);
+  and on every mutating call a fresh ``X-Request-Id`` (uuid4, kept across the call's retries) and,
+  when the caller gives it, ``X-Arctic-Step`` (the run's optimizer step, :class:`~.state.RunState`);
 * bounds the whole call, retries included, by its operation's time limit (``timeouts.<op>_s``);
 * retries transient failures -- connection errors, 429, 502, 503, 504 -- with exponential backoff
   and jitter (``Retry-After`` honoured), logging each retry. A request that may have reached the
@@ -148,8 +148,6 @@ class ArcticHttp:
         self._token = resolve_token(token)
         #: the server replays ``X-Request-Id``s (``Features.IDEMPOTENCY``): any call may be retried
         self.idempotency = idempotency
-        #: sent as ``X-Arctic-Step`` on mutating calls
-        self.step = 0
         self._session = requests.Session()
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, max_retries=0)
         self._session.mount("http://", adapter)
@@ -187,12 +185,14 @@ class ArcticHttp:
         idempotent: bool = False,
         accept_status: tuple[int, ...] = (),
         request_id: str | None = None,
+        step: int | None = None,
     ) -> requests.Response:
         """Send one logical call (retrying as the module docstring says); the response is 2xx or in
         ``accept_status``, anything else raises a :class:`~verl.remote_backend.RemoteBackendError`.
 
         ``request_id``: the ``X-Request-Id`` of a mutating call (default: a fresh one); a caller that
-        re-sends a call after :class:`AmbiguousCallError` passes the same id again.
+        re-sends a call after :class:`AmbiguousCallError` passes the same id again. ``step``: the
+        run's optimizer step, sent as ``X-Arctic-Step`` with a mutating call.
         """
         method = method.upper()
         mutating = method != "GET"
@@ -206,7 +206,8 @@ class ArcticHttp:
         if mutating:
             request_id = request_id or new_request_id()
             headers[REQUEST_ID_HEADER] = request_id
-            headers[STEP_HEADER] = str(int(self.step))
+            if step is not None:
+                headers[STEP_HEADER] = str(int(step))
         if content_type is not None:
             headers["Content-Type"] = content_type
         elif json is not None:

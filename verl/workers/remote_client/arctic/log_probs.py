@@ -37,6 +37,7 @@ from .builders import build_meta
 from .layout import dense_batch, nested_from_server, plan_layout
 from .metrics import FlopsEstimator
 from .session import JobCalls, ModelTokens
+from .state import RunState
 from .training import TRAIN_POST, forward_body, sampling_temperature
 
 __all__ = ["LogProbs"]
@@ -48,9 +49,10 @@ FORWARD_POST = TRAIN_POST
 class LogProbs:
     """Log-probs of the current (training job) and reference (log_prob job) policies."""
 
-    def __init__(self, calls: JobCalls, *, verl: VerlSettings, arctic: ArcticConfig, flops: FlopsEstimator,
-                 tokens: ModelTokens) -> None:
+    def __init__(self, calls: JobCalls, state: RunState, *, verl: VerlSettings, arctic: ArcticConfig,
+                 flops: FlopsEstimator, tokens: ModelTokens) -> None:
         self.calls = calls
+        self.state = state
         self.verl = verl
         self.arctic = arctic
         self.flops = flops
@@ -73,12 +75,12 @@ class LogProbs:
         meta = build_meta(self.verl, self.arctic, max_prompt_len=layout.prompt_width,
                           max_response_len=layout.response_width, temperature=sampling_temperature(data, self.verl),
                           calculate_entropy=entropy, pad_token_id=pad,
-                          response_logprobs_only=Features.RESPONSE_LOGPROBS in self.calls.state.features)
+                          response_logprobs_only=Features.RESPONSE_LOGPROBS in self.state.features)
         body = forward_body(dense_batch(data, layout, pad_token_id=pad, keys=()), meta,
                             Processing(loss_fn=None, post=list(FORWARD_POST), config={}))
-        path = self.calls.state.dialect.forward_path
-        out = self.calls.post_tensors(path, job_type, body, op="forward", idempotent=True)
+        path = self.state.dialect.forward_path
         endpoint = "POST /forward"
+        out = self.calls.post_tensors(path, job_type, body, op="forward", idempotent=True).answer(endpoint)
         tensors = parse_answer(ForwardResponse, out, endpoint).batch
         # the job config says which layout comes back (the vendor's answer carries no key for it)
         alignment = LogprobAlignment.RESPONSE if zorro else LogprobAlignment.SHIFTED

@@ -10,7 +10,7 @@ died). If the server is still the same process, either it replays ``X-Request-Id
 is applied once), or its counters settle the call (:mod:`.settle`), or -- a server with neither, the
 vendor's -- the training job is rebuilt from the last checkpoint and the journal of acknowledged
 calls (:mod:`.restore`) and the call goes to the rebuilt job. Harmless calls (``/forward``,
-``/generate``, weight sync, save, load) are simply re-sent.
+``/generate``, weight sync, save, load) are simply re-sent, with the same id.
 
 **A restarted server** (:mod:`.restart` says so from the server's evidence). The *training client*
 (the one that called the training job: verl's forwarder worker) restores every job; the others
@@ -18,68 +18,150 @@ adopt the restored ones (:mod:`.restore`). A background watcher in the training 
 restart even while no call is in flight (:mod:`.watcher`). Recovery checkpoints bound what a restore
 replays (:mod:`.checkpoint_schedule`).
 
-Each restore or rebuild bumps :attr:`Recovery.epoch`: a call started before it re-reads the job ids.
-What is not here: the journal (:mod:`.journal`), HTTP retries of transient failures (:mod:`.http`),
-what the calls carry (:mod:`.dialect` and the role modules), job creation (:mod:`.jobs`).
+What to do after a failed send is one pure function, :func:`decide` (an :class:`Action` from the
+facts gathered about the failure); :class:`Recovery` gathers the facts and carries the action out.
+A call comes back as a :class:`CallResult`: answered, or applied with its answer lost. Recovery owns
+the :class:`~.journal.UpdateJournal`: it records every acknowledged update itself, and the roles
+anchor it at a checkpoint with :meth:`Recovery.anchor`. Each restore or rebuild bumps
+:attr:`Recovery.epoch`: a call started before it re-reads the job ids. What is not here: HTTP retries
+of transient failures (:mod:`.http`), what the calls carry (:mod:`.dialect` and the role modules),
+job creation (:mod:`.jobs`).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from arctic_rl.protocol import JobType
-from verl.remote_backend.errors import RemoteBackendError, RemoteConnectionError, RemoteJobNotFoundError
+import requests
+
+from arctic_rl.protocol import JobType, Paths
+from verl.remote_backend.errors import (
+    RemoteBackendError,
+    RemoteConnectionError,
+    RemoteJobNotFoundError,
+    RemoteProtocolError,
+)
 
 from .arctic_config import RecoveryConfig
 from .checkpoint_schedule import CheckpointSchedule
+from .dialect import Route
 from .http import AmbiguousCallError, new_request_id
-from .journal import UpdateJournal
+from .journal import CheckpointRef, UpdateJournal
+from .request import JobRequest
 from .restart import RestartDetector
 from .restore import Restorer
-from .settle import APPLIED, Outcome, settle
+from .settle import Outcome, settle
 from .state import RunState
 from .watcher import RestartWatcher
 
-__all__ = ["APPLIED", "Recovery"]
+__all__ = ["Action", "CallResult", "Recovery", "decide"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+U = TypeVar("U")
 _POLL_S = 0.5
 _MAX_RESENDS = 20
 _FAILED = (RemoteConnectionError, RemoteJobNotFoundError)
 
 
+@dataclass(frozen=True)
+class CallResult(Generic[T]):
+    """What a call came to: ``answered`` (``value`` is the answer), or applied with its answer lost
+    (``answered`` false, no value: only a call that is not harmless to repeat, settled as applied by
+    the server's counter). A call that was not applied never comes back: it is re-sent or raises."""
+
+    value: T | None = None
+    answered: bool = True
+
+    @classmethod
+    def lost(cls) -> CallResult[Any]:
+        """Applied, its answer lost."""
+        return cls(None, answered=False)
+
+    def map(self, fn: Callable[[T], U]) -> CallResult[U]:
+        """``fn`` applied to the answer (a lost answer stays lost)."""
+        return CallResult(fn(self.value), answered=True) if self.answered else CallResult.lost()
+
+    def answer(self, what: str) -> T:
+        """The answer; for a call that must have one (harmless calls always do)."""
+        if not self.answered:
+            raise RemoteProtocolError(what, "the call was applied but its answer was lost")
+        return self.value  # type: ignore[return-value]
+
+
+class Action(enum.Enum):
+    """What to do after a send failed (:func:`decide`)."""
+
+    RESEND_SAME = "resend_same"  #: send it again with the same X-Request-Id
+    RESEND_NEW = "resend_new"  #: send it again as a new call (a new id): not applied, or the jobs are new
+    APPLIED = "applied"  #: it was applied, its answer is lost: do not send it again
+    SETTLE = "settle"  #: ask the server's counter first, then decide again with its outcome
+    REBUILD = "rebuild"  #: nobody can tell: rebuild the training job, then send it as a new call
+    RAISE = "raise"  #: give the failure to the caller
+
+
+def decide(*, restored: bool, job_gone: bool, ambiguous: bool, safe: bool, replays_ids: bool,
+           settled: Outcome | None = None) -> Action:
+    """The action after a failed send, from what is known about the failure.
+
+    ``restored``: the jobs were restored or adopted since the call was sent (new jobs). ``job_gone``:
+    the same server answered 404 for the call's job (destroyed: the run is ending). ``ambiguous``:
+    the call may have reached the server (:class:`~.http.AmbiguousCallError`). ``safe``: repeating it
+    is harmless. ``replays_ids``: the server answers a repeated ``X-Request-Id`` from its cache.
+    ``settled``: what the server's counter said (:func:`~.settle.settle`), once asked.
+    """
+    if restored:
+        return Action.RESEND_NEW
+    if job_gone:
+        return Action.RAISE
+    if not ambiguous or safe or replays_ids:
+        return Action.RESEND_SAME  # it never reached the server, repeating it is harmless, or it is replayed
+    if settled is None:
+        return Action.SETTLE
+    return {Outcome.APPLIED: Action.APPLIED, Outcome.NOT_APPLIED: Action.RESEND_NEW,
+            Outcome.UNKNOWN: Action.REBUILD}[settled]
+
+
 class Recovery:
     """Failure handling of one client (see the module docstring).
 
-    ``job_bodies()`` gives the ``/initialize`` bodies of the run's jobs, ``sync_weights()`` pushes the
-    training weights to the sampler, ``job_info()`` reads ``GET /job/{training}``, and
-    ``checkpoint_path`` is the training job's configured checkpoint directory. ``lock`` serialises
-    the training client's calls with restores and rebuilds.
+    ``job_bodies()`` gives the ``/initialize`` bodies of the run's jobs, ``weight_sync`` is the
+    request that pushes the training weights to the sampler, and ``checkpoint_path`` is the training
+    job's configured checkpoint directory. :attr:`lock` serialises the training client's calls with
+    restores and rebuilds.
     """
 
     def __init__(self, state: RunState, config: RecoveryConfig, *, job_bodies: Callable[[], dict[JobType, dict]],
-                 sync_weights: Callable[[], object], job_info: Callable[[], dict],
-                 checkpoint_path: str | None = None) -> None:
+                 weight_sync: JobRequest, checkpoint_path: str | None = None) -> None:
         self.state = state
         self.config = config
         self.journal = UpdateJournal(max_bytes=int(config.journal_max_mb * 2**20))
+        if state.step:  # attached mid-run: what preceded it is unknown to this client
+            self.journal.start_unknown(state.step)
         self.stats: Counter[str] = Counter()
         self.lock = threading.RLock()
         self.epoch = 0
         self.primary = False  # this client trains: it restores, the others adopt
         self.detector = RestartDetector(state, wait_s=config.wait_s)
         self.restorer = Restorer(state, config, self.journal, self.detector, self.stats, job_bodies=job_bodies,
-                                 sync_weights=sync_weights)
-        self.checkpoints = CheckpointSchedule(config, self.journal, self.stats, job_info=job_info,
+                                 weight_sync=weight_sync)
+        self.checkpoints = CheckpointSchedule(config, self.journal, self.stats, job_info=self.training_job_info,
                                               default_path=checkpoint_path)
         self._watcher: RestartWatcher | None = None
+
+    def training_call(self) -> threading.RLock:
+        """Held by the training client's calls (a restore never interleaves with them); the first one
+        makes this client the one that restores after restarts."""
+        self.become_primary()
+        return self.lock
 
     def become_primary(self) -> None:
         """Called on the first training-job call: this client restores after restarts."""
@@ -95,77 +177,105 @@ class Recovery:
         if self._watcher is not None:
             self._watcher.stop()
 
+    # ------------------------------------------------------------------------------ journal
+
+    def anchor(self, path: str, step: int) -> None:
+        """A checkpoint at ``path`` of optimizer step ``step`` was saved or loaded: a restore starts from it."""
+        self.journal.reset(CheckpointRef(str(path), int(step)))
+
     def after_step(self, step: int, save: Callable[..., dict]) -> None:
         """After optimizer step ``step``: a recovery checkpoint when due (:mod:`.checkpoint_schedule`)."""
         self.checkpoints.after_step(step, save)
 
+    def _acknowledged(self, request: JobRequest) -> None:
+        """An update the server applied (answered, or settled as applied) goes into the journal."""
+        if request.idempotent:
+            return
+        body = request.payload
+        self.journal.record(request.path, body.data if body.data is not None else body.json,
+                            body.content_type if body.data is not None else None, is_step=request.path == Paths.STEP)
+
     # ------------------------------------------------------------------------------ calls
 
-    def call(self, what: str, send: Callable[[str], T], *, safe: bool, counter: tuple[str, int] | None = None,
-             ) -> T | object:
-        """``send(request_id)``, surviving unanswered calls and restarts.
+    def training_job_info(self) -> dict:
+        """``GET /job/{id}`` of the training job (after a restore: the new job's)."""
+        request = JobRequest("GET", Paths.JOB, op="default", idempotent=True,
+                             route=lambda state: Route(Paths.job(state.job(JobType.TRAINING)), None, None))
+        info = self.call(request).answer(request.what).json()
+        return info if isinstance(info, dict) else {}
 
-        ``safe``: re-sending is harmless. ``counter``: ``(name, value before the call)`` of the
-        training job's ``GET /job`` counter that the call increments by one. Returns :data:`APPLIED`
-        when the call was applied but its answer is lost.
+    def call(self, request: JobRequest, *, counter: tuple[str, int] | None = None) -> CallResult[requests.Response]:
+        """Send ``request``, surviving unanswered calls and restarts; an update is journalled once applied.
+
+        ``counter``: ``(name, value before the call)`` of the training job's ``GET /job`` counter that
+        the call increments by one (what settles it on a server that does not replay request ids).
         """
         if not self.config.enable:
-            return send(new_request_id())
+            resp = request.send(self.state, new_request_id())
+            self._acknowledged(request)
+            return CallResult(resp)
         request_id = new_request_id()
         deadline = time.monotonic() + self.config.wait_s
         for _ in range(_MAX_RESENDS):
             epoch = self.epoch
             try:
-                result = send(request_id)
+                resp = request.send(self.state, request_id)
                 self.detector.down_seen = False
-                return result
+                self._acknowledged(request)
+                return CallResult(resp)
             except _FAILED as exc:
                 failure = exc
-            while True:  # decide what to do; never re-send before that is decided
-                try:
-                    action = self._decide(what, failure, epoch, deadline, safe, counter, request_id)
-                    break
-                except _FAILED as again:  # the server failed again while deciding (not while rebuilding)
-                    if time.monotonic() >= deadline:
-                        raise
-                    self.detector.down_seen = True
-                    logger.warning("arctic: %s: deciding after a failure failed too (%s); trying again", what, again)
-                    time.sleep(_POLL_S)
-            if action == "raise":
+            action = self._after_failure(request, failure, epoch, deadline, counter)
+            if action is Action.RAISE:
                 raise failure
-            if action == "applied":
-                return APPLIED
-            if action == "new":
+            if action is Action.APPLIED:
+                self._acknowledged(request)
+                return CallResult.lost()
+            if action is Action.RESEND_NEW:
                 request_id = new_request_id()
             if time.monotonic() >= deadline:
                 break
-        raise RemoteConnectionError(what, f"still failing after {_MAX_RESENDS} re-sends / recovery.wait_s = "
+        raise RemoteConnectionError(request.what, f"still failing after {_MAX_RESENDS} re-sends / recovery.wait_s = "
                                     f"{self.config.wait_s:g} s")
 
-    def _decide(self, what: str, failure: RemoteBackendError, epoch: int, deadline: float, safe: bool,
-                counter: tuple[str, int] | None, request_id: str) -> str:
-        """After ``failure``: ``"same"`` (re-send with the same id), ``"new"`` (re-send as a new call),
-        ``"applied"`` (it was applied; do not re-send) or ``"raise"``."""
-        if self._restored_after(failure, epoch, deadline):
-            return "new"  # restored or adopted: new jobs, a new call
-        if isinstance(failure, RemoteJobNotFoundError):
-            return "raise"  # the same server without the job: destroyed (the run is ending)
-        if not isinstance(failure, AmbiguousCallError) or safe:
-            return "same"  # it never reached the server, or repeating it is harmless
-        if self.state.http.idempotency:  # a server that replays ids applies it once
+    def _after_failure(self, request: JobRequest, failure: RemoteBackendError, epoch: int, deadline: float,
+                       counter: tuple[str, int] | None) -> Action:
+        """The action after ``failure``, carried out as far as it goes before the next send; the
+        server failing again meanwhile is waited out (never re-send before this is decided)."""
+        while True:
+            try:
+                return self._decide_and_prepare(request, failure, epoch, deadline, counter)
+            except _FAILED as again:  # the server failed again while deciding
+                if time.monotonic() >= deadline:
+                    raise
+                self.detector.down_seen = True
+                logger.warning("arctic: %s: deciding after a failure failed too (%s); trying again", request.what,
+                               again)
+                time.sleep(_POLL_S)
+
+    def _decide_and_prepare(self, request: JobRequest, failure: RemoteBackendError, epoch: int, deadline: float,
+                            counter: tuple[str, int] | None) -> Action:
+        what = request.what
+        facts = {"restored": self._restored_after(failure, epoch, deadline),
+                 "job_gone": isinstance(failure, RemoteJobNotFoundError),
+                 "ambiguous": isinstance(failure, AmbiguousCallError), "safe": request.idempotent,
+                 "replays_ids": self.state.http.idempotency}
+        action = decide(**facts)
+        if action is Action.SETTLE:
+            outcome = settle(self.state.http, self.state.job(JobType.TRAINING), what, counter,
+                             wait_s=self.config.wait_s)
+            action = decide(**facts, settled=outcome)
+            counted = {Action.APPLIED: "ambiguous_applied", Action.RESEND_NEW: "ambiguous_resent"}.get(action)
+            if counted is not None:
+                self.stats[counted] += 1
+        elif action is Action.RESEND_SAME and facts["ambiguous"] and not facts["safe"]:
             self.stats["resent"] += 1
-            logger.warning("arctic: %s got no answer (%s); re-sending it with X-Request-Id %s: the server replays "
-                           "ids", what, failure.reason, request_id)
-            return "same"
-        outcome = settle(self.state.http, self.state.job(JobType.TRAINING), what, counter, wait_s=self.config.wait_s)
-        if outcome is Outcome.APPLIED:
-            self.stats["ambiguous_applied"] += 1
-            return "applied"
-        if outcome is Outcome.NOT_APPLIED:
-            self.stats["ambiguous_resent"] += 1
-            return "new"
-        self._rebuild_training(what)
-        return "new"
+            logger.warning("arctic: %s got no answer (%s); re-sending it with the same X-Request-Id: the server "
+                           "replays ids", what, failure.reason)
+        if action is Action.REBUILD:
+            self._rebuild_training(what)
+            return Action.RESEND_NEW
+        return action
 
     def _restored_after(self, failure: RemoteBackendError, epoch: int, deadline: float) -> bool:
         """True when the jobs were restored or adopted since ``epoch`` (re-send to the new ones), False

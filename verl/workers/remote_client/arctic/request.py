@@ -4,9 +4,10 @@ A request names its method, path, time-limit operation and whether repeating it 
 *which* job it goes to -- ``job`` (sent as ``?job_id=``) or ``route`` (path, query and JSON body built
 from the run's state, for calls that name several jobs: weight sync). It is addressed afresh at every
 send, so a re-send after a restore or a rebuild reaches the new jobs. :meth:`JobRequest.send` is one
-HTTP call (with the transport's retries of transient failures, :mod:`.http`); the retry rule for
-lost answers and restarts is applied by :class:`~.session.JobCalls`, the one call path of the roles.
-The restore itself (:mod:`.restore`) sends requests directly to a job it has not published yet.
+HTTP call (with the transport's retries of transient failures, :mod:`.http`) carrying the run's
+optimizer step; the retry rule for lost answers and restarts is applied by
+:meth:`~.recovery.Recovery.call`, the one call path of the roles. The restore itself
+(:mod:`.restore`) sends requests directly to a job it has not published yet.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 
 import requests
 
-from arctic_rl.protocol import JobType
+from arctic_rl.protocol import JobType, Paths
+from verl.remote_backend.errors import RemoteBackendError, RemoteJobNotFoundError, RemoteServerError
 
 from .dialect import Payload, Route
 from .state import RunState
@@ -53,5 +55,24 @@ class JobRequest:
     def send(self, state: RunState, request_id: str | None = None, *, job_id: int | None = None) -> requests.Response:
         """One HTTP call (the transport retries only what is harmless to repeat)."""
         path, params, body = self.target(state, job_id=job_id)
-        return state.http.request(self.method, path, op=self.op, params=params, data=body.data, json=body.json,
-                                  content_type=body.content_type, idempotent=self.idempotent, request_id=request_id)
+        try:
+            return state.http.request(self.method, path, op=self.op, params=params, data=body.data, json=body.json,
+                                      content_type=body.content_type, idempotent=self.idempotent,
+                                      request_id=request_id, step=state.step)
+        except RemoteServerError as exc:
+            if (self.job is not None and path == state.dialect.forward_path and exc.status == 500
+                    and not isinstance(exc, RemoteJobNotFoundError) and params is not None):
+                _raise_if_job_gone(state, self.what, int(params["job_id"]), exc)
+            raise
+
+
+def _raise_if_job_gone(state: RunState, endpoint: str, job_id: int, exc: RemoteServerError) -> None:
+    """The vendor's ``/forward`` (v1: ``/fwd-no-grad``) indexes its job table before checking the id: an
+    unknown job is a plain 500 there. ``GET /job/{id}`` tells: a 404 makes it :class:`RemoteJobNotFoundError`."""
+    try:
+        state.http.request("GET", Paths.job(job_id))
+    except RemoteJobNotFoundError as gone:
+        raise RemoteJobNotFoundError(endpoint, 404, f"job {job_id} not found (the server answered HTTP "
+                                     f"{exc.status} and GET {Paths.job(job_id)} 404)", detail=gone.detail) from exc
+    except RemoteBackendError:
+        pass  # the job read failed too: keep the original error

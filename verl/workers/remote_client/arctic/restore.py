@@ -26,7 +26,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from arctic_rl.protocol import JobType, LoadCheckpointRequest, LoadCheckpointResponse, Paths, StepResponse
+from arctic_rl.protocol import (
+    JobType,
+    LoadCheckpointRequest,
+    LoadCheckpointResponse,
+    Paths,
+    StepResponse,
+    WeightSyncResponse,
+)
 from verl.remote_backend.errors import RemoteBackendError, RemoteConnectionError, RemoteJobNotFoundError
 
 from .answers import parse_answer
@@ -51,19 +58,19 @@ _INTERRUPTED = (RemoteConnectionError, RemoteJobNotFoundError)
 class Restorer:
     """Restore, rebuild and adopt the jobs of one client (see the module docstring).
 
-    ``job_bodies()`` gives the ``/initialize`` bodies of the run's jobs; ``sync_weights()`` pushes the
-    training weights to the sampler (one call, no recovery around it)."""
+    ``job_bodies()`` gives the ``/initialize`` bodies of the run's jobs; ``weight_sync`` is the request
+    that pushes the training weights to the sampler (sent once, no recovery around it)."""
 
     def __init__(self, state: RunState, config: RecoveryConfig, journal: UpdateJournal, detector: RestartDetector,
                  stats: Counter[str], *, job_bodies: Callable[[], dict[JobType, dict]],
-                 sync_weights: Callable[[], object]) -> None:
+                 weight_sync: JobRequest) -> None:
         self.state = state
         self.config = config
         self.journal = journal
         self.detector = detector
         self.stats = stats
         self._job_bodies = job_bodies
-        self._sync_weights = sync_weights
+        self._weight_sync = weight_sync
 
     # ------------------------------------------------------------------------------ training client
 
@@ -135,7 +142,8 @@ class Restorer:
             state.publish_jobs({**state.job_ids, **created}, health.get("instance_id") or state.instance_id,
                                created=created)
             if not only_training:  # a rebuilt training job holds the weights the sampler already has
-                self._sync_weights()
+                sync = self._weight_sync
+                parse_answer(WeightSyncResponse, sync.send(state).json(), sync.what)
         except BaseException:
             state.retire(created.values())
             destroy_jobs(http, created)

@@ -1,10 +1,10 @@
 """How the client's roles reach the run's jobs: :class:`JobCalls`, and the run's tokenizer.
 
-:class:`JobCalls` is the one call path of the roles: it sends a :class:`~.request.JobRequest` to a
-job of the run's :class:`~.state.RunState` through :class:`~.recovery.Recovery` (its retry rule) in
-the run's :class:`~.dialect.Dialect`, journals acknowledged updates, and reads answers through their
-models in :mod:`arctic_rl.protocol`. :class:`ModelTokens` loads the tokenizer once, when a role first
-needs it.
+:class:`JobCalls` is what the roles call: it hands a :class:`~.request.JobRequest` to
+:meth:`~.recovery.Recovery.call` (the one call path: the retry rule, the journal of acknowledged
+updates) and reads the answer in the run's :class:`~.dialect.Dialect` through its model in
+:mod:`arctic_rl.protocol`. Every answer comes back as a :class:`~.recovery.CallResult`: answered, or
+applied with its answer lost. :class:`ModelTokens` loads the tokenizer once, when a role first needs it.
 
 What is not here: the bodies (the role modules, from :mod:`arctic_rl.protocol`), HTTP retries
 (:mod:`.http`), restart handling (:mod:`.recovery`).
@@ -14,25 +14,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from typing import Any, TypeVar
 
 import requests
 from pydantic import BaseModel
 
 from arctic_rl.protocol import OCTET_STREAM, JobType, Paths
-from verl.remote_backend.errors import (
-    RemoteBackendError,
-    RemoteJobNotFoundError,
-    RemoteProtocolError,
-    RemoteServerError,
-)
+from verl.remote_backend.errors import RemoteProtocolError
 
 from .answers import parse_answer
 from .dialect import Payload, Route
-from .recovery import Recovery
+from .recovery import CallResult, Recovery
 from .request import JobRequest
-from .settle import APPLIED
 from .state import RunState
 
 __all__ = ["JobCalls", "ModelTokens"]
@@ -43,88 +36,51 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class JobCalls:
-    """The one call path of the client's roles: every call to a job, through :class:`~.recovery.Recovery`
-    (its retry rule: re-send what is harmless, settle or rebuild what is not, restore after a restart)
-    and in the run's dialect. A call that is not ``idempotent`` (``/forward-backward``, ``/step``) is
-    journalled once acknowledged (:mod:`.journal`)."""
+    """The roles' calls to the run's jobs, through :meth:`~.recovery.Recovery.call` and in the run's
+    dialect. ``counter``: ``(name, value before the call)`` of the training job's ``GET /job`` counter
+    that a call increments (what settles a lost answer on a server that does not replay request ids)."""
 
     def __init__(self, state: RunState, recovery: Recovery) -> None:
-        self.state = state
-        self.recovery = recovery
+        self._state = state
+        self._recovery = recovery
 
-    def training_call(self) -> threading.RLock:
-        """Held by calls of the training client: a restore never interleaves with them."""
-        self.recovery.become_primary()
-        return self.recovery.lock
+    def call(self, request: JobRequest, *, counter: tuple[str, int] | None = None) -> CallResult[requests.Response]:
+        """Send ``request`` (see :meth:`~.recovery.Recovery.call`)."""
+        return self._recovery.call(request, counter=counter)
 
-    def call(self, request: JobRequest, *, counter: tuple[str, int] | None = None) -> requests.Response | object:
-        """Send ``request``; :data:`~.settle.APPLIED` for a call applied whose answer was lost. ``counter``:
-        ``(name, value before the call)`` of the training job's ``GET /job`` counter the call increments."""
-        resp = self.recovery.call(request.what, functools.partial(self._send, request), safe=request.idempotent,
-                                  counter=counter)
-        if not request.idempotent:
-            body = request.payload
-            self.recovery.journal.record(request.path, body.data if body.data is not None else body.json,
-                                         body.content_type if body.data is not None else None,
-                                         is_step=request.path == Paths.STEP)
-        return resp
-
-    def read(self, request: JobRequest, model: type[M], *, counter: tuple[str, int] | None = None) -> M | None:
-        """:meth:`call`, its JSON answer read through the protocol's ``model``; ``None`` when it was
-        applied but its answer was lost."""
-        resp = self.call(request, counter=counter)
-        if resp is APPLIED:
-            return None
-        return parse_answer(model, self.state.dialect.decode(resp, request.what), request.what)
+    def read(self, request: JobRequest, model: type[M], *, counter: tuple[str, int] | None = None) -> CallResult[M]:
+        """:meth:`call`, its answer decoded by the dialect and read through the protocol's ``model``."""
+        what = request.what
+        return self.call(request, counter=counter).map(
+            lambda resp: parse_answer(model, self._state.dialect.decode(resp, what), what))
 
     def post_tensors(self, path: str, job_type: JobType, body: dict, *, op: str, idempotent: bool,
-                     counter: tuple[str, int] | None = None) -> dict:
+                     counter: tuple[str, int] | None = None) -> CallResult[dict]:
         """POST a tensor body (encoded by the dialect) to the job of ``job_type``; see :meth:`post`."""
-        payload = Payload(content_type=OCTET_STREAM, data=self.state.dialect.encode_tensors(body))
+        payload = Payload(content_type=OCTET_STREAM, data=self._state.dialect.encode_tensors(body))
         return self.post(path, job_type, payload, op=op, idempotent=idempotent, counter=counter)
 
     def post(self, path: str, job_type: JobType, payload: Payload, *, op: str, idempotent: bool,
-             counter: tuple[str, int] | None = None) -> dict:
-        """POST ``payload`` to the job of ``job_type``; the answer decoded by the dialect, ``{}`` for a
-        call applied whose answer was lost."""
+             counter: tuple[str, int] | None = None) -> CallResult[dict]:
+        """POST ``payload`` to the job of ``job_type``; the answer decoded by the dialect (an object)."""
         request = JobRequest("POST", path, op=op, idempotent=idempotent, job=job_type, payload=payload)
-        resp = self.call(request, counter=counter)
-        if resp is APPLIED:
+        result = self.call(request, counter=counter).map(lambda resp: self._object(resp, request.what))
+        if not result.answered:
             logger.warning("arctic: the metrics of an applied %s are lost (its answer never came)", path)
-            return {}
-        out = self.state.dialect.decode(resp, request.what)
-        if not isinstance(out, dict):
-            raise RemoteProtocolError(request.what, f"expected an object, got {type(out).__name__}")
-        return out
+        return result
 
     def job_info(self, job_type: JobType) -> dict:
         """``GET /job/{id}`` of the run's job of ``job_type`` (after a restore: the new job's)."""
         request = JobRequest("GET", Paths.JOB, op="default", idempotent=True,
                              route=lambda state: Route(Paths.job(state.job(job_type)), None, None))
-        resp = self.call(request)
-        info = resp.json() if resp is not APPLIED else None
+        info = self.call(request).answer(request.what).json()
         return info if isinstance(info, dict) else {}
 
-    def _send(self, request: JobRequest, request_id: str) -> requests.Response:
-        try:
-            return request.send(self.state, request_id)
-        except RemoteServerError as exc:
-            if (request.job is not None and request.path == self.state.dialect.forward_path and exc.status == 500
-                    and not isinstance(exc, RemoteJobNotFoundError)):
-                self._raise_if_job_gone(request.what, self.state.job(request.job), exc)
-            raise
-
-    def _raise_if_job_gone(self, endpoint: str, job_id: int, exc: RemoteServerError) -> None:
-        """The vendor's ``/forward`` (v1: ``/fwd-no-grad``) indexes its job table before checking the id: an
-        unknown job is a plain 500 there. ``GET /job/{id}`` tells: a 404 makes it :class:`RemoteJobNotFoundError`."""
-        try:
-            JobRequest("GET", Paths.job(job_id), op="default", idempotent=True).send(self.state)
-        except RemoteJobNotFoundError as gone:
-            raise RemoteJobNotFoundError(endpoint, 404, f"job {job_id} not found (the server answered HTTP "
-                                         f"{exc.status} and GET {Paths.job(job_id)} 404)",
-                                         detail=gone.detail) from exc
-        except RemoteBackendError:
-            pass  # the job read failed too: keep the original error
+    def _object(self, resp: requests.Response, what: str) -> dict:
+        out = self._state.dialect.decode(resp, what)
+        if not isinstance(out, dict):
+            raise RemoteProtocolError(what, f"expected an object, got {type(out).__name__}")
+        return out
 
 
 class ModelTokens:

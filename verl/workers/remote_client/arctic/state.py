@@ -42,9 +42,6 @@ class RunState:
     retired: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def __post_init__(self) -> None:
-        self.http.step = self.step
-
     def job(self, job_type: JobType) -> int:
         """The id of this run's job of ``job_type``."""
         try:
@@ -53,9 +50,8 @@ class RunState:
             raise RemoteBackendError(f"no {job_type.value} job in this backend ({self.job_ids})") from None
 
     def set_step(self, step: int) -> None:
-        """The optimizer step (also sent as ``X-Arctic-Step`` with every call)."""
+        """The optimizer step (sent as ``X-Arctic-Step`` with every call to a job, :mod:`.request`)."""
         self.step = int(step)
-        self.http.step = self.step
 
     def retire(self, job_ids: Iterable[int]) -> None:
         """Jobs this client destroyed or abandoned: their absence says nothing about the server."""

@@ -32,8 +32,10 @@ from .dialect import Payload
 from .layout import RESPONSE_KEYS, dense_batch, plan_layout, shuffled_rows, split_rows
 from .loss_config import apply_is_weights, build_loss_config, loss_body, loss_fn_name
 from .metrics import FlopsEstimator, mini_batch_metrics
+from .recovery import Recovery
 from .request import JobRequest
 from .session import JobCalls, ModelTokens
+from .state import RunState
 
 __all__ = ["TRAIN_POST", "Trainer", "sampling_temperature"]
 
@@ -59,11 +61,12 @@ def forward_body(batch: dict, meta: dict, processing: Processing) -> dict[str, A
 class Trainer:
     """``update_actor`` on the training job, and the optimizer step it ends every mini-batch with."""
 
-    def __init__(self, calls: JobCalls, *, verl: VerlSettings, arctic: ArcticConfig, plan: BatchPlan,
-                 flops: FlopsEstimator, tokens: ModelTokens, save_checkpoint: Callable[..., dict]) -> None:
+    def __init__(self, calls: JobCalls, state: RunState, recovery: Recovery, *, verl: VerlSettings,
+                 arctic: ArcticConfig, plan: BatchPlan, flops: FlopsEstimator, tokens: ModelTokens,
+                 save_checkpoint: Callable[..., dict]) -> None:
         self.calls = calls
-        self.state = calls.state
-        self.recovery = calls.recovery
+        self.state = state
+        self.recovery = recovery
         self.verl = verl
         self.arctic = arctic
         self.plan = plan
@@ -131,8 +134,8 @@ class Trainer:
                 res = self.calls.post_tensors(path, JobType.TRAINING, body, op="forward_backward", idempotent=False,
                                               counter=("pending_forward_backward", 0))
                 call_metrics: dict[str, Any] = {}
-                if res:  # {}: applied, answer lost
-                    answer = parse_answer(ForwardBackwardResponse, res, f"POST {path}")
+                if res.answered:  # else applied, its answer (and metrics) lost
+                    answer = parse_answer(ForwardBackwardResponse, res.value, f"POST {path}")
                     call_metrics = dict(answer.metrics)
                     if answer.avg_loss is not None:
                         call_metrics.setdefault("loss", answer.avg_loss)
@@ -150,13 +153,13 @@ class Trainer:
         request = JobRequest("POST", Paths.STEP, op="step", idempotent=False, job=JobType.TRAINING,
                              payload=Payload(json=state.dialect.step_body()))
         answer = self.calls.read(request, StepResponse, counter=("global_step", state.step))  # journalled
-        if answer is None:  # applied, answer lost: what the server's job info still tells
+        if not answer.answered:  # applied, answer lost: what the server's job info still tells
             # count the step first: a restart during the read replays the journal, which now holds it
             state.set_step(state.step + 1)
             info = self.calls.job_info(JobType.TRAINING)
             metrics = {"global_step": state.step, "last_lr": info.get("lr"), "grad_norm": None}
         else:
-            metrics = dict(answer.metrics)
+            metrics = dict(answer.answer(request.what).metrics)
         step = metrics.get("global_step")
         state.set_step(int(step) if isinstance(step, int) and not isinstance(step, bool) else state.step + 1)
         if state.dialect.can_load_checkpoints:  # a recovery checkpoint is only useful where it can be loaded
