@@ -3,8 +3,10 @@
 # and collect what benchmarks/real_model_report.py reads (metrics.jsonl, gpu_mem.csv, summary.json) per run.
 #
 #   bash benchmarks/device/grpo_runs.sh RESULTS_DIR SPEC [SPEC ...]
-#   SPEC = NAME:BACKEND:STYLE:ZORRO:SEED   BACKEND arl (remote_backend=arctic, reference server) or stock (stock
-#          verl, colocated FSDP + vLLM); STYLE short or fewshot; ZORRO true/false (ignored for stock); SEED an integer
+#   SPEC = NAME:BACKEND:STYLE:ZORRO:SEED[:OVERRIDES]   BACKEND arl (remote_backend=arctic, reference server) or stock
+#          (stock verl, colocated FSDP + vLLM); STYLE short or fewshot; ZORRO true/false (ignored for stock); SEED an
+#          integer; OVERRIDES Hydra overrides for the script, comma-separated (e.g. verl's bypass mode:
+#          algorithm.rollout_correction.bypass_mode=true,actor_rollout_ref.rollout.calculate_log_probs=true)
 #   e.g. arl_off_short:arl:short:false:0 stock_short:stock:short:false:0 arl_on_fewshot:arl:fewshot:true:0
 #
 # Meant to be started detached (setsid) on the lent GPU machine after benchmarks/device/unpack.sh, then polled
@@ -57,8 +59,10 @@ cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference serv
 }
 
 run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SMI=1: the GPU total in its gpu_mem.csv)
-    local spec=$1 own_smi=$2 name backend style zorro seed script out smi="" start rc run_dir f steps
-    IFS=: read -r name backend style zorro seed <<<"$spec"
+    local spec=$1 own_smi=$2 name backend style zorro seed extra script out smi="" start rc run_dir f steps
+    local -a overrides=()
+    IFS=: read -r name backend style zorro seed extra <<<"$spec"
+    [ -n "$extra" ] && IFS=, read -r -a overrides <<<"$extra"
     case "$backend" in
         arl) script=examples/grpo/run_arithmetic_grpo_smollm2.sh ;;
         stock) script=examples/grpo/run_arithmetic_grpo_smollm2_stock.sh ;;
@@ -73,7 +77,7 @@ run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SM
     start=$(date +%s)
     echo "$(date -u +%H:%M:%S) start $name ($spec)" >>"$results/status"
     GRPO_RUN_NAME="$name" OUT_DIR="$OUT_BASE" RUN_NAME="$name" STEPS="${STEPS:-50}" SEED="$seed" PROMPT_STYLE="$style" \
-        ZORRO="$zorro" PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" >"$out/console.txt" 2>&1
+        ZORRO="$zorro" PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" "${overrides[@]}" >"$out/console.txt" 2>&1
     rc=$?
     [ -n "$smi" ] && kill "$smi" 2>/dev/null
     run_dir="$OUT_BASE/runs/$name"
