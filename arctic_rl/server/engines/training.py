@@ -4,7 +4,7 @@
   ``gradient_accumulation_steps`` (GAS) micro-batches, each runs log-probs
   (:func:`~arctic_rl.server.logprobs.response_logprobs`, ZoRRO when enabled), the allow-listed loss
   (:func:`~arctic_rl.server.losses.compute_loss`) and ``engine.backward``. The forward runs *through*
-  the DeepSpeed engine (the model is wrapped in :class:`_PolicyModule`, whose forward takes the whole
+  the DeepSpeed engine (the model is wrapped in :class:`~.ds_glue.PolicyModule`, whose forward takes the whole
   computation as a function), so DeepSpeed's backward hooks see it exactly as with ``engine(batch)``.
   ``token-mean`` divides by the mini-batch's tokens (``meta.batch_num_tokens``), so the gradient is
   that of ``sum(loss * mask) / batch_num_tokens`` over the whole mini-batch. When the call takes
@@ -14,12 +14,10 @@
   ``managed_gradient_accumulation=false``; this engine is the accumulation boundary). A second
   ``forward_backward`` before ``step``, or a ``step`` without one, is a 400. ``global_step`` counts
   ``/step`` calls, as the vendor's engine does for the same call sequence.
-* ``forward`` -- no-grad log-probs (eval mode).
-* ``save`` / ``load`` -- DeepSpeed's own checkpoint (module, optimizer, scheduler, step) plus
-  RNG states, in the layout of :mod:`arctic_rl.server.checkpoint`.
-* ``weights`` -- the live parameters by name, for weight sync.
+* ``forward`` -- no-grad log-probs (eval mode); ``weights`` -- the parameters by name, for weight sync;
+  ``memory_report`` -- its memory by part (:mod:`arctic_rl.server.memory`).
 
-What is not here: HTTP, request validation, path resolution.
+What is not here: checkpoints (:mod:`.training_state`), DeepSpeed's wrapping (:mod:`.ds_glue`), HTTP.
 """
 
 from __future__ import annotations
@@ -33,18 +31,19 @@ from typing import Any
 import torch
 
 from arctic_rl.protocol import JobConfig, JobType, LogprobAlignment
-from arctic_rl.server import checkpoint as ckpt_layout
 from arctic_rl.server.engines.common import (
     compile_model,
     ensure_process_group,
     forward_logprobs,
     load_model,
-    load_tokenizer,
     model_vocab_size,
     resolve_compile_mode,
     resolve_device,
 )
 from arctic_rl.server.engines.config import build_training_ds_config, parse_worker_knobs
+from arctic_rl.server.engines.ds_glue import Carry, PolicyModule, gathered_state_dict, import_deepspeed
+from arctic_rl.server.engines.micro_metrics import combine_micro_metrics
+from arctic_rl.server.engines.training_state import load_training, save_training
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.logprobs import set_compiled_token_stats
 from arctic_rl.server.memory import JobMemory
@@ -59,37 +58,7 @@ from arctic_rl.server.zorro_tuner import ZorroTuner
 __all__ = ["TrainingEngine"]
 
 logger = logging.getLogger("arctic_rl.server")
-
-
-class _PolicyModule(torch.nn.Module):
-    """``forward(fn)`` returns ``fn(model)``: any computation on the model, run by DeepSpeed."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, fn):
-        return fn(self.model)
-
-
-class _Carry:
-    """Opaque holder: DeepSpeed registers backward hooks on output tensors it can see, only."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _import_deepspeed(device: torch.device):
-    if device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import deepspeed.ops
-
-    # The CPU accelerator would JIT-build a shared-memory all-reduce op (~46 s) on first use.
-    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
-    if isinstance(compatible, dict):
-        compatible["deepspeed_shm_comm"] = False
-    return deepspeed
+_import_deepspeed = import_deepspeed  # the name benchmarks/grpo_bare.py imports
 
 
 class TrainingEngine:
@@ -101,8 +70,7 @@ class TrainingEngine:
         self.config = config
         self.job_dir = job_dir
         self.device = resolve_device(settings.device)
-        self.memory = JobMemory(self.device)
-        self.zorro_min_saving = settings.zorro_min_saving
+        self.memory, self.zorro_min_saving = JobMemory(self.device), settings.zorro_min_saving
         self.zorro_choices = ZorroChoiceLog("training")
         self.zorro_tuners = {call: ZorroTuner("training", call, trials=settings.zorro_trials)
                              for call in ("/forward", "/forward-backward")}
@@ -120,7 +88,7 @@ class TrainingEngine:
         if config.training_config:
             logger.info("training job: training_config is not used (the optimizer comes from ds_config)")
 
-        deepspeed = _import_deepspeed(self.device)
+        deepspeed = import_deepspeed(self.device)
         ensure_process_group(self.device)
         torch.manual_seed(config.seed)
         if config.full_determinism:
@@ -143,12 +111,12 @@ class TrainingEngine:
         self.vocab_size = model_vocab_size(model)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.tokenizer_source = config.model_name
-        wrapper = _PolicyModule(model)
+        wrapper = PolicyModule(model)
         params = [p for p in wrapper.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=wrapper, model_parameters=params, config=self.ds_config)
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
-        # ZeRO-3 gathers each layer's parameters in hooks around its forward: compiled layers are not tried there
-        self.torch_compile = resolve_compile_mode(settings.torch_compile if self.zero_stage < 3 else "off", self.device)
+        compile_mode = settings.torch_compile if self.zero_stage < 3 else "off"  # ZeRO-3: hooks gather each layer
+        self.torch_compile = resolve_compile_mode(compile_mode, self.device)
         compile_model(self.model, self.torch_compile)  # after DeepSpeed wrapped it
         # where torch.compile works on a GPU, ZoRRO's response pass uses compiled FlexAttention (no prompt copies)
         set_response_attention("flex" if self.device.type == "cuda" and self.torch_compile != "off" else "expand")
@@ -283,7 +251,7 @@ class TrainingEngine:
                     loss, m = compute_loss(batch.loss_name, out.row_range(a, b), sub_rl, cfg)
                     losses.append(loss)
                     metrics.append((m, sub_rl[mask_key]))
-                return torch.stack(losses).sum(), _Carry((out, metrics))
+                return torch.stack(losses).sum(), Carry((out, metrics))
 
             loss, carry = self.engine(run)
             out, micro_metrics = carry.value
@@ -311,7 +279,7 @@ class TrainingEngine:
             if self.device.type == "cuda":  # the last backward's kernels belong to this call's time
                 torch.cuda.synchronize(self.device)
             tuner.record_call(rule, choice, time.perf_counter() - t0)
-        metrics = _combine_micro_metrics(parts, token_mean=token_mean, denom=cfg.loss_scale_tokens)
+        metrics = combine_micro_metrics(parts, token_mean=token_mean, denom=cfg.loss_scale_tokens)
         metrics.update(
             tokens_computed=float(tokens_computed),
             unique_prompts=float(unique_prompts),
@@ -401,45 +369,15 @@ class TrainingEngine:
     def weights(self) -> dict[str, torch.Tensor]:
         """The live parameters and buffers by Hugging Face name (no copy); under ZeRO-3, whose parameters are
         partitioned between passes, a gathered copy (the whole model's size, for as long as it is held)."""
-        if self.zero_stage < 3:
-            return self.model.state_dict()
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
-            return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+        return self.model.state_dict() if self.zero_stage < 3 else gathered_state_dict(self.model)
 
     def save(self, ckpt: Path, *, export_hf: bool) -> dict[str, Any]:
         """Write model + optimizer + scheduler + step + RNG to ``ckpt`` (``.../checkpoint-<step>``)."""
-        if self.pending:
-            logger.warning("save: the gradients of a /forward-backward not closed by /step are not in the checkpoint")
-        ckpt.parent.mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(str(ckpt.parent), tag=ckpt.name, save_latest=False)
-        ckpt_layout.save_rng_state(ckpt)
-        ckpt_layout.write_marker(
-            ckpt, {"global_step": self.global_step, "model_name": self.config.model_name, "zero_stage": self.zero_stage}
-        )
-        hf_path = None
-        if export_hf:
-            hf_dir = ckpt / "hf"
-            state = self.weights() if self.zero_stage == 3 else None  # ZeRO-3: the gathered weights
-            self.model.save_pretrained(str(hf_dir), safe_serialization=True, state_dict=state)
-            load_tokenizer(self.tokenizer_source).save_pretrained(str(hf_dir))
-            hf_path = str(hf_dir)
-        return {"path": str(ckpt), "hf_path": hf_path, "global_step": self.global_step}
+        return save_training(self, ckpt, export_hf=export_hf)
 
     def load(self, ckpt: Path) -> dict[str, Any]:
         """Restore what :meth:`save` wrote; the next step is the one the saved run would have taken."""
-        if self.pending:
-            logger.warning("load: discarding the gradients of a /forward-backward not closed by /step")
-            self._discard_gradients()
-            self.pending = 0
-        path, _ = self.engine.load_checkpoint(
-            str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if path is None:
-            raise BadRequest(f"path: DeepSpeed found no checkpoint at {ckpt}", field="path", received=str(ckpt))
-        ckpt_layout.load_rng_state(ckpt)
-        return {"path": str(ckpt), "global_step": self.global_step}
+        return load_training(self, ckpt)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -460,30 +398,3 @@ class TrainingEngine:
         del self.engine
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-#: loss-valued metrics: with ``token-mean`` each micro-batch's value is its masked sum / the mini-batch's tokens
-_LOSS_METRICS = ("loss", "actor/pg_loss", "kl_loss", "actor/entropy_loss", "sft_loss")
-
-
-def _combine_micro_metrics(parts: list[tuple[dict[str, float], float]], *, token_mean: bool,
-                           denom: float | None) -> dict[str, float]:
-    """One call's metrics from its micro-batches', as the vendor reports them: token means over the call.
-
-    Ratio metrics (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...) are per-micro-batch token means: weighted by tokens.
-    Loss-valued metrics under ``token-mean`` are masked sums / ``denom``: ``sum * denom / tokens`` is
-    the call's token mean. Under the seq-mean modes each micro-batch holds the same number of rows:
-    their plain mean."""
-    tokens = sum(t for _, t in parts)
-    names = {k for m, _ in parts for k in m if k != "num_tokens"}
-    out: dict[str, float] = {}
-    for name in sorted(names):
-        values = [(m[name], t) for m, t in parts if name in m]
-        if name in _LOSS_METRICS and token_mean and denom:
-            out[name] = sum(v for v, _ in values) * denom / tokens if tokens else 0.0
-        elif name in _LOSS_METRICS:
-            out[name] = sum(v for v, _ in values) / len(values)
-        else:
-            weight = sum(t for _, t in values)
-            out[name] = sum(v * t for v, t in values) / weight if weight else sum(v for v, _ in values) / len(values)
-    return out
