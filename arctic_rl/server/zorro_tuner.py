@@ -20,7 +20,9 @@ times both passes and keeps the faster:
    drift (responses lengthen or shorten as it learns) follows the faster pass.
 
 The choice changes speed only: both passes give the same log-probs, losses and gradients (to float
-precision). ``trials=0`` turns the timing off: every call the token rule sends to ZoRRO takes it.
+precision). Memory: a trial is a whole call run with one of the passes, never both passes on one batch,
+so no call holds the buffers of both at once (and within a call, each pass's outputs are dropped before
+the next pass's forward). ``trials=0`` turns the timing off: every call the token rule sends to ZoRRO takes it.
 Verdicts are logged at INFO when they change; a call's metrics carry ``zorro_time_ratio`` (ZoRRO's
 median over the plain pass's) once both passes are timed.
 """

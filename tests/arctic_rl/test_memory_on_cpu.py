@@ -147,14 +147,18 @@ def test_offload_and_stage_3_reach_the_deepspeed_config():
     ],
     ids=["zero3", "offload_optimizer", "offload_param", "gradient_checkpointing"],
 )
-def test_training_job_runs_with_each_memory_option(model_dir, tmp_path, zero, knobs):
-    """Each option reaches DeepSpeed's engine (or the model) and the job trains to the plain job's loss."""
+def test_training_job_runs_with_each_memory_option(model_dir, tmp_path, zero, knobs, monkeypatch):
+    """Each option reaches DeepSpeed's engine (or the model) and the job trains to the plain job's loss, with the
+    LM head run chunk by chunk on hidden states (ZeRO-3 gathers its weight at each chunk, forward and backward)."""
+    from arctic_rl.server import logprobs
+
     plain = _engine(model_dir, tmp_path / "plain")
     try:
         want = [_train_step(plain)["loss"] for _ in range(2)]
         want_weights = {k: v.clone() for k, v in plain.weights().items()}
     finally:
         plain.close()
+    monkeypatch.setattr(logprobs, "_HEAD_CHUNK_BYTES", 3 * 102 * 4)  # 3 positions of the 102-token vocabulary
     engine = _engine(model_dir, tmp_path / "opt", zero, knobs)
     try:
         ds = engine.engine
@@ -164,6 +168,7 @@ def test_training_job_runs_with_each_memory_option(model_dir, tmp_path, zero, kn
             assert ds.zero_offload_param() is not None and ds.zero_offload_param().device == "cpu"
         assert engine.model.is_gradient_checkpointing == bool(knobs.get("enable_gradient_checkpointing"))
         got = [_train_step(engine)["loss"] for _ in range(2)]
+        assert engine.memory_report()["largest_hidden_states"] > 0  # the chunked head ran
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         weights = engine.weights()  # ZeRO-3: gathered, the whole model
         assert weights.keys() == want_weights.keys()
