@@ -3,9 +3,9 @@ model comes back as a Hugging Face directory (``examples/common/export_hf.py``);
 what the entry point sets names every setting it forces.
 
 The command is read from README.md (the fenced block after ``<!-- any-recipe-command -->``) and run by bash with
-its variables pointing at a tiny task: the reverse-text data and reward of ``examples/reverse_text``, a tiny Qwen3
-(``arctic_rl/tiny_models.py``) and the reference server. Overrides appended after it keep the CI run short (one
-step of 4 prompts x 2 samples, 10 response tokens) -- Hydra takes the last value of a key.
+its variables pointing at a tiny task (``tests/_helpers_e2e.build_task``: ``a+b=`` prompts, a custom reward file, a
+tiny Qwen3 from ``arctic_rl/tiny_models.py``) and at the reference server. Overrides appended after it keep the CI run short (one
+step of 4 prompts x 4 samples, 10 response tokens) -- Hydra takes the last value of a key.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
 ANY_RECIPE = REPO_ROOT / "docs" / "ANY_RECIPE.md"
 MARKER = "<!-- any-recipe-command -->"
-# one GRPO step of 4 prompts x 2 samples (the README's sizes are a real recipe's)
+# one GRPO step of 4 prompts x 4 samples (the README's sizes are a real recipe's)
 SHRINK = [
-    "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
+    "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
     "data.max_prompt_length=64", "data.max_response_length=10", "trainer.total_training_steps=1",
     "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=1",
     "remote_backend.train.deepspeed.bf16=false",
+    "actor_rollout_ref.actor.optim.lr=1e-3",  # verl's 1e-6 moves a tiny model's weights below what the check can see
 ]
 
 
@@ -90,16 +91,13 @@ def test_the_table_names_every_setting_the_entry_point_forces():
 
 
 @pytest.mark.slow  # one verl run (Ray, the adapter, the reference server's DeepSpeed job), then the export: ~2-4 min
-def test_the_readme_command_runs_against_the_reference_server_and_the_model_comes_back(reference_server, tmp_path,
-                                                                                       tiny_model_dir):
-    from _helpers_e2e import entry_point_env
+def test_the_readme_command_runs_against_the_reference_server_and_the_model_comes_back(reference_server, tmp_path):
+    from _helpers_e2e import build_task, entry_point_env
 
-    data = tmp_path / "data"
-    subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "reverse_text" / "make_data.py"), "--out", str(data),
-                    "--n-train", "16", "--n-val", "4"], check=True, capture_output=True, timeout=120)
-    (data / "val.parquet").rename(data / "test.parquet")  # the README names GSM8K's files
-    env = entry_point_env(ARCTIC_RL_URL=reference_server.url, DATA=str(data), MODEL=str(tiny_model_dir),
-                          REWARD=str(REPO_ROOT / "examples" / "reverse_text" / "reward.py"),
+    task = build_task(tmp_path / "task")  # a+b= prompts, a tiny Qwen3, a reward that varies between samples
+    task["val"].rename(task["val"].with_name("test.parquet"))  # the README names GSM8K's files
+    env = entry_point_env(ARCTIC_RL_URL=reference_server.url, DATA=str(task["train"].parent), MODEL=str(task["model"]),
+                          REWARD=str(task["reward"]),
                           PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     command = " ".join([readme_command(), *SHRINK, f"trainer.default_local_dir={tmp_path / 'ckpt'}",
                         f"hydra.run.dir={tmp_path / 'hydra'}"])
@@ -109,7 +107,10 @@ def test_the_readme_command_runs_against_the_reference_server_and_the_model_come
     wall = time.monotonic() - start
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
-    assert re.search(r"step:1 - .*critic/score/mean:", output), output[-3000:]
+    step = re.search(r"step:1 - .*$", output, re.MULTILINE)
+    assert step and "critic/score/mean:" in step.group(0), output[-3000:]
+    grad_norm = float(re.search(r"actor/grad_norm:([-\d.e]+)", step.group(0)).group(1))
+    assert grad_norm > 0, step.group(0)  # the samples' rewards differed: the step moved the weights
     assert (tmp_path / "ckpt" / "global_step_1").is_dir()  # verl's save, done on the server
 
     start_export = time.monotonic()
@@ -124,7 +125,7 @@ def test_the_readme_command_runs_against_the_reference_server_and_the_model_come
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert model.config.vocab_size >= len(tokenizer) > 0
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(task["model"])
     trained, untrained = dict(model.named_parameters()), dict(base.named_parameters())
     assert any(not (trained[name] == untrained[name]).all() for name in untrained)  # a trained model, not the base
     print(f"recipe run {wall:.0f} s, export {export_wall:.0f} s")

@@ -138,6 +138,7 @@ def test_reverse_text_script_maps_the_measured_recipe(tmp_path):
         "data.dataloader_num_workers": 0,
         "trainer.val_before_train": False,
         "trainer.total_training_steps": 12,
+        "trainer.save_freq": 12,  # one checkpoint on the server, at the last step (examples/common/export_hf.py)
         "reward.custom_reward_function.name": "compute_score",
         "remote_backend.server.url": None,
         "remote_backend.train.zorro_train.enable": True,
@@ -226,7 +227,8 @@ _TINKER_KNOBS = {"TINKER_URL": "", "TINKER_API_KEY": "", "LORA_RANK": "", "BASE_
 def _shared_recipe(cfg: dict) -> dict:
     """The reverse-text recipe's keys that do not depend on the backend (examples/common/reverse_text.sh)."""
     drop = {"actor_rollout_ref.actor.optim.lr", "trainer.project_name", "trainer.experiment_name",
-            "trainer.default_local_dir", "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH"}
+            "trainer.default_local_dir", "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH",
+            "trainer.save_freq"}  # the Arctic script saves its last step on the server (for export_hf)
     keys = [f"{group}.{k}" for group in ("data", "algorithm", "trainer") for k in cfg[group] if k != "v1"]
     keys += [f"actor_rollout_ref.{group}.{k}" for group in ("actor", "rollout") for k in
              ("optim", "ppo_mini_batch_size", "ppo_epochs", "clip_ratio", "loss_agg_mode", "use_kl_loss",
@@ -262,6 +264,7 @@ def test_reverse_text_tinker_script_runs_the_arctic_recipe_through_tinker(tmp_pa
     # one recipe (examples/common/reverse_text.sh), two backends: the learning rate is the only recipe difference
     assert _shared_recipe(tinker) == _shared_recipe(arctic)
     assert _get(arctic, "actor_rollout_ref.actor.optim.lr") == 1e-3
+    assert _get(arctic, "trainer.save_freq") == 12 and _get(tinker, "trainer.save_freq") == -1
     metrics = tmp_path / "rt" / "runs" / "same" / "metrics.jsonl"
     assert _get(tinker, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH") == str(metrics)
     assert "tml-local-peer" not in output
