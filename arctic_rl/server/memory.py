@@ -19,7 +19,9 @@ Each engine keeps a :class:`JobMemory`. Its :meth:`JobMemory.report` lists, in b
 
 Tensors are counted once each (by storage), and a part no tensor backs is absent. Parts held on the
 host (offloaded optimizer state or parameters) are counted with the rest and listed under ``offloaded``
-too. The peaks are per process: calls of two jobs that run at the same time share them.
+too. The peaks are per process: calls of two jobs that run at the same time share them. A sampling job
+reports ``weights`` (and, for the vLLM sampler, ``kv_cache``: the cache tensors its worker allocated) plus the
+device figures.
 
 What is not here: HTTP (``/status`` and the call metrics carry :meth:`JobMemory.report`), the engines.
 """
@@ -33,7 +35,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["GIB", "JobMemory", "device_report", "job_memory", "memory_metrics", "note_buffer", "report_gib", "tensor_bytes"]
+__all__ = [
+    "GIB", "JobMemory", "device_report", "job_memory", "memory_metrics", "note_buffer", "report_gib", "tensor_bytes",
+    "vllm_worker_parts",
+]
 
 GIB = float(1 << 30)
 _LOCAL = threading.local()
@@ -179,12 +184,30 @@ def report_gib(parts: dict[str, int], prefix: str) -> dict[str, float]:
     return {f"{prefix}{name}_gib": round(value / GIB, 6) for name, value in parts.items()}
 
 
+def vllm_worker_parts(worker: Any) -> dict[str, int]:
+    """``weights`` and ``kv_cache`` bytes of a vLLM worker's model runner (its model's parameters and the KV
+    cache tensors it allocated; vLLM frees their memory while it sleeps, the tensors stay)."""
+    runner = worker.model_runner
+    parts: dict[str, int] = {}
+    for name, tensors in (("weights", runner.model.parameters()), ("kv_cache", _flat(getattr(runner, "kv_caches", None)))):
+        total, _ = tensor_bytes(tensors)
+        if total:
+            parts[name] = total
+    return parts
+
+
 def job_memory(engine: Any) -> dict[str, int]:
-    """A job's report: its engine's ``memory_report()``, else the weights of the model it holds (a sampler
-    without a report of its own), else nothing. Never raises (a report must not fail a call)."""
+    """A job's report: its engine's ``memory_report()``; for the vLLM sampler (an engine with an in-process
+    ``llm``), its worker's weights and KV cache plus the device figures; else the weights of the model the
+    engine holds (the transformers sampler); else nothing. Never raises (a report must not fail a call)."""
     try:
         if hasattr(engine, "memory_report"):
             return dict(engine.memory_report())
+        llm = getattr(engine, "llm", None)
+        if llm is not None and hasattr(llm, "collective_rpc"):
+            parts = dict(llm.collective_rpc(vllm_worker_parts)[0])
+            parts.update(device_report(getattr(engine, "device", None)))
+            return parts
         model = getattr(engine, "model", None)
         if isinstance(model, torch.nn.Module):
             return JobMemory(next(model.parameters()).device).report(model)

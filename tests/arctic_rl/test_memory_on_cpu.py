@@ -18,7 +18,15 @@ from arctic_rl.server.engines.config import build_training_ds_config
 from arctic_rl.server.engines.logprob import LogProbEngine
 from arctic_rl.server.engines.training import TrainingEngine
 from arctic_rl.server.errors import BadRequest
-from arctic_rl.server.memory import GIB, JobMemory, memory_metrics, report_gib, tensor_bytes
+from arctic_rl.server.memory import (
+    GIB,
+    JobMemory,
+    job_memory,
+    memory_metrics,
+    report_gib,
+    tensor_bytes,
+    vllm_worker_parts,
+)
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import parse_batch_body
 from arctic_rl.tiny_models import build_tiny_model
@@ -98,6 +106,17 @@ def test_log_prob_report_is_its_weights_and_metric_names(model_dir, tmp_path):
         assert set(names) == {f"memory/log_prob/{part}_gib" for part in report}
     finally:
         engine.close()
+
+
+def test_sampler_reports_weights_and_kv_cache():
+    """The vLLM sampler's parts come from its worker's model runner (reached through ``collective_rpc``): the
+    model's parameters and the KV cache tensors; the transformers sampler's, from the model it holds."""
+    model = torch.nn.Linear(8, 4)
+    runner = SimpleNamespace(model=model, kv_caches=[torch.zeros(2, 3, 5), torch.zeros(2, 3, 5, dtype=torch.float16)])
+    assert vllm_worker_parts(SimpleNamespace(model_runner=runner)) == {"weights": (32 + 4) * 4,
+                                                                      "kv_cache": 30 * 4 + 30 * 2}
+    assert job_memory(SimpleNamespace(model=model)) == {"weights": 36 * 4}
+    assert job_memory(SimpleNamespace()) == {}
 
 
 def test_tensor_bytes_counts_each_storage_once():
