@@ -17,7 +17,8 @@ Each engine keeps a :class:`JobMemory`. Its :meth:`JobMemory.report` lists, in b
   for the process, ``device_max_allocated``, ``device_allocated`` and ``device_reserved`` (the caching
   allocator's reserve). On CPU these parts are absent, not zero: nothing measures them there.
 
-Tensors are counted once each (by storage), and a part no tensor backs is absent. Parts held on the
+Each byte is counted once (views of one flat buffer count the union of their spans), in the first part
+that holds it, and a part no tensor backs is absent. Parts held on the
 host (offloaded optimizer state or parameters) are counted with the rest and listed under ``offloaded``
 too. The peaks are per process: calls of two jobs that run at the same time share them. A sampling job
 reports ``weights`` (and, for the vLLM sampler, ``kv_cache``: the cache tensors its worker allocated) plus the
@@ -46,28 +47,45 @@ _DEVICE_PEAK = {"bytes": 0}
 _DEVICE_LOCK = threading.Lock()
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+def _span(t: torch.Tensor) -> tuple[tuple[str, int], int, int]:
+    """``(storage key, first byte, end byte)`` of the memory ``t`` covers (offsets within its storage)."""
+    size = t.numel() * t.element_size()
     try:
-        return str(t.device), int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return str(t.device), id(t)
+        base = int(t.untyped_storage().data_ptr())
+        start = int(t.data_ptr()) - base
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, some wrappers)
+        return (str(t.device), id(t)), 0, size
+    return (str(t.device), base), start, start + size
 
 
-def tensor_bytes(tensors: Iterable[Any], seen: set | None = None) -> tuple[int, int]:
-    """``(bytes, bytes on the host)`` of the distinct tensors among ``tensors`` (non-tensors skipped;
-    ``seen`` shares the de-duplication across calls). A view counts as the bytes it spans."""
-    seen = set() if seen is None else seen
-    total = host = 0
+def _covered(intervals: list[tuple[int, int]]) -> tuple[int, list[tuple[int, int]]]:
+    """Bytes covered by the union of ``[start, end)`` intervals, and the merged intervals."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return sum(end - start for start, end in merged), merged
+
+
+def tensor_bytes(tensors: Iterable[Any], seen: dict | None = None) -> tuple[int, int]:
+    """``(bytes, bytes on the host)`` of the memory ``tensors`` cover, each byte once (views of one buffer --
+    DeepSpeed's flat buffers and the parameters that are slices of them -- count the union of their spans;
+    non-tensors are skipped). ``seen`` carries what earlier calls counted, which is not counted again."""
+    seen = {} if seen is None else seen
+    new: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            continue
-        key = _storage_key(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        size = t.numel() * t.element_size()
-        total += size
-        host += size if t.device.type == "cpu" else 0
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            key, start, end = _span(t)
+            new.setdefault(key, []).append((start, end))
+    total = host = 0
+    for key, spans in new.items():
+        before, _ = _covered(seen.get(key, []))
+        after, merged = _covered(seen.get(key, []) + spans)
+        seen[key] = merged
+        total += after - before
+        host += (after - before) if key[0] == "cpu" else 0
     return total, host
 
 
@@ -148,7 +166,7 @@ class JobMemory:
 
     def report(self, model: torch.nn.Module | None, optimizer: Any = None) -> dict[str, int]:
         """The parts in bytes (absent where nothing backs them)."""
-        seen: set = set()
+        seen: dict = {}
         parts: dict[str, int] = {}
         offloaded = 0
 

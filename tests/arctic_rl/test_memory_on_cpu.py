@@ -122,6 +122,11 @@ def test_sampler_reports_weights_and_kv_cache():
 def test_tensor_bytes_counts_each_storage_once():
     a = torch.zeros(10)
     assert tensor_bytes([a, a, a[2:5], torch.zeros(3, dtype=torch.float64), None, 3]) == (40 + 24, 64)
+    flat = torch.zeros(12)  # a flat buffer and the parameters that are slices of it: each byte once
+    assert tensor_bytes([flat[0:4], flat[4:10]]) == (40, 40)
+    seen: dict = {}
+    assert tensor_bytes([flat[0:4], flat[4:10]], seen) == (40, 40)
+    assert tensor_bytes([flat, flat[2:3]], seen) == (8, 8)  # only the two floats not counted before
     assert report_gib({"weights": 1 << 30}, "x/") == {"x/weights_gib": 1.0}
     tracker = JobMemory(torch.device("cpu"))
     assert tracker.report(None) == {}
