@@ -134,7 +134,7 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
 
 #: attributes of DeepSpeed's optimizer wrappers holding gradient buffers (bf16 and ZeRO 1-3 optimizers)
 _DS_GRAD_ATTRS = ("fp32_groups_gradients_flat", "averaged_gradients", "ipg_buffer", "grads_in_partition",
-                  "fp32_partitioned_groups_flat_grads")
+                  "fp32_partitioned_groups_flat_grads", "all_grad_tensors", "grad_partitions_flat_buffer")
 
 
 class JobMemory:
