@@ -191,7 +191,8 @@ def test_nested_log_probs_are_what_verls_response_slicing_expects():
 def test_row_scales_turn_tinkers_sum_into_verls_aggregation():
     masks = [[1.0, 1.0], [1.0, 1.0, 0.0]]
     assert tb.row_scales(masks, "token-mean", None) == pytest.approx([0.25, 0.25])
-    assert tb.row_scales(masks, "token-mean", 10.0) == pytest.approx([0.1, 0.1])
+    # verl 0.9.1 reads loss_scale_factor only in seq-mean-token-sum-norm: token-mean ignores it
+    assert tb.row_scales(masks, "token-mean", 10.0) == pytest.approx([0.25, 0.25])
     assert tb.row_scales(masks, "seq-mean-token-sum", None) == pytest.approx([0.5, 0.5])
     assert tb.row_scales(masks, "seq-mean-token-mean", None) == pytest.approx([0.25, 0.25])
     assert tb.row_scales([[1.0], [1.0, 1.0, 1.0]], "seq-mean-token-mean", None) == pytest.approx([0.5, 1 / 6])
@@ -199,6 +200,21 @@ def test_row_scales_turn_tinkers_sum_into_verls_aggregation():
     assert sum(m * s for row, s in zip(masks, tb.row_scales(masks, "token-mean", None)) for m in row) == 1.0
     with pytest.raises(RemoteBackendConfigError, match="loss_agg_mode"):
         tb.row_scales(masks, "seq-mean-token-sum-norm", None)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_scale_factor", [None, 10])
+def test_row_scales_equal_verls_agg_loss(mode, loss_scale_factor):
+    """Tinker's summed loss with the rows' scales is verl's own ``agg_loss`` of the same per-token losses."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    losses = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, 3.0], [-0.75, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    scales = tb.row_scales([m.tolist() for m in mask], mode, loss_scale_factor)
+    summed = sum(float((losses[b] * mask[b]).sum()) * scales[b] for b in range(len(scales)))
+    expected = agg_loss(losses, mask, mode, batch_num_tokens=int(mask.sum()), global_batch_size=len(mask),
+                        loss_scale_factor=loss_scale_factor)
+    assert summed == pytest.approx(float(expected), rel=1e-6)
 
 
 def test_batch_without_prompt_boundaries_is_refused():

@@ -16,7 +16,8 @@ per row, value ``k`` = log p(``t_{k+1}``), so the target values are copied and t
 
 Loss aggregation: Tinker's built-in losses *sum* over tokens and sequences. verl's
 ``loss_agg_mode`` is honoured by scaling each row's advantages (:func:`row_scales`):
-``token-mean``: 1/T (T = response tokens of the mini-batch, or ``loss_scale_factor``);
+``token-mean``: 1/T (T = response tokens of the mini-batch; verl 0.9.1 reads ``loss_scale_factor`` only for
+``seq-mean-token-sum-norm``, which Tinker's losses cannot express, so it never changes T here);
 ``seq-mean-token-sum``: 1/B; ``seq-mean-token-mean``: 1/(B * T_row).
 """
 
@@ -135,15 +136,16 @@ def nested_like(per_target: list[list[float]], rows: Rows, dtype: torch.dtype = 
     return torch.nested.nested_tensor_from_jagged(torch.tensor(flat, dtype=dtype), rows.offsets.clone())
 
 
-def row_scales(response_masks: list[list[float]], mode: str, loss_scale_factor: float | None) -> list[float]:
+def row_scales(response_masks: list[list[float]], mode: str, loss_scale_factor: float | None = None) -> list[float]:
     """The factor each row's advantages are multiplied by so that Tinker's summed loss is verl's
-    ``loss_agg_mode`` aggregate over these rows (one mini-batch)."""
+    ``loss_agg_mode`` aggregate over these rows (one mini-batch). ``loss_scale_factor`` is accepted for
+    the call's shape and ignored: verl's ``agg_loss`` uses it only in ``seq-mean-token-sum-norm``."""
     if mode not in LOSS_AGG_MODES:
         raise RemoteBackendConfigError("actor_rollout_ref.actor.loss_agg_mode", "not expressible with Tinker's "
                                        "summed losses", allowed=list(LOSS_AGG_MODES), received=mode)
     rows = len(response_masks)
     if mode == "token-mean":
-        total = loss_scale_factor if loss_scale_factor else sum(sum(m) for m in response_masks)
+        total = sum(sum(m) for m in response_masks)
         return [1.0 / max(float(total), 1.0)] * rows
     if mode == "seq-mean-token-sum":
         return [1.0 / max(rows, 1)] * rows
