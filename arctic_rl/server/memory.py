@@ -118,10 +118,10 @@ def _flat(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
-        for item in value:
+        for item in list(value):
             yield from _flat(item)
     elif isinstance(value, dict):
-        for item in value.values():
+        for item in list(value.values()):  # a copy: an optimizer step may add state meanwhile (/status's thread)
             yield from _flat(item)
 
 
@@ -188,7 +188,7 @@ class JobMemory:
         put("gradients", grads)
         put("master_weights", opt_params)
         if inner is not None:
-            put("optimizer_state", (t for state in inner.state.values() for t in _flat(state)))
+            put("optimizer_state", (t for state in list(inner.state.values()) for t in _flat(state)))
         parts.update(self.buffers)
         parts.update(self.call)
         parts.update(device_report(self.device))

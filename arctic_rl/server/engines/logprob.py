@@ -23,7 +23,7 @@ from arctic_rl.server.engines.common import (
 )
 from arctic_rl.server.engines.config import parse_worker_knobs
 from arctic_rl.server.engines.weights import copy_weights
-from arctic_rl.server.memory import JobMemory
+from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro_rule import ZorroChoiceLog
@@ -81,7 +81,7 @@ class LogProbEngine:
 
     def info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "device": str(self.device), "dtype": str(self.dtype),
-                "memory": self.memory_report()}
+                "memory": job_memory(self)}
 
     def close(self) -> None:
         del self.model

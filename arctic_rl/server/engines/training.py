@@ -46,7 +46,7 @@ from arctic_rl.server.engines.micro_metrics import combine_micro_metrics
 from arctic_rl.server.engines.training_state import load_training, save_training
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.logprobs import set_compiled_token_stats
-from arctic_rl.server.memory import JobMemory
+from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro import group_prompts, zorro_unsupported_reason
@@ -381,7 +381,7 @@ class TrainingEngine:
 
     def info(self) -> dict[str, Any]:
         return {
-            "memory": self.memory_report(),
+            "memory": job_memory(self),  # never fails the call (a step may run meanwhile)
             "global_step": self.global_step,
             "pending_forward_backward": self.pending,
             "pending_micro_batches": self.pending * self.gas,
