@@ -92,9 +92,13 @@ def test_training_report_equals_the_bytes_of_parameters_gradients_and_adam_state
         engine.close()
 
 
-def test_log_prob_report_is_its_weights_and_metric_names(model_dir, tmp_path):
-    config = JobConfig(model_name=str(model_dir), job_type=JobType.LOG_PROB)
-    engine = LogProbEngine(config, ServerSettings(checkpoint_root=tmp_path / "ck"))
+def test_log_prob_report_is_its_weights_and_metric_names(model_dir, tmp_path, caplog):
+    """The log_prob job (no DeepSpeed) reports its weights, and says that ZeRO-3 / parameter offload are not applied."""
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}}
+    config = JobConfig(model_name=str(model_dir), job_type=JobType.LOG_PROB, ds_config={"zero_optimization": zero})
+    with caplog.at_level("WARNING", logger="arctic_rl.server"):
+        engine = LogProbEngine(config, ServerSettings(checkpoint_root=tmp_path / "ck"))
+    assert "ds_config.zero_optimization (stage 3, offload_param {'device': 'cpu'}) is not applied" in caplog.text
     try:
         param_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         assert engine.memory_report() == {"weights": param_bytes}

@@ -53,6 +53,11 @@ class LogProbEngine:
         )
         self.model.eval()
         self.model.requires_grad_(False)
+        zero = (config.ds_config or {}).get("zero_optimization") if isinstance(config.ds_config, dict) else None
+        if isinstance(zero, dict) and (zero.get("stage") == 3 or zero.get("offload_param")):
+            logger.warning("log_prob job: ds_config.zero_optimization (stage %s, offload_param %s) is not applied: "
+                           "this job holds a plain copy of the model on %s (no DeepSpeed)", zero.get("stage"),
+                           zero.get("offload_param"), self.device)
         self.vocab_size = model_vocab_size(self.model)
         self.weight_version = 0
 
