@@ -144,7 +144,7 @@ class ControlService:
         training = self.state.jobs.get(request.training_job_id, JobType.TRAINING)
         sampling = self.state.jobs.get(request.sampling_job_id, JobType.SAMPLING)
         t = await self.state._on_job(training, weight_norm, training.engine.model)
-        s = await self.state._on_job(sampling, weight_norm, sampling.engine.model)
+        s = await self.state._on_job(sampling, sampling.engine.weight_norm)  # vLLM's lives in its worker
         return {"training_norm": t["norm"], "sampling_norm": s["norm"], "training_num_params": t["num_params"],
                 "sampling_num_params": s["num_params"]}
 
