@@ -10,7 +10,9 @@ job type        class                                         does
 ==============  ============================================  =====================================
 
 Engines are synchronous and not thread-safe; the server calls each from a worker thread under
-the job's lock. Modules are imported lazily so that ``import arctic_rl.server.app`` stays light.
+the job's lock -- except ``/generate`` on the samplers, which batch continuously: their
+``submit_generate`` queues a call into a running batch that one loop thread owns
+(:mod:`.continuous`), and their weight loads, sleep and wake run on that thread between calls. Modules are imported lazily so that ``import arctic_rl.server.app`` stays light.
 """
 
 from __future__ import annotations
