@@ -245,10 +245,10 @@ def test_weight_sync_during_generation_waits_for_the_calls_in_flight(engines):
     train, sampler = engines
     prompt = list(range(20, 52))
     version = sampler.weight_version
-    running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=400, ignore_eos=True, logprobs=True)
-    _train_step(train)
-    synced = {}
+    _train_step(train)  # the trainer moves ahead; the sampler still holds `version`
     torch.cuda.synchronize()
+    running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True)
+    synced = {}
     sync = threading.Thread(target=lambda: synced.setdefault("v", sampler.load_weights(train.weights())))
     sync.start()
     while sampler._loop().controls_waiting() == 0:  # the load is queued behind the call in flight
