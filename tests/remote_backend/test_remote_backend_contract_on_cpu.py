@@ -1,8 +1,10 @@
 """The contract every registered remote backend keeps, checked for each one (``arctic``, ``tinker``, ...).
 
-* the adapter class is a concrete ``RemoteBackend`` and offers both compute protocols
-  (``RemoteActor``, ``RemoteSampler``) with the signatures the worker and replica call; an optional
-  capability it has (``adopt_sampler``) is declared as its Protocol (``SamplerAdopter``);
+* the adapter class passes the contract kit's static check (``verl.remote_backend.contract.
+  check_backend_class``): a concrete ``RemoteBackend`` offering both compute protocols (``RemoteActor``,
+  ``RemoteSampler``) with the signatures the worker and replica call, an optional capability it has
+  (``adopt_sampler``) declared as its Protocol (``SamplerAdopter``); and it registers only through
+  ``register_backend`` (no class decorator of its own);
 * its worker is a ``RemoteActorRolloutRefWorker``, its replica a ``RemoteRolloutReplica``, and
   verl's own ``RolloutReplicaRegistry`` resolves ``rollout.name=<backend>`` to that replica;
 * its Hydra option group file exists (here, or in an installed plug-in's config package), names the
@@ -15,6 +17,7 @@ one on the path.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from importlib import metadata, resources
 from pathlib import Path
@@ -24,8 +27,9 @@ import yaml
 
 import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
 from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
+from verl.remote_backend.contract import check_backend_class
 from verl.remote_backend.plugins import CONFIG_GROUP
-from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_METHODS, RemoteActor, RemoteSampler, SamplerAdopter
+from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_METHODS, RemoteActor, RemoteSampler
 from verl.remote_backend.workers.replica import RemoteRolloutReplica
 from verl.remote_backend.workers.worker import RemoteActorRolloutRefWorker
 
@@ -39,23 +43,27 @@ def test_both_built_in_backends_are_registered():
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_adapter_is_a_concrete_backend_with_both_protocols(name):
+def test_adapter_keeps_the_static_contract(name):
     cls = RemoteBackendRegistry.get(name)
-    assert issubclass(cls, RemoteBackend) and not inspect.isabstract(cls)
-    assert issubclass(cls, RemoteActor) and issubclass(cls, RemoteSampler)
-    for method in (*ACTOR_METHODS, *SAMPLER_METHODS):
-        assert callable(getattr(cls, method, None)), f"{name}: no {method}"
-    for method in ("compute_log_prob", "compute_ref_log_prob", "update_actor"):
-        inspect.signature(getattr(cls, method)).bind(None, object())  # (self, data)
-    for method in ("save_checkpoint", "load_checkpoint"):
-        inspect.signature(getattr(cls, method)).bind(None, step=3)  # the worker passes step=
-    inspect.signature(cls.update_weights).bind(None)
-    inspect.signature(cls.generate).bind(None, [[1, 2]], {"max_tokens": 4})
-    inspect.signature(cls.from_config).bind(object(), handle=None)
-    # an optional capability is declared as its Protocol, not found by name at run time
+    check_backend_class(cls)
     if callable(getattr(cls, "adopt_sampler", None)):
-        assert SamplerAdopter in cls.__mro__, f"{name}: adopt_sampler without declaring SamplerAdopter"
         inspect.signature(cls.adopt_sampler).bind(None, {"model_path": "x"})
+
+
+def test_each_method_is_declared_once_lifecycle_in_the_abc_compute_in_the_protocols():
+    lifecycle = set(RemoteBackend.__abstractmethods__)
+    compute = {*ACTOR_METHODS, *SAMPLER_METHODS}
+    assert lifecycle == {"from_config", "reconnect_handle", "destroy", "requires_single_forwarder", "update_weights",
+                         "save_checkpoint"}  # PR #7102's abstract methods
+    assert not lifecycle & compute
+    protocol_methods = {m for p in (RemoteActor, RemoteSampler) for m in vars(p) if not m.startswith("_")}
+    assert protocol_methods == compute
+
+
+@pytest.mark.parametrize("module", ["verl.workers.remote_client.arctic.arctic_rl", "verl.workers.remote_client.tinker.client"])
+def test_built_in_adapters_register_through_register_backend_only(module):
+    source = inspect.getsource(importlib.import_module(module))
+    assert "RemoteBackendRegistry.register(" not in source, f"{module}: a class decorator; use register_backend"
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from _helpers_arctic import ARCTIC_YAML, verl_main_config
 
+import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
 from arctic_rl.protocol import DsWorkerConfig, JobConfig, LossConfig
 from verl.remote_backend import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import RemoteBackendConfigError

@@ -29,6 +29,7 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 from verl.workers.utils.padding import no_padding_2_padding
 
+import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
 from arctic_rl.protocol import GenerateResult
 from verl.remote_backend import RemoteBackendRegistry
 from verl.remote_backend.errors import (

@@ -1,15 +1,22 @@
 """The remote-backend lifecycle contract and its registry.
 
 ``RemoteBackend`` is deliberately small: it is the *lifecycle* of a backend that lives in another
-service (create or re-attach, hand out a handle, sync weights, checkpoint, destroy). It is not a
-vehicle for code reuse and it does not define compute: ``compute_log_prob``, ``update_actor`` and
-``generate`` belong to each concrete adapter, whose wire shapes differ.
+service -- what verl's trainer drives once per run or once per step: create or re-attach
+(``from_config``), hand out a handle (``reconnect_handle``), release (``destroy``), say whether one
+worker forwards (``requires_single_forwarder``), and the two per-step hooks ``update_weights`` and
+``save_checkpoint``. These are exactly the abstract methods of verl's PR #7102, so a backend moves
+between the two unchanged. It is not a vehicle for code reuse and it declares no compute: what verl's
+worker and rollout server call on data (``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor``,
+``load_checkpoint``, ``generate``) is declared once, in the Protocols of
+:mod:`verl.remote_backend.protocols`. :mod:`verl.remote_backend.contract` checks a backend against both.
 
 ``RemoteBackendRegistry`` maps names (``remote_backend=arctic``) to backend classes, Ray worker
-classes and rollout replica classes. Registration is explicit: :func:`verl.remote_backend.plugins.register_backend` fills all three (and
-verl's own ``RolloutReplicaRegistry``) in one call, for the built-in backends and for plug-ins found
-through entry points; worker and replica classes are registered as zero-argument *loaders* so that
-looking one up imports only that backend's code, once.
+classes and rollout replica classes. Registration has one way:
+:func:`verl.remote_backend.plugins.register_backend` fills all three (and verl's own
+``RolloutReplicaRegistry``) in one call, for the built-in backends and for plug-ins found through
+entry points; worker and replica classes are registered as zero-argument *loaders* so that looking one
+up imports only that backend's code, once. :meth:`RemoteBackendRegistry.register` (PR #7102's class
+decorator) fills the backend table only; it stays for backends written for that PR.
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ __all__ = ["RemoteBackend", "RemoteBackendRegistry"]
 class RemoteBackend(abc.ABC):
     """Lifecycle of a remote backend. Subclasses are constructed only through :meth:`from_config`.
 
-    The same method set as verl's open PR #7102 (``verl/remote_backend/base.py`` there), with two
+    The same abstract methods as verl's open PR #7102 (``verl/remote_backend/base.py`` there), with two
     differences a backend written for one must mind on the other (``docs/ADDING_A_BACKEND.md``):
     ``update_weights`` and ``save_checkpoint`` are plain methods here (the worker runs them in a
     thread; a coroutine function is awaited as well), and ``save_checkpoint`` takes verl's global step.
+    A backend also implements the compute Protocols (:mod:`verl.remote_backend.protocols`).
     """
 
     @classmethod
@@ -134,7 +142,8 @@ class RemoteBackendRegistry:
     # backends ---------------------------------------------------------------------------
     @classmethod
     def register(cls, name: str) -> Callable[[type[_T]], type[_T]]:
-        """Class decorator: ``@RemoteBackendRegistry.register("arctic")``."""
+        """Class decorator of PR #7102 (``@RemoteBackendRegistry.register("acme")``): the backend table only.
+        Register with :func:`verl.remote_backend.plugins.register_backend`, which calls this."""
 
         def decorate(backend_cls: type[_T]) -> type[_T]:
             if not (isinstance(backend_cls, type) and issubclass(backend_cls, RemoteBackend)):

@@ -1,20 +1,22 @@
 """The compute contract a remote backend offers verl: an actor side and a sampler side.
 
-:class:`~verl.remote_backend.base.RemoteBackend` is the *lifecycle* of a backend. What verl's
-worker and rollout replica call on it is written down here, as two ``typing.Protocol``s with
-exactly the methods they call:
+:class:`~verl.remote_backend.base.RemoteBackend` is the *lifecycle* of a backend (create, handle,
+destroy, and the per-step hooks ``update_weights`` and ``save_checkpoint``, as in verl's PR #7102).
+What verl's worker and rollout server call on data is written down here, each method once, as two
+``typing.Protocol``s:
 
 * :class:`RemoteActor` -- used by :class:`~verl.remote_backend.workers.worker.RemoteActorRolloutRefWorker`:
-  old and reference log-probs, the PPO/GRPO update, and checkpoints named by verl's global step;
+  old and reference log-probs, the PPO/GRPO update, and ``load_checkpoint`` (verl's resume, which the
+  PR's ABC does not declare);
 * :class:`RemoteSampler` -- used by the rollout server of
   :mod:`verl.remote_backend.workers.replica`: token ids in, ``n`` samples per prompt out, with
   per-token log-probs. One result per sample is a :class:`SampleResult`-shaped mapping or object.
 
-Both are ``runtime_checkable`` so that the contract test (and a worker at attach time) can check
-that a registered backend offers them. A backend implements both *and* the lifecycle ABC. An
-optional capability is a Protocol of its own, checked with ``isinstance``: :class:`SamplerAdopter`
-(a sampler that lives client-side and follows the actor side's weight updates) and :class:`ReportsCallTimes`
-(a transport that reports its calls' seconds and the server's).
+Both are ``runtime_checkable`` so that the contract kit (:mod:`verl.remote_backend.contract`) and a
+worker at attach time can check that a registered backend offers them. A backend implements both *and*
+the lifecycle ABC. An optional capability is a Protocol of its own, checked with ``isinstance``:
+:class:`SamplerAdopter` (a sampler that lives client-side and follows the actor side's weight updates)
+and :class:`ReportsCallTimes` (a transport that reports its calls' seconds and the server's).
 
 TensorDict conventions (verl 0.9.1's engine workers): ``input_ids``/``position_ids`` are nested
 (prompt + response per row, no padding); ``compute_log_prob`` / ``compute_ref_log_prob`` return a
@@ -75,16 +77,8 @@ class RemoteActor(Protocol):
     def update_actor(self, data: TensorDict) -> TensorDict:
         """One PPO/GRPO update over the batch (``ppo_epochs`` x mini-batches); returns metrics."""
 
-    def update_weights(self) -> Mapping[str, Any] | None:
-        """Make the sampler serve the latest trained weights. A mapping with the key
-        :data:`SAMPLER_UPDATE_KEY` is forwarded to the rollout servers (see :class:`SamplerAdopter`)."""
-
-    def save_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
-        """Persist weights + optimizer state on the backend as global step ``step``; returns what was
-        saved, JSON-serializable (the same contract as :meth:`RemoteBackend.save_checkpoint`)."""
-
     def load_checkpoint(self, step: int | None = None) -> Mapping[str, Any]:
-        """Restore the state saved by :meth:`save_checkpoint` for ``step`` (and sync the sampler)."""
+        """Restore the state :meth:`RemoteBackend.save_checkpoint` saved for ``step`` (and sync the sampler)."""
 
 
 @runtime_checkable
@@ -125,9 +119,8 @@ def adopter_of(backend: object) -> SamplerAdopter | None:
     return backend if isinstance(backend, SamplerAdopter) else None
 
 
-#: method names per protocol (what the contract test checks on every registered backend)
-ACTOR_METHODS = ("compute_log_prob", "compute_ref_log_prob", "update_actor", "update_weights", "save_checkpoint",
-                 "load_checkpoint")
+#: method names per protocol (what the worker checks at attach time and the contract kit on every backend)
+ACTOR_METHODS = ("compute_log_prob", "compute_ref_log_prob", "update_actor", "load_checkpoint")
 SAMPLER_METHODS = ("generate",)
 
 

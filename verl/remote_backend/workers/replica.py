@@ -3,8 +3,8 @@
 verl's agent loop asks a rollout *replica* for a server Ray actor and calls its
 ``generate(request_id, prompt_ids, sampling_params, ...)`` once per sample. Here:
 
-* :class:`RemoteRolloutReplica` (a ``RolloutReplica``; each backend registers a thin subclass in
-  verl's ``RolloutReplicaRegistry`` under its name, see ``verl.remote_backend.builtin``) launches
+* :class:`RemoteRolloutReplica` (a ``RolloutReplica``; ``register_backend`` registers it, or a
+  backend's subclass of it, in verl's ``RolloutReplicaRegistry`` under the backend's name) launches
   one :class:`RemoteRolloutServer` actor (no CPU or GPU reserved) and links it to the forwarder
   worker, which tells it the weight version after every weight sync;
 * the server re-attaches to the driver's backend and sends *token ids* to the backend's

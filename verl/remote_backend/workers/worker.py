@@ -11,7 +11,7 @@ TensorDict shapes; the worker owns verl's dispatch annotations, the link to the 
 (weight version), and the on-disk checkpoint marker that makes verl's resume logic find remote
 checkpoints.
 
-Each backend registers a thin subclass of it under its name (``RemoteBackendRegistry.register_worker``).
+``register_backend`` registers it (the default), or a backend's subclass of it, under the backend's name.
 It *holds* an adapter; it is not one. It does not generate: generation goes through the rollout
 replica (``replica.py``).
 """

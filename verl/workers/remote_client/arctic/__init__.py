@@ -1,14 +1,15 @@
 """The Arctic RL adapter: ``remote_backend=arctic``, the client of an Arctic RL server over HTTP.
 
-``arctic_rl.ArcticRLClient`` (registered as ``"arctic"`` in ``RemoteBackendRegistry`` when its
-module is imported) is the session (jobs, handle, destroy) and delegates the rest by role. One
+``arctic_rl.ArcticRLClient`` (registered as ``"arctic"`` by ``verl.remote_backend.builtin``, with
+``register_backend``) is the session (jobs, handle, destroy) and delegates the rest by role. One
 concept per module:
 
 * ``arctic_config`` -- ``config.remote_backend`` as typed, validated dataclasses (mirrors arctic.yaml);
 * ``builders`` -- ds_config / ds_worker_config / JobConfig / loss config / call meta (pure functions);
 * ``dialect`` -- what differs between wire v1 and v2 (paths, codec, bodies), one object per version;
 * ``state`` -- the run's shared state (job ids, step, instance id, owned and retired jobs);
-* ``request`` -- one call to a job, as data; ``session`` -- the one call path of the roles (``JobCalls``);
+* ``request`` -- one call to a job, as data; ``session`` -- what the roles call (``JobCalls``), through
+  ``recovery.Recovery.call``, the one call path (``CallResult``, the pure ``decide``);
 * ``answers`` -- answers read through their models in ``arctic_rl.protocol``;
 * ``training`` -- ``update_actor`` and ``/step``; ``log_probs`` -- ``compute_(ref_)log_prob``;
 * ``generation`` -- ``/generate``; ``checkpoints`` -- weight sync, save, load;

@@ -43,7 +43,7 @@ from typing import Any
 from tensordict import TensorDict
 
 from arctic_rl.protocol import Features, GenerateResult, HealthResponse, JobType, Paths, ProtocolVersion
-from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
+from verl.remote_backend.base import RemoteBackend
 from verl.remote_backend.errors import RemoteBackendError, RemoteJobNotFoundError
 
 from ..common.verl_settings import VerlSettings
@@ -75,7 +75,6 @@ def _destroy_at_exit(ref: weakref.ref) -> None:
         client.destroy()
 
 
-@RemoteBackendRegistry.register("arctic")
 class ArcticRLClient(RemoteBackend):
     """The Arctic RL adapter (see the module docstring). Build it with :meth:`from_config`."""
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
+from verl.remote_backend.base import RemoteBackend
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.protocols import SAMPLER_UPDATE_KEY, SamplerAdopter
 from verl.workers.remote_client.common.verl_settings import select
@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 
-@RemoteBackendRegistry.register("tinker")
 class TinkerClient(RemoteBackend, SamplerAdopter):
     """The Tinker adapter; construct with :meth:`from_config`."""
 
