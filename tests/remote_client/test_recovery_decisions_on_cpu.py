@@ -1,4 +1,6 @@
-"""Recovery's decisions as pure functions, each branch in milliseconds (no server).
+"""Recovery's decisions as pure functions, each branch in milliseconds (no server): whether a lost call
+was applied (``settle.outcome_of``), what to do after a failed send (``recovery.decide``), whether the
+server restarted (``restart.judge``), and what a call came to (``recovery.CallResult``).
 
 The server-process tests next to this file (``test_reliability_*``, ``test_recovery_reentrant``)
 drive the same decisions through real failures; these pin every branch down.
@@ -10,6 +12,7 @@ import pytest
 
 from verl.remote_backend.errors import RemoteProtocolError
 from verl.workers.remote_client.arctic.recovery import Action, CallResult, decide
+from verl.workers.remote_client.arctic.restart import judge
 from verl.workers.remote_client.arctic.settle import Outcome, outcome_of
 
 
@@ -77,3 +80,24 @@ def test_a_call_result_is_answered_or_applied_with_its_answer_lost():
     assert not lost.answered and lost.value is None and not lost.map(lambda v: 1 / 0).answered
     with pytest.raises(RemoteProtocolError, match="applied but its answer was lost"):
         lost.answer("POST /step")
+
+
+# ------------------------------------------------------------------------------------------------ restart
+
+
+@pytest.mark.parametrize(
+    "known, now, facts, verdict",
+    [
+        ("a", "a", {"down_seen": True, "jobs_gone": True}, False),  # instance ids decide when both exist
+        ("a", "b", {"down_seen": False, "jobs_gone": False}, True),
+        (None, "b", {"down_seen": False, "jobs_gone": False}, False),  # nothing failed on the way
+        (None, None, {"down_seen": True, "live_jobs": 0}, False),  # no job of ours to look for
+        (None, None, {"down_seen": True}, None),  # look the live jobs up first
+        (None, None, {"jobs_gone": True}, None),
+        (None, None, {"down_seen": True, "jobs_found": [False, True]}, False),  # one still there
+        (None, None, {"down_seen": True, "jobs_found": [False, False]}, True),  # all gone after a failure
+        (None, None, {"jobs_gone": True, "jobs_found": [False]}, False),  # all gone, no failure: destroyed
+    ],
+)
+def test_judge_a_restart(known, now, facts, verdict):
+    assert judge(known, now, **{"down_seen": False, "jobs_gone": False, "live_jobs": 2, **facts}) is verdict

@@ -10,7 +10,9 @@ lost: the run's jobs are still there) or was restarted (its jobs are gone). Evid
   ``GET /job/{id}`` with 404. A job this client destroyed itself -- the training job a rebuild
   replaced, a half-built one it abandoned (:attr:`~.state.RunState.retired`) -- is no evidence.
 
-What is not here: what is done after a restart (:mod:`.restore`).
+The rule is a pure function, :func:`judge`; :class:`RestartDetector` gathers its evidence (``/health``,
+then, only when the rule asks, ``GET /job/{id}`` of the live jobs). What is not here: what is done after
+a restart (:mod:`.restore`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,31 @@ from verl.remote_backend.errors import RemoteConnectionError, RemoteJobNotFoundE
 
 from .state import RunState
 
-__all__ = ["RestartDetector"]
+__all__ = ["RestartDetector", "judge"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5
+
+
+def judge(known: str | None, now: str | None, *, down_seen: bool, jobs_gone: bool, live_jobs: int,
+          jobs_found: list[bool] | None = None) -> bool | None:
+    """Did the server restart? ``known``/``now``: the instance id the jobs were made on and the one
+    ``/health`` gives (``None``: the server has none); ``down_seen``: a connection failed since the last
+    good call; ``jobs_gone``: the call was just answered 404 for its job; ``live_jobs``: how many jobs of
+    the run this client has not retired; ``jobs_found``: whether ``GET /job/{id}`` found each live job
+    looked up. ``None``: look the live jobs up first, then ask again with ``jobs_found``."""
+    if known and now:
+        return known != now
+    if not (down_seen or jobs_gone) or not live_jobs:
+        return False  # nothing failed on the way, or no job of ours to look for: the same server
+    if jobs_found is None:
+        return None
+    if any(jobs_found):
+        return False  # one of our jobs is still there: the same server
+    # every live job is gone: a restart if a connection failed on the way (otherwise the jobs were
+    # destroyed on purpose: the run is ending)
+    return down_seen
 
 
 class RestartDetector:
@@ -60,19 +82,17 @@ class RestartDetector:
         """Did the server answering ``health`` restart since the run's jobs were made? ``jobs_gone``: a
         call was just answered 404 for its job."""
         known, now = self.state.instance_id, health.get("instance_id")
-        if known and now:
-            return known != now
-        if not (self.down_seen or jobs_gone):
-            return False  # nothing failed on the way: the same server
         live = self.state.live_jobs()
-        if not live:
-            return False  # no job of ours to look for: no evidence either way
+        facts = {"down_seen": self.down_seen, "jobs_gone": jobs_gone, "live_jobs": len(live)}
+        verdict = judge(known, now, **facts)
+        if verdict is not None:
+            return verdict
+        found: list[bool] = []
         for job_id in live.values():
             try:
                 self.state.http.get_json(Paths.job(job_id))
-                return False  # one of our jobs is still there: the same server
+                found.append(True)
+                break  # one is enough
             except RemoteJobNotFoundError:
-                continue
-        # every live job is gone: a restart if a connection failed on the way (otherwise the jobs were
-        # destroyed on purpose, the run is ending)
-        return self.down_seen
+                found.append(False)
+        return bool(judge(known, now, **facts, jobs_found=found))
