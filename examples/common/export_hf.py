@@ -59,7 +59,9 @@ def export(run: str | Path, out: str | Path, *, url: str | None = None, step: in
     resolve_total_training_steps(config)
     with BackendOwner.create(config) as owner:  # jobs destroyed (and a local server stopped) on the way out
         loaded = owner.backend.load_checkpoint(step, sync_weights=False)
-        saved = owner.backend.save_checkpoint(loaded.get("global_step", step), path="hf_export", export_hf=True)
+        # saved beside the checkpoint it came from (a path on the server), never over it
+        saved = owner.backend.save_checkpoint(loaded.get("global_step", step), path=f"{loaded['path']}/hf_export",
+                                              export_hf=True)
     hf_path = saved.get("hf_path")
     result = {"global_step": loaded.get("global_step"), "checkpoint": loaded.get("path"), "hf_path": hf_path,
               "out": None}
