@@ -76,6 +76,9 @@ def _has_accelerator() -> bool:
 
 def run(config: DictConfig) -> None:
     """Run verl's trainer on the backend selected in ``config`` (a composed main config)."""
+    from verl.remote_backend.lifecycle import backend_name
+
+    backend_name(config)  # no backend selected: that is the error to report, before any setting it would need
     check_settings(config)
     cluster = joins_running_cluster(config)
     if not cluster:  # on a running cluster its CPUs are checked first (below)
