@@ -181,6 +181,9 @@ class Features:
     #: /forward takes ``meta.response_logprobs_only=true``: the log-probs (and entropy) of the response tokens
     #: only, in the same layout with zeros elsewhere; the prompt positions' LM head is never run
     RESPONSE_LOGPROBS = "response_logprobs"
+    #: the sampling job answers /generate while a call of the training job computes (separate locks, threads and
+    #: engines; no sleep between them): a client may generate the next batch while this one trains
+    CONCURRENT_JOBS = "concurrent_jobs"
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ FEATURES = (
     Features.POLICY_LOSSES,
     Features.CONTINUOUS_BATCHING,
     Features.RESPONSE_LOGPROBS,
+    Features.CONCURRENT_JOBS,
 )
 
 
