@@ -8,7 +8,9 @@
   creates the backend itself when nobody did (plugin route) and then destroys it at the end, and
   polls the replay buffer every ``poll_interval_s`` instead of verl's fixed 2 s, and prints one
   progress line per step with an ETA (``verl.remote_backend.progress``) next to verl's long metric line.
-  Semantics are verl's ``sync`` mode: ``trainer.v1.trainer_mode`` is only the registry name.
+  Semantics are verl's ``sync`` mode: ``trainer.v1.trainer_mode`` is only the registry name; with
+  ``trainer.v1.remote_backend.async_mode=true`` the trainer is the asynchronous one of
+  :mod:`verl.remote_backend.async_trainer` (verl's async replay buffer, no sleeping of the sampler).
 * :data:`RemoteBackendTaskRunnerV1` -- verl's V1 task runner, but imported from here so that the
   trainer mode is registered in the runner process without ``VERL_USE_EXTERNAL_MODULES``.
 * :data:`RemoteBackendTaskRunnerV0` -- the legacy ``RayPPOTrainer`` route (``trainer.use_v1=False``)
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Self
 
+import numpy as np
 import ray
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.single_controller.ray.base import RayResourcePool, RayWorkerGroup, ResourcePoolManager
@@ -149,6 +152,16 @@ class RemoteBackendTrainer(PPOTrainerSync):
     #: seconds between the replay buffer's checks for finished rollouts (verl: fixed 2.0)
     poll_interval_s: float = 0.05
 
+    def __new__(cls, config: DictConfig, *args: Any, **kwargs: Any) -> Self:
+        """``trainer.v1.remote_backend.async_mode=true`` makes this mode's trainer the asynchronous one
+        (:mod:`verl.remote_backend.async_trainer`); verl's registry holds one name per mode."""
+        if cls is RemoteBackendTrainer:
+            from verl.remote_backend.async_trainer import RemoteBackendAsyncTrainer, async_requested
+
+            if async_requested(config):
+                return object.__new__(RemoteBackendAsyncTrainer)
+        return object.__new__(cls)
+
     def __init__(self, config: DictConfig):
         self.backend_name = prepare_remote_backend_config(config)
         with open_dict(config):
@@ -160,6 +173,9 @@ class RemoteBackendTrainer(PPOTrainerSync):
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         timing_raw.update(self._phase_timings())  # -> timing_s/<phase>/adapter, /http, /server beside verl's
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
+        for key, value in metrics.items():  # verl's off-policy metrics are numpy scalars: print them as numbers
+            if isinstance(value, np.generic):
+                metrics[key] = value.item()
         self._step_clock.add(metrics)
         eta_s = self._step_clock.eta_s(global_steps, self.total_training_steps)
         line = format_progress(metrics, global_steps, self.total_training_steps, eta_s=eta_s)

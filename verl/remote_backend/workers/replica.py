@@ -230,6 +230,7 @@ class RemoteRolloutServer:
             await self._admit.wait()
         prompt = [int(t) for t in prompt_ids]
         params = self.convert_sampling_params(sampling_params, len(prompt))
+        sent_at_version = self.global_steps  # a weight sync may land before the answer (asynchronous mode)
         try:
             result = await self._coalescer_for_loop().submit(prompt, params)
         except RequestAborted:
@@ -240,7 +241,7 @@ class RemoteRolloutServer:
             token_ids=[int(t) for t in result_field(result, "token_ids")],
             log_probs=log_probs,
             stop_reason=_stop_reason(result_field(result, "finish_reason")),
-            extra_fields={"global_steps": self.global_steps},
+            extra_fields={"global_steps": self.global_steps, "min_global_steps": sent_at_version},
         )
 
     # ---------------------------------------------------------------- verl's control verbs
