@@ -91,14 +91,16 @@ def test_a_full_batch_makes_new_calls_wait_in_order(engine):
     assert core.max_rows == engine.batch_size == 64  # --generate-batch-size (or the job's max_num_seqs)
     core.max_rows = 4
     try:
-        full = submit(engine, [LONG] * 2, n=2, temperature=0, max_tokens=24, ignore_eos=True)
+        order: list[str] = []
+        full = submit(engine, [LONG] * 2, n=2, temperature=0, max_tokens=200, ignore_eos=True)
+        full.future.add_done_callback(lambda _: order.append("full"))
         while not core.rows:
             time.sleep(0.001)
         waiting = submit(engine, [SHORT], temperature=0, max_tokens=2, ignore_eos=True)
-        time.sleep(0.05)
-        assert not waiting.future.done() and len(core.rows) == 4  # no room: it waits for the batch
-        full.result()
+        waiting.future.add_done_callback(lambda _: order.append("waiting"))
         assert [r["generation_len"] for r in waiting.result()] == [2]
+        full.result()
+        assert order == ["full", "waiting"]  # no room beside the 4 rows: the 2-token call waited for them
         big = submit(engine, [SHORT] * 6, temperature=0, max_tokens=2, ignore_eos=True)  # larger than the batch
         assert len(big.result()) == 6  # an idle core takes any call
     finally:

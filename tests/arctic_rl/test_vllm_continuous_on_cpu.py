@@ -69,13 +69,13 @@ def test_a_short_call_joins_the_running_batch_and_returns_first(engine):
 
 def test_a_weight_load_waits_for_the_calls_in_flight_and_no_answer_mixes_versions(engine):
     slow_steps(engine)
-    running = submit(engine, [[1, 2]], max_tokens=80)
+    running = submit(engine, [[1, 2]], max_tokens=200)
     while not engine.llm.running:
         time.sleep(0.001)
     loaded: dict[str, int] = {}
     sync = threading.Thread(target=lambda: loaded.setdefault("v", engine.load_weights({})))
     sync.start()
-    while engine._loop().controls_waiting() == 0:
+    while engine._loop().controls_waiting() == 0 and "v" not in loaded:
         time.sleep(0.001)
     after = submit(engine, [[3]], max_tokens=5)  # queued behind the load
     (old,) = running.result()
