@@ -34,7 +34,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.utils.debug import marked_timer
 
-from verl.remote_backend.context import attach_backend, read_context
+from verl.remote_backend.base import RemoteBackendRegistry
+from verl.remote_backend.context import attach_backend, ensure_backends_registered, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.trainer import RemoteBackendTrainer
 
@@ -43,6 +44,7 @@ __all__ = [
     "CONCURRENT_JOBS_FEATURE",
     "RemoteBackendAsyncTrainer",
     "async_requested",
+    "check_async_declared",
     "concurrency_of",
     "lag_metrics",
 ]
@@ -91,6 +93,21 @@ def concurrency_of(backend: Any) -> tuple[bool | None, str]:
         return False, f"the server does not list the {CONCURRENT_JOBS_FEATURE!r} feature (it lists: {listed})"
     return None, (f"backend {type(backend).__name__} does not say whether its sampler answers while a training call "
                   f"runs (neither a concurrent_jobs() method nor a features set)")
+
+
+def check_async_declared(config: DictConfig, name: str) -> None:
+    """Refuse, before anything is created, an asynchronous run on a backend whose class cannot say whether its
+    sampler answers while it trains (neither ``concurrent_jobs`` nor ``features``)."""
+    if not async_requested(config):
+        return
+    ensure_backends_registered()
+    backend_cls = RemoteBackendRegistry.get(name)
+    if hasattr(backend_cls, "concurrent_jobs") or hasattr(backend_cls, "features"):
+        return
+    raise RemoteBackendConfigError(
+        ASYNC_KEY, f"remote backend {name!r} ({backend_cls.__name__}) does not say whether its sampler answers while "
+        "a training call runs, so the asynchronous mode cannot be run on it (docs/ASYNC.md: what a backend must "
+        "provide); run it with the sync mode", allowed=False, received=True)
 
 
 def lag_metrics(metrics: dict[str, Any], trained_samples: int) -> dict[str, float]:

@@ -122,6 +122,9 @@ def prepare_remote_backend_config(config: DictConfig) -> str:
             "reward.reward_model.enable", "a model-based reward would run a local inference engine; use a rule-based "
             "or custom reward function with a remote backend", allowed=False, received=True,
         )
+    from verl.remote_backend.async_trainer import check_async_declared
+
+    check_async_declared(config, name)  # a backend that cannot run the asynchronous mode: before it is created
     distillation = config.get("distillation")
     if distillation is not None and distillation.get("enabled", False):
         raise RemoteBackendConfigError("distillation.enabled", "distillation is not supported with a remote backend", allowed=False, received=True)

@@ -1,0 +1,63 @@
+"""The switch of the asynchronous remote trainer mode and what it refuses (verl/remote_backend/async_trainer.py).
+
+* ``trainer.v1.remote_backend.async_mode`` takes a boolean only, named in the error;
+* a backend that cannot say whether its sampler answers while it trains (Tinker's adapter today) is refused
+  by the real entry point before anything is created, with an error naming the key;
+* the config the entry point composes carries the switch off and the one-step staleness bound.
+
+The runs of the mode itself: tests/special_e2e/test_grpo_async_on_cpu.py (our server, async) and
+tests/conformance/test_vendor_async_fallback_on_cpu.py (the vendor's server, the fall-back to sync).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from _helpers_e2e import build_task, entry_point_command, entry_point_env, run_in_own_session, tiny_grpo_overrides
+from omegaconf import OmegaConf
+
+from verl.remote_backend.async_trainer import ASYNC_KEY, async_requested, lag_metrics
+from verl.remote_backend.errors import RemoteBackendConfigError
+
+
+def test_the_switch_takes_a_boolean_only():
+    assert async_requested(OmegaConf.create({})) is False
+    assert async_requested(OmegaConf.create({"trainer": {"v1": {"remote_backend": {"async_mode": True}}}})) is True
+    with pytest.raises(RemoteBackendConfigError) as err:
+        async_requested(OmegaConf.create({"trainer": {"v1": {"remote_backend": {"async_mode": "yes"}}}}))
+    assert err.value.field == ASYNC_KEY and "yes" in str(err.value)
+
+
+def test_the_dropped_share_counts_verls_evicted_samples():
+    assert lag_metrics({"training/off_policy/evicted_samples": 4}, trained_samples=12) == {
+        "training/off_policy/dropped_share": 0.25}
+    assert lag_metrics({}, trained_samples=8) == {"training/off_policy/dropped_share": 0.0}
+
+
+@pytest.mark.slow
+def test_tinker_is_refused_before_anything_starts(tmp_path):
+    task = build_task(tmp_path / "task")
+    cmd = entry_point_command([*tiny_grpo_overrides(task, tmp_path / "run"), "remote_backend=tinker",
+                               "remote_backend.server.url=null", f"{ASYNC_KEY}=true"])
+    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(TINKER_API_KEY="tml-unused"),
+                                            timeout=300)
+    assert returncode != 0, output[-3000:]
+    assert ASYNC_KEY in output and "'tinker'" in output and "does not say whether its sampler" in output, output[-3000:]
+    assert "tinker LoRA run created" not in output and "Started a local Ray instance" not in output
+
+
+def test_the_entry_points_config_carries_the_switch_off():
+    from hydra import compose, initialize_config_dir
+
+    from verl.remote_backend.main_ppo import register_searchpath_plugin
+
+    register_searchpath_plugin()
+    config_dir = str(Path(sys.modules["verl.remote_backend"].__file__).parent / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name="remote_backend_ppo_trainer", overrides=["remote_backend=arctic"])
+    assert config.trainer.v1.remote_backend.async_mode is False
+    assert config.trainer.v1.remote_backend.num_warmup_batches == 1
+    assert config.trainer.v1.sampler.max_off_policy_threshold == 2  # one step of lag
+    assert config.trainer.v1.sampler.max_off_policy_strategy == "drop"

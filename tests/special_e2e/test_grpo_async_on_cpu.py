@@ -1,0 +1,82 @@
+"""Asynchronous GRPO on the Arctic RL reference server, on CPU: verl's async replay buffer, one step of lag.
+
+``trainer.v1.remote_backend.async_mode=true``: before step 1 one batch of prompts goes to the
+server (verl's warm-up batch), every step hands over one more and trains the oldest finished one,
+so the batch trained at step 2 was sent before step 1's update (generated with the weights of
+version 0, trained by the weights of version 1). verl's own bookkeeping says so in its
+``training/off_policy/trajectory_staleness*`` metrics; verl's decoupled rollout correction (token
+IS against the sampler's log-probs) corrects for it and logs ``rollout_corr/*``. The staleness
+bound is the remote-backend default (``max_off_policy_threshold=2``: one step of lag).
+
+The fall-back to sync against a server without the ``concurrent_jobs`` feature is
+tests/conformance/test_vendor_async_fallback_on_cpu.py (the vendor's /health lists no features).
+
+Run by hand::
+
+    pytest -m e2e tests/special_e2e/test_grpo_async_on_cpu.py -s
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+from _helpers_e2e import (
+    build_task,
+    entry_point_command,
+    entry_point_env,
+    parse_console_metrics,
+    run_in_own_session,
+    tiny_grpo_overrides,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ASYNC_OVERRIDES = [
+    "remote_backend=arctic",
+    "remote_backend.train.deepspeed.bf16=false",
+    "trainer.v1.remote_backend.async_mode=true",
+    # verl's decoupled rollout correction: token IS weights against the sampler's own log-probs
+    "actor_rollout_ref.rollout.calculate_log_probs=true",
+    "algorithm.rollout_correction.rollout_is=token",
+    "algorithm.rollout_correction.rollout_is_threshold=2.0",
+]
+
+
+def run_async(tmp_path: Path, *extra: str, steps: int = 2) -> tuple[dict[int, dict[str, float]], str]:
+    task = build_task(tmp_path / "task")
+    out = tmp_path / "run"
+    cmd = entry_point_command([*tiny_grpo_overrides(task, out, steps=steps, micro_batch=4), *ASYNC_OVERRIDES, *extra])
+    print("running:", " ".join(cmd), flush=True)
+    start = time.monotonic()
+    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(), timeout=900)
+    (tmp_path / "run.log").write_text(output)
+    print(f"wall time {time.monotonic() - start:.0f} s, log {tmp_path / 'run.log'}", flush=True)
+    assert returncode == 0, output[-6000:]
+    return parse_console_metrics(output), output
+
+
+def test_two_async_grpo_steps_train_one_step_stale_batches(tmp_path):
+    steps, output = run_async(tmp_path)
+    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    assert "asynchronous remote mode on" in output
+    for step, metrics in steps.items():
+        assert metrics["training/off_policy/async_mode"] == 1.0
+        for key in ("actor/pg_loss", "actor/grad_norm", "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max",
+                    "training/off_policy/trajectory_staleness/mean", "training/off_policy/trajectory_staleness/max",
+                    "training/off_policy/dropped_share", "timing_s/update_weights"):
+            assert key in metrics, f"step {step}: {key} not logged"
+            assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
+        assert 0 < metrics["rollout_corr/rollout_is_max"] <= 2.0
+        assert metrics["training/off_policy/trajectory_staleness/max"] <= 1  # the bound: one step of lag
+        assert metrics["training/off_policy/dropped_share"] == 0.0
+    # step 1 trains the warm-up batch (weights 0, on-policy); step 2 the batch sent before step 1's update
+    assert steps[1]["training/off_policy/trajectory_staleness_worst/max"] == 0
+    assert steps[2]["training/off_policy/trajectory_staleness_worst/max"] == 1
+    # verl's IS weights: 1 on the policy that sampled (step 1), away from 1 on the batch one update old (step 2)
+    assert steps[1]["rollout_corr/rollout_is_max"] == pytest.approx(1.0, abs=1e-4)
+    assert abs(steps[2]["rollout_corr/rollout_is_max"] - 1.0) > 1e-3 or abs(steps[2]["rollout_corr/rollout_is_min"] - 1.0) > 1e-3
+    assert "remote backend 'arctic' destroyed" in output
+
