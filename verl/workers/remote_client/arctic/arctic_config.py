@@ -78,7 +78,7 @@ class ServerConfig:
     url: str | None = None
     token: str | None = None
     protocol: Literal["auto", "v1", "v2"] = "auto"
-    pool_size: int = 8
+    pool_size: int = 64
     reclaim_idle_jobs_s: float | None = None
     local: LocalServerConfig = field(default_factory=LocalServerConfig)
 
