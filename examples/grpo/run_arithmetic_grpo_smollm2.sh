@@ -31,6 +31,8 @@ OUT_DIR="${OUT_DIR:-${PWD}/outputs/arithmetic}"
 STEPS="${STEPS:-50}"
 # ZoRRO: train each unique prompt of a GRPO group once (same maths, less compute) -- true or false.
 ZORRO="${ZORRO:-false}"
+# Asynchronous GRPO (docs/ASYNC.md): the server generates the next batch while this one trains -- true or false.
+ASYNC="${ASYNC:-false}"
 # short: the question alone; fewshot: the question after a long worked-examples conversation shared by all prompts.
 PROMPT_STYLE="${PROMPT_STYLE:-short}"
 # Seeds the data and verl's samplers.
@@ -47,6 +49,7 @@ KV_CACHE_BYTES="${KV_CACHE_BYTES:-}"
 
 source "${SCRIPT_DIR}/../common/arithmetic.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
+recipe_bool ASYNC "${ASYNC}"
 recipe_local_env
 recipe_optional_count KV_CACHE_BYTES "${KV_CACHE_BYTES}"
 arithmetic_settings  # DEVICE, BATCH, N, ... (env or defaults for the device)
@@ -78,6 +81,7 @@ REMOTE_BACKEND=(
     remote_backend.server.url="$(recipe_hydra_str "${ARCTIC_RL_URL}")"
     remote_backend.server.local.checkpoint_root="${RUN_DIR}/server"
     remote_backend.train.zorro_train.enable="${ZORRO}"
+    trainer.v1.remote_backend.async_mode="${ASYNC}"
     # all samples of a step in one /generate call (verl sends them one by one; the replica batches)
     remote_backend.rollout.max_batch_size=$((BATCH * N))
     remote_backend.rollout.max_wait_ms=100

@@ -23,6 +23,8 @@ OUT_DIR="${OUT_DIR:-${PWD}/outputs/gsm8k}"
 STEPS="${STEPS:-80}"
 # ZoRRO: train each unique prompt of a GRPO group once -- true or false.
 ZORRO="${ZORRO:-true}"
+# Asynchronous GRPO (docs/ASYNC.md): the server generates the next batch while this one trains -- true or false.
+ASYNC="${ASYNC:-false}"
 SEED="${SEED:-42}"
 # A running Arctic RL server; empty/unset: start the bundled reference server on DEVICE.
 ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
@@ -32,6 +34,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 source "${SCRIPT_DIR}/../common/gsm8k.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
+recipe_bool ASYNC "${ASYNC}"
 recipe_env
 PRINT_ONLY="$(recipe_print_only "$@")"
 recipe_run_dir "${OUT_DIR}" "qwen3_0p6b_gsm8k_grpo_arl_zorro_${ZORRO}"  # a new directory per run (RESUME=true RUN_NAME=<run> continues one)
@@ -79,6 +82,7 @@ REMOTE_BACKEND=(
     remote_backend.server.url="$(recipe_hydra_str "${ARCTIC_RL_URL}")"
     remote_backend.server.local.device="${DEVICE}"
     remote_backend.train.zorro_train.enable="${ZORRO}"
+    trainer.v1.remote_backend.async_mode="${ASYNC}"
     remote_backend.train.deepspeed.zero_stage=2
     remote_backend.train.deepspeed.bf16=true
     remote_backend.train.deepspeed.offload_optimizer=false

@@ -11,6 +11,7 @@
 #
 #   bash examples/grpo/run_reverse_text_grpo_arl_local.sh                      # defaults below
 #   ZORRO=true STEPS=20 bash examples/grpo/run_reverse_text_grpo_arl_local.sh  # env knobs
+#   ASYNC=true bash examples/grpo/run_reverse_text_grpo_arl_local.sh           # asynchronous GRPO (docs/ASYNC.md)
 #   bash examples/grpo/run_reverse_text_grpo_arl_local.sh actor_rollout_ref.actor.optim.lr=5e-4  # Hydra overrides
 #
 # Terminal: a header, one line per GRPO step (reward, seconds per phase, ETA) and the summary; everything
@@ -25,6 +26,8 @@ OUT_DIR="${OUT_DIR:-${PWD}/outputs/reverse_text}"
 STEPS="${STEPS:-40}"
 # ZoRRO: train each unique prompt of a GRPO group once (same maths, less compute) -- true or false.
 ZORRO="${ZORRO:-false}"
+# Asynchronous GRPO (docs/ASYNC.md): the server generates the next batch while this one trains -- true or false.
+ASYNC="${ASYNC:-false}"
 # Seeds the model init, the warm start, the data and verl's samplers.
 SEED="${SEED:-0}"
 # Warm-started model, its untrained init and the parquet data: built when absent, cached per seed.
@@ -41,6 +44,7 @@ ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
 
 source "${SCRIPT_DIR}/../common/reverse_text.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
+recipe_bool ASYNC "${ASYNC}"
 recipe_bool WARM_VIA_SERVER "${WARM_VIA_SERVER}"
 # A new directory per run, OUT_DIR/runs/grpo_zorro_<Z>_seed<S>_<time> (OUT_DIR/runs/latest points at it); a given
 # RUN_NAME or RUN_DIR that holds files is refused unless OVERWRITE=true (deletes them) or RESUME=true (keeps them).
@@ -96,6 +100,7 @@ REMOTE_BACKEND=(
     remote_backend.server.url="$(recipe_hydra_str "${ARCTIC_RL_URL}")"
     remote_backend.server.local.checkpoint_root="${RUN_DIR}/server"
     remote_backend.train.zorro_train.enable="${ZORRO}"
+    trainer.v1.remote_backend.async_mode="${ASYNC}"
     remote_backend.train.deepspeed.bf16=false
     # all 32x8 samples of a step in one /generate call (verl sends them one by one; the replica batches)
     remote_backend.rollout.max_batch_size=256
