@@ -219,7 +219,7 @@ def _stats(head: torch.nn.Module | None, values: torch.Tensor, targets: torch.Te
     if head is None:
         return _token_stats(values, targets, temperature, want_entropy)
     return head_stats(head, values, targets, temperature, want_entropy, token_stats=_token_stats,
-                      chunk_bytes=_HEAD_CHUNK_BYTES)
+                      chunk_bytes=_HEAD_CHUNK_BYTES, chunk_fns=_CHUNK_FNS)
 
 
 def _zorro_logprobs(
