@@ -61,3 +61,24 @@ def test_the_entry_points_config_carries_the_switch_off():
     assert config.trainer.v1.remote_backend.num_warmup_batches == 1
     assert config.trainer.v1.sampler.max_off_policy_threshold == 2  # one step of lag
     assert config.trainer.v1.sampler.max_off_policy_strategy == "drop"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ["true", "false", "yes"])
+def test_the_example_scripts_take_ASYNC(tmp_path, value):
+    import os
+    import subprocess
+
+    import yaml
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "grpo" / "run_reverse_text_grpo_arl_local.sh"
+    env = {k: v for k, v in os.environ.items() if k not in {"ZORRO", "OUT_DIR", "RUN_NAME", "RUN_DIR", "ARCTIC_RL_URL"}}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHON=sys.executable,
+               OUT_DIR=str(tmp_path / "rt"), ASYNC=value)
+    proc = subprocess.run(["bash", str(script), "--cfg", "job"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    if value == "yes":
+        assert proc.returncode != 0 and "ASYNC: expected true or false, got 'yes'" in proc.stderr
+        return
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert yaml.safe_load(proc.stdout)["trainer"]["v1"]["remote_backend"]["async_mode"] is (value == "true")

@@ -2,8 +2,9 @@
 
 Switched on with ``trainer.v1.remote_backend.async_mode=true`` (``trainer.v1.remote_backend`` is
 the option node verl reads for the ``remote_backend`` trainer mode). The trainer is then
-:class:`RemoteBackendAsyncTrainer`, picked by :class:`~verl.remote_backend.trainer.RemoteBackendTrainer`
-itself, so ``trainer.v1.trainer_mode`` stays ``remote_backend``.
+``RemoteBackendAsyncTrainer`` (:class:`AsyncModeMixin` over the remote-backend trainer, composed in
+:mod:`verl.remote_backend.trainer`), picked by ``RemoteBackendTrainer`` itself, so
+``trainer.v1.trainer_mode`` stays ``remote_backend``.
 
 Semantics: verl's asynchronous V1 modes without their sleeping of the sampler -- a backend owns
 both jobs and keeps them resident, so nothing is aborted, put to sleep or woken between phases:
@@ -37,12 +38,11 @@ from verl.utils.debug import marked_timer
 from verl.remote_backend.base import RemoteBackendRegistry
 from verl.remote_backend.context import attach_backend, ensure_backends_registered, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.trainer import RemoteBackendTrainer
 
 __all__ = [
     "ASYNC_KEY",
     "CONCURRENT_JOBS_FEATURE",
-    "RemoteBackendAsyncTrainer",
+    "AsyncModeMixin",
     "async_requested",
     "check_async_declared",
     "concurrency_of",
@@ -117,11 +117,15 @@ def lag_metrics(metrics: dict[str, Any], trained_samples: int) -> dict[str, floa
     return {"training/off_policy/dropped_share": dropped / total if total else 0.0}
 
 
-class RemoteBackendAsyncTrainer(RemoteBackendTrainer):
-    """The remote-backend trainer with verl's asynchronous replay buffer (see the module docstring)."""
+class AsyncModeMixin:
+    """verl's asynchronous replay buffer and hooks over the remote-backend trainer (see the module docstring).
+
+    Mixed in before :class:`~verl.remote_backend.trainer.RemoteBackendTrainer` (whose ``_owner``, ``backend_name``
+    and verl's trainer state it uses) as ``RemoteBackendAsyncTrainer`` there.
+    """
 
     def __init__(self, config: DictConfig):
-        super().__init__(config)
+        super().__init__(config)  # type: ignore[call-arg]
         self.async_active = False
         self.async_reason = "not decided yet"
 

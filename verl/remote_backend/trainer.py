@@ -35,6 +35,7 @@ from verl.trainer.ppo.utils import Role, need_critic, need_reference_policy
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+from verl.remote_backend.async_trainer import AsyncModeMixin, async_requested, check_async_declared
 from verl.remote_backend.base import RemoteBackendRegistry
 from verl.remote_backend.context import ensure_backends_registered, install_context, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
@@ -50,6 +51,7 @@ from verl.remote_backend.settings import (
 
 __all__ = [
     "CpuResourcePoolManager",
+    "RemoteBackendAsyncTrainer",
     "RemoteBackendTaskRunnerV0",
     "RemoteBackendTaskRunnerV1",
     "RemoteBackendTrainer",
@@ -122,8 +124,6 @@ def prepare_remote_backend_config(config: DictConfig) -> str:
             "reward.reward_model.enable", "a model-based reward would run a local inference engine; use a rule-based "
             "or custom reward function with a remote backend", allowed=False, received=True,
         )
-    from verl.remote_backend.async_trainer import check_async_declared
-
     check_async_declared(config, name)  # a backend that cannot run the asynchronous mode: before it is created
     distillation = config.get("distillation")
     if distillation is not None and distillation.get("enabled", False):
@@ -158,11 +158,8 @@ class RemoteBackendTrainer(PPOTrainerSync):
     def __new__(cls, config: DictConfig, *args: Any, **kwargs: Any) -> Self:
         """``trainer.v1.remote_backend.async_mode=true`` makes this mode's trainer the asynchronous one
         (:mod:`verl.remote_backend.async_trainer`); verl's registry holds one name per mode."""
-        if cls is RemoteBackendTrainer:
-            from verl.remote_backend.async_trainer import RemoteBackendAsyncTrainer, async_requested
-
-            if async_requested(config):
-                return object.__new__(RemoteBackendAsyncTrainer)
+        if cls is RemoteBackendTrainer and async_requested(config):
+            return object.__new__(RemoteBackendAsyncTrainer)
         return object.__new__(cls)
 
     def __init__(self, config: DictConfig):
@@ -175,6 +172,11 @@ class RemoteBackendTrainer(PPOTrainerSync):
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         timing_raw.update(self._phase_timings())  # -> timing_s/<phase>/adapter, /http, /server beside verl's
+        generation = self._generation_timings()
+        calls = generation.pop("gen/backend_calls", None)
+        timing_raw.update(generation)  # -> timing_s/gen/backend_busy, /http_sum, /server_sum
+        if calls is not None:
+            metrics["perf/remote_backend/gen_calls"] = calls
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         for key, value in metrics.items():  # verl's off-policy metrics are numpy scalars: print them as numbers
             if isinstance(value, np.generic):
@@ -193,6 +195,25 @@ class RemoteBackendTrainer(PPOTrainerSync):
         for part in collect():
             for key, seconds in (part or {}).items():
                 totals[key] = totals.get(key, 0.0) + float(seconds)
+        return totals
+
+    def _generation_timings(self) -> dict[str, float]:
+        """The rollout servers' generation figures since the last step (summed over servers; see
+        :meth:`~verl.remote_backend.workers.replica.RemoteRolloutServer.collect_generation_timings`)."""
+        manager = getattr(self, "llm_server_manager", None)
+        replicas = manager.get_replicas() if manager is not None and hasattr(manager, "get_replicas") else []
+        servers = [s for r in replicas for s in getattr(r, "servers", [])]
+        if not servers:
+            return {}
+        totals: dict[str, float] = {}
+        try:
+            parts = ray.get([s.collect_generation_timings.remote() for s in servers], timeout=30)
+        except (AttributeError, ray.exceptions.RayError) as exc:  # a replica of another kind: no figures
+            logger.debug("no generation timings from the rollout servers: %s", exc)
+            return {}
+        for part in parts:
+            for key, value in (part or {}).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
         return totals
 
     def _build_replay_buffer(self):
@@ -238,6 +259,10 @@ class RemoteBackendTrainer(PPOTrainerSync):
     def _destroy_owned(self) -> None:
         if self._owner is not None:
             self._owner.destroy()
+
+
+class RemoteBackendAsyncTrainer(AsyncModeMixin, RemoteBackendTrainer):
+    """The remote-backend trainer in the asynchronous mode (``trainer.v1.remote_backend.async_mode=true``)."""
 
 
 class _TaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
