@@ -94,7 +94,7 @@ prepare_all() {  # the model and each data set once, as the scripts build them, 
     local spec name backend style zorro seed key done_keys=" "
     for spec in "$@"; do
         [ "$spec" = -- ] && continue
-        IFS=: read -r name backend style zorro seed <<<"$spec"
+        IFS=: read -r name backend style zorro seed _ <<<"$spec"
         key="${style}_seed${seed}"
         case "$done_keys" in *" $key "*) continue ;; esac
         done_keys+="$key "

@@ -77,6 +77,9 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
             server, adapter = metrics[f"timing_s/{phase}/server"], metrics[f"timing_s/{phase}/adapter"]
             assert 0 < server <= metrics[f"timing_s/{phase}/http"] <= adapter, (phase, server, adapter)
         assert metrics["timing_s/update_actor/adapter"] <= metrics["timing_s/update_actor"]
+        # generation: the time the server had at least one of the step's /generate calls, within verl's phase
+        assert 0 < metrics["timing_s/gen/backend_busy"] <= metrics["timing_s/gen"]
+        assert metrics["perf/remote_backend/gen_calls"] >= 1 and metrics["timing_s/gen/server_sum"] > 0
         assert 0 < metrics["response_length/mean"] <= 8
         if metrics["critic/advantages/max"] > metrics["critic/advantages/min"]:
             assert metrics["actor/grad_norm"] > 0  # a real backward pass on the server

@@ -42,7 +42,8 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.remote_backend.protocols import RemoteSampler, adopter_of, result_field
+from verl.remote_backend.protocols import RemoteSampler, ReportsCallTimes, adopter_of, result_field
+from verl.remote_backend.timings import BusyClock, CallTotals
 from verl.remote_backend.workers.coalescer import BatchFn, RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.sample_groups import GroupFn, SampleGrouper
 from verl.remote_backend.workers.worker import attach_rollout_server
@@ -174,6 +175,7 @@ class RemoteRolloutServer:
         self._reject = False
         self.batches = 0
         self.samples = 0
+        self._busy = BusyClock()  # the time the backend had at least one of this server's calls
 
     async def ready(self) -> bool:
         """Answer once the actor is constructed (and attached)."""
@@ -190,7 +192,11 @@ class RemoteRolloutServer:
 
     async def _generate_batch(self, prompts: list[list[int]], params: dict[str, Any]) -> Sequence[Any]:
         start = time.monotonic()
-        results = await asyncio.to_thread(self._backend.generate, prompts, params)
+        self._busy.begin()
+        try:
+            results = await asyncio.to_thread(self._backend.generate, prompts, params)
+        finally:
+            self._busy.end()
         self.batches += 1
         self.samples += len(prompts)
         logger.debug("generate: %d prompts in %.2f s", len(prompts), time.monotonic() - start)
@@ -198,8 +204,12 @@ class RemoteRolloutServer:
 
     async def _generate_group(self, prompt: list[int], params: dict[str, Any]) -> Sequence[Any]:
         """``params.get("n", 1)`` samples of one prompt, in a thread of the server's own pool (many at once)."""
-        results = await asyncio.get_running_loop().run_in_executor(self._executor, self._backend.generate,
-                                                                   [prompt], params)
+        self._busy.begin()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._executor, self._backend.generate,
+                                                                       [prompt], params)
+        finally:
+            self._busy.end()
         self.batches += 1
         self.samples += int(params.get("n", 1))
         return results
@@ -298,6 +308,20 @@ class RemoteRolloutServer:
         url = str((self._context.handle or {}).get("url") or "")
         host_port = url.split("://", 1)[-1].rstrip("/")
         return f"{host_port or self._context.name}#replica{self.replica_rank}"
+
+    def collect_generation_timings(self) -> dict[str, float]:
+        """Since the last collect: ``gen/backend_busy``, the seconds during which the backend had at least one of
+        this server's calls (overlapping calls counted once), ``gen/backend_calls``, and where the backend reports
+        its calls' times (:class:`~verl.remote_backend.protocols.ReportsCallTimes`) ``gen/http_sum`` and
+        ``gen/server_sum``: the calls' wall and server seconds added up (above the busy time when calls overlap)."""
+        busy_s, calls = self._busy.collect()
+        out = {"gen/backend_busy": busy_s, "gen/backend_calls": float(calls)}
+        if isinstance(self._backend, ReportsCallTimes):
+            totals = CallTotals.from_mapping(self._backend.drain_call_times())
+            out["gen/http_sum"] = totals.wall_s
+            if totals.server_reported:
+                out["gen/server_sum"] = totals.server_s
+        return out
 
     def stats(self) -> dict[str, int]:
         """Batches and samples sent so far (for logs and tests)."""
