@@ -21,25 +21,16 @@ from arctic_rl.protocol import Paths
 
 from .http import ArcticHttp
 
-__all__ = ["APPLIED", "Outcome", "outcome_of", "read_counter", "settle"]
+__all__ = ["Outcome", "outcome_of", "read_counter", "settle"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5
 
 
-class _Applied:
-    """Returned for a call that was applied but whose answer was lost."""
-
-    def __repr__(self) -> str:
-        return "APPLIED"
-
-
-#: the result of a call that was applied but whose answer is lost
-APPLIED = _Applied()
-
-
 class Outcome(str, enum.Enum):
+    """What the server's counter says about an unanswered call."""
+
     APPLIED = "applied"
     NOT_APPLIED = "not_applied"
     UNKNOWN = "unknown"
