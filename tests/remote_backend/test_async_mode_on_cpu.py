@@ -30,6 +30,17 @@ def test_the_switch_takes_a_boolean_only():
     assert err.value.field == ASYNC_KEY and "yes" in str(err.value)
 
 
+def test_the_legacy_trainer_route_is_refused():
+    from verl.remote_backend.async_trainer import check_async_declared
+
+    config = OmegaConf.create({"trainer": {"use_v1": False, "v1": {"remote_backend": {"async_mode": True}}}})
+    with pytest.raises(RemoteBackendConfigError) as err:
+        check_async_declared(config, "arctic")
+    assert err.value.field == ASYNC_KEY and "trainer.use_v1" in str(err.value)
+    config.trainer.v1.remote_backend.async_mode = False
+    check_async_declared(config, "arctic")  # off: nothing to check
+
+
 def test_the_dropped_share_counts_verls_evicted_samples():
     assert lag_metrics({"training/off_policy/evicted_samples": 4}, trained_samples=12) == {
         "training/off_policy/dropped_share": 0.25}

@@ -80,3 +80,16 @@ def test_two_async_grpo_steps_train_one_step_stale_batches(tmp_path):
     assert abs(steps[2]["rollout_corr/rollout_is_max"] - 1.0) > 1e-3 or abs(steps[2]["rollout_corr/rollout_is_min"] - 1.0) > 1e-3
     assert "remote backend 'arctic' destroyed" in output
 
+
+
+def test_late_samples_are_dropped_and_counted(tmp_path):
+    """Two warm-up batches make a backlog: the batch sent at step 1 would be trained at step 3, two versions late,
+    which the bound (one step of lag) drops with verl's ``drop`` strategy -- counted, and never trained."""
+    steps, _ = run_async(tmp_path, "trainer.v1.remote_backend.num_warmup_batches=2", steps=3)
+    assert sorted(steps) == [1, 2, 3], f"steps logged: {sorted(steps)}"
+    for step, metrics in steps.items():
+        assert metrics["training/off_policy/trajectory_staleness/max"] <= 1, step  # nothing older is trained
+    assert steps[1]["training/off_policy/dropped_share"] == 0.0
+    assert steps[3]["training/off_policy/evicted_samples"] >= 1
+    assert 0 < steps[3]["training/off_policy/dropped_share"] < 1
+    assert steps[3]["training/off_policy/evicted_samples_staleness/max"] == 3  # verl counts versions spanned

@@ -100,6 +100,10 @@ def check_async_declared(config: DictConfig, name: str) -> None:
     sampler answers while it trains (neither ``concurrent_jobs`` nor ``features``)."""
     if not async_requested(config):
         return
+    if not OmegaConf.select(config, "trainer.use_v1", default=True):
+        raise RemoteBackendConfigError(ASYNC_KEY, "the asynchronous mode runs on verl's V1 trainer (its async replay "
+                                       "buffer); the legacy trainer route (trainer.use_v1=false) has none",
+                                       allowed="false with trainer.use_v1=false", received=True)
     ensure_backends_registered()
     backend_cls = RemoteBackendRegistry.get(name)
     if hasattr(backend_cls, "concurrent_jobs") or hasattr(backend_cls, "features"):
