@@ -107,6 +107,24 @@ def test_a_full_batch_makes_new_calls_wait_in_order(engine):
         core.max_rows = engine.batch_size
 
 
+def test_a_full_determinism_job_runs_every_call_alone(tiny_model_dir):
+    """verl's rollout.full_determinism: a seeded call samples the same whatever else runs, so nothing joins it."""
+    from arctic_rl.server.engines.sampling import SamplingEngine
+
+    eng = SamplingEngine(JobConfig(model_name=str(tiny_model_dir), job_type=JobType.SAMPLING, full_determinism=True),
+                         ServerSettings(device="cpu"))
+    try:
+        long = submit(eng, [LONG], temperature=1.0, max_tokens=48, ignore_eos=True, seed=3)
+        while eng._loop().core.rows == []:
+            time.sleep(0.001)
+        short = submit(eng, [SHORT], temperature=1.0, max_tokens=2, ignore_eos=True, seed=4)
+        short.result()
+        assert long.future.done()  # the short call waited for the long one: it never joined its batch
+        assert len(long.result()[0]["token_ids"]) == 48
+    finally:
+        eng.close()
+
+
 def test_a_weight_sync_during_generation_never_mixes_weights(engine):
     original = {k: v.clone() for k, v in engine.model.state_dict().items()}
     other = {k: v + 0.05 * torch.randn_like(v) if v.dtype.is_floating_point else v for k, v in original.items()}

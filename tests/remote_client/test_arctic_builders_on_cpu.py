@@ -539,3 +539,11 @@ def test_folding_is_weights_into_advantages_is_exact_under_the_clipped_loss():
     with pytest.raises(RemoteBackendConfigError) as err:
         fold_is_weights({"response_mask": mask, "advantages": adv, "rollout_is_weights": weights - 1.0})
     assert err.value.field == "data.rollout_is_weights"
+
+
+def test_rollout_full_determinism_asks_the_sampling_job_to_run_calls_alone():
+    v, a = settings({"actor_rollout_ref": {"rollout": {"full_determinism": True}}})
+    assert build_job_config("sampling", v, a)["full_determinism"] is True
+    assert build_job_config("training", v, a)["full_determinism"] is False  # remote_backend.train.full_determinism's
+    v, a = settings()
+    assert build_job_config("sampling", v, a)["full_determinism"] is False

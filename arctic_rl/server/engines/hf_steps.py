@@ -15,7 +15,9 @@ each row's next-token logits:
 
 So a short call sent while a long one runs is answered first, and a call never waits for another to end -- unless
 the batch holds ``max_rows`` rows (the job's ``vllm_config.max_num_seqs``, else ``--generate-batch-size``): then a
-new call waits, in order, for rows to end (a call larger than that runs alone). The
+new call waits, in order, for rows to end (a call larger than that runs alone). A job created with
+``full_determinism`` (the adapter asks for it under verl's ``rollout.full_determinism``) runs every call alone, so
+that a seeded call's samples are the same whatever else the server is asked. The
 weight version a call reports is the one at its admission; the loop runs weight loads only when no row is in
 flight (:mod:`.continuous`), so it is the version of every token of the call.
 """
@@ -65,9 +67,11 @@ class HfStepCore:
     """One running batch over a ``transformers`` causal LM (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int, weight_version: Callable[[], int],
-                 max_rows: int = 0) -> None:
+                 max_rows: int = 0, alone: bool = False) -> None:
         self.model = model
         self.max_rows = max_rows
+        #: every call runs in a batch of its own (a job created with ``full_determinism``)
+        self.alone = alone
         self.pad_id = pad_id
         self.weight_version = weight_version
         self.device = next(model.parameters()).device
@@ -84,7 +88,11 @@ class HfStepCore:
     # ------------------------------------------------------------------ admit
 
     def has_room(self, call: Call, admitting: list[Call]) -> bool:
-        """Whether ``call``'s rows fit beside the running ones (``max_rows``; 0 = no limit)."""
+        """Whether ``call``'s rows fit beside the running ones (``max_rows``; 0 = no limit). Never, when calls run
+        alone: batched matrix products and padded attention are not bit-identical across batch shapes, and one
+        flipped token changes a seeded run, so a job that promises ``full_determinism`` takes one call at a time."""
+        if self.alone:
+            return False
         if self.max_rows <= 0:
             return True
         rows = sum(len(c.payload.prompts) * c.payload.params.n for c in (*admitting, call))

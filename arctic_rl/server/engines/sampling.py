@@ -236,7 +236,7 @@ class SamplingEngine:
         loop = self.__dict__.get("_generation_loop")
         if loop is None:
             core = HfStepCore(self.model, pad_id=self.pad_id, weight_version=lambda: self.weight_version,
-                              max_rows=self.batch_size)
+                              max_rows=self.batch_size, alone=bool(self.config.full_determinism))
             loop = self._generation_loop = ContinuousLoop(core, name="transformers sampler")
         return loop
 

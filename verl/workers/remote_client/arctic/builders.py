@@ -264,6 +264,8 @@ def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: Arctic
         "seed": seed,
         "full_determinism": arctic.train.full_determinism,
     }
+    if job_type is JobType.SAMPLING and verl.rollout_full_determinism:
+        body["full_determinism"] = True  # verl's rollout.full_determinism: the sampler may not batch calls together
     if client_tag:
         body["client_tag"] = client_tag
     if job_type is JobType.TRAINING:
