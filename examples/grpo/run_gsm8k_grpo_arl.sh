@@ -96,7 +96,7 @@ if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
 console_init "${RUN_DIR}/run.log"
 console_header \
-    "GSM8K GRPO, ${MODEL_DIR}, ZoRRO ${ZORRO}, ${STEPS} steps, verl 0.9.1 + remote backend 'arctic'" \
+    "GSM8K GRPO, ${MODEL_DIR}, ZoRRO ${ZORRO}, async ${ASYNC}, ${STEPS} steps, verl 0.9.1 + remote backend 'arctic'" \
     "  server:  ${SERVER_URL:-the reference Arctic RL server, started here on ${DEVICE} (none given; stopped at the end)}" \
     "  results: ${RUN_DIR} (metrics.jsonl: verl's per-step metrics)" \
     "  log:     ${RUN_DIR}/run.log (everything else; VERBOSE=1 prints it here)"

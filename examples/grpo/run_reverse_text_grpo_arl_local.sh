@@ -67,7 +67,7 @@ if [ "${PRINT_ONLY}" = false ]; then
     recipe_claim_run_dir
     console_init "${RUN_DIR}/run.log"
     console_header \
-        "reverse-text GRPO: a tiny Qwen3 (built here) learns to reverse strings; ${STEPS} steps, ZoRRO ${ZORRO}, seed ${SEED}" \
+        "reverse-text GRPO: a tiny Qwen3 (built here) learns to reverse strings; ${STEPS} steps, ZoRRO ${ZORRO}, async ${ASYNC}, seed ${SEED}" \
         "  stock verl 0.9.1 + remote backend 'arctic' -> ${SERVER_LINE}" \
         "  results: ${RUN_DIR}" \
         "  log:     ${RUN_DIR}/run.log (Ray, verl, server start-up; VERBOSE=1 prints it here)"
