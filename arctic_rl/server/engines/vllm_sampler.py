@@ -239,7 +239,7 @@ class VllmSamplingEngine:
 
             core = VllmStepCore(self.llm.llm_engine, make_prompt=lambda ids: TokensPrompt(prompt_token_ids=ids),
                                 final_only=_final_only, weight_version=lambda: self.weight_version,
-                                ready=self._check_awake)
+                                ready=self._check_awake, alone=bool(self.config.full_determinism))
             loop = self._generation_loop = ContinuousLoop(core, name="vLLM sampler")
         return loop
 

@@ -49,16 +49,24 @@ class VllmStepCore:
         final_only: sets a ``SamplingParams`` to report final outputs only (``RequestOutputKind.FINAL_ONLY``).
         weight_version: the engine's current weight version (read when a call is admitted).
         ready: raises when the engine cannot take a call now (asleep, weights discarded); run at admission.
+        alone: every call runs in a batch of its own (a job created with ``full_determinism``: vLLM's batched kernels
+            are not bit-identical across batch shapes, and a seeded call must sample the same whatever else runs).
     """
 
     def __init__(self, engine: Any, *, make_prompt: Callable[[list[int]], Any], final_only: Callable[[Any], None],
-                 weight_version: Callable[[], int], ready: Callable[[], None] = lambda: None) -> None:
+                 weight_version: Callable[[], int], ready: Callable[[], None] = lambda: None,
+                 alone: bool = False) -> None:
         self.engine = engine
+        self.alone = alone
         self.ready = ready
         self.make_prompt = make_prompt
         self.final_only = final_only
         self.weight_version = weight_version
         self._owner: dict[str, tuple[Call, int]] = {}
+
+    def has_room(self, call: Call, admitting: list[Call]) -> bool:
+        """Any call joins the running batch (vLLM's scheduler bounds it), unless calls run alone."""
+        return not self.alone
 
     def admit(self, call: Call) -> None:
         job: VllmCall = call.payload
