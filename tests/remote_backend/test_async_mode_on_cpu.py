@@ -1,11 +1,12 @@
 """The switch of the asynchronous remote trainer mode and what it refuses (verl/remote_backend/async_trainer.py).
 
 * ``trainer.v1.remote_backend.async_mode`` takes a boolean only, named in the error;
-* a backend that cannot say whether its sampler answers while it trains (Tinker's adapter today) is refused
-  by the real entry point before anything is created, with an error naming the key;
+* a backend class that cannot say whether its sampler answers while it trains is refused before anything is
+  created, with an error naming the key; Tinker's adapter says it can;
 * the config the entry point composes carries the switch off and the one-step staleness bound.
 
-The runs of the mode itself: tests/special_e2e/test_grpo_async_on_cpu.py (our server, async) and
+The runs of the mode itself: tests/special_e2e/test_grpo_async_on_cpu.py (our server, async),
+tests/special_e2e/test_grpo_async_tinker_on_cpu.py (Tinker, async) and
 tests/conformance/test_vendor_async_fallback_on_cpu.py (the vendor's server, the fall-back to sync).
 """
 
@@ -15,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import build_task, entry_point_command, entry_point_env, run_in_own_session, tiny_grpo_overrides
 from omegaconf import OmegaConf
 
 from verl.remote_backend.async_trainer import ASYNC_KEY, async_requested, lag_metrics
@@ -47,16 +47,17 @@ def test_the_dropped_share_counts_verls_evicted_samples():
     assert lag_metrics({}, trained_samples=8) == {"training/off_policy/dropped_share": 0.0}
 
 
-@pytest.mark.slow
-def test_tinker_is_refused_before_anything_starts(tmp_path):
-    task = build_task(tmp_path / "task")
-    cmd = entry_point_command([*tiny_grpo_overrides(task, tmp_path / "run"), "remote_backend=tinker",
-                               "remote_backend.server.url=null", f"{ASYNC_KEY}=true"])
-    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(TINKER_API_KEY="tml-unused"),
-                                            timeout=300)
-    assert returncode != 0, output[-3000:]
-    assert ASYNC_KEY in output and "'tinker'" in output and "does not say whether its sampler" in output, output[-3000:]
-    assert "tinker LoRA run created" not in output and "Started a local Ray instance" not in output
+def test_a_backend_that_cannot_say_is_refused_naming_the_key():
+    from verl.remote_backend.async_trainer import check_async_declared
+    from verl.remote_backend.base import RemoteBackend
+    from verl.workers.remote_client.tinker.client import TinkerClient
+
+    config = OmegaConf.create({"trainer": {"v1": {"remote_backend": {"async_mode": True}}}})
+    with pytest.raises(RemoteBackendConfigError) as err:
+        check_async_declared(config, "acme", RemoteBackend)  # the bare ABC declares nothing
+    assert err.value.field == ASYNC_KEY and "'acme'" in str(err.value) and "does not say whether" in str(err.value)
+    check_async_declared(config, "tinker")  # declares concurrent_jobs(): accepted
+    assert TinkerClient.concurrent_jobs(None)[0] is True
 
 
 def test_the_entry_points_config_carries_the_switch_off():

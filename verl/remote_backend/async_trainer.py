@@ -95,7 +95,7 @@ def concurrency_of(backend: Any) -> tuple[bool | None, str]:
                   f"runs (neither a concurrent_jobs() method nor a features set)")
 
 
-def check_async_declared(config: DictConfig, name: str) -> None:
+def check_async_declared(config: DictConfig, name: str, backend_cls: type | None = None) -> None:
     """Refuse, before anything is created, an asynchronous run on a backend whose class cannot say whether its
     sampler answers while it trains (neither ``concurrent_jobs`` nor ``features``)."""
     if not async_requested(config):
@@ -104,8 +104,9 @@ def check_async_declared(config: DictConfig, name: str) -> None:
         raise RemoteBackendConfigError(ASYNC_KEY, "the asynchronous mode runs on verl's V1 trainer (its async replay "
                                        "buffer); the legacy trainer route (trainer.use_v1=false) has none",
                                        allowed="false with trainer.use_v1=false", received=True)
-    ensure_backends_registered()
-    backend_cls = RemoteBackendRegistry.get(name)
+    if backend_cls is None:
+        ensure_backends_registered()
+        backend_cls = RemoteBackendRegistry.get(name)
     if hasattr(backend_cls, "concurrent_jobs") or hasattr(backend_cls, "features"):
         return
     raise RemoteBackendConfigError(

@@ -100,6 +100,12 @@ class TinkerClient(RemoteBackend, SamplerAdopter):
     def requires_single_forwarder(self) -> bool:
         return True  # the LoRA run lives in exactly one process (the SDK cannot share a training client)
 
+    def concurrent_jobs(self) -> tuple[bool, str]:
+        """For the asynchronous mode (verl/remote_backend/async_trainer.py): the rollout server's sampling client
+        and the worker's training client are separate SDK clients whose calls are futures, so a sample is answered
+        while a training call runs; an adopted sampler serves the calls sent after it."""
+        return True, "Tinker's sampling and training clients are separate SDK clients (futures)"
+
     def destroy(self) -> None:
         """Drop the training and sampling clients this instance created (idempotent)."""
         with self._lock:

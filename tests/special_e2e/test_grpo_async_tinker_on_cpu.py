@@ -1,0 +1,91 @@
+"""Two asynchronous GRPO steps through ``remote_backend=tinker`` against a real Tinker server (the session's peer).
+
+The recipe of tests/special_e2e/test_grpo_two_steps_tinker_on_cpu.py (SkyRL's Tinker API server on CPU, the
+peer's fixed shapes, a KL penalty in the reward) with ``trainer.v1.remote_backend.async_mode=true``: Tinker's
+adapter says its sampling client answers while its training client computes (separate SDK clients, futures), so
+the run is asynchronous -- step 2 trains the batch sampled before step 1's update (one version old) and hardly
+waits for generation.
+
+Run by hand::
+
+    pytest -m e2e tests/special_e2e/test_grpo_async_tinker_on_cpu.py -s
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+from _helpers_e2e import build_task, entry_point_command, entry_point_env, parse_console_metrics, run_in_own_session
+from _helpers_tinker import PEER_API_KEY, PEER_SHAPES
+
+# the peer compiles one XLA program per new shape (sample, forward, forward_backward, compute_logprobs):
+# on two shared cores that alone takes minutes, so this test gets more than the suite's 900 s default
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
+
+
+def grpo_command(task: dict[str, Path], out: Path, url: str) -> list[str]:
+    # 2 prompts x 2 samples = the peer's 4-row micro-batch; prompt + response <= its 32-token bucket
+    overrides = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=True",
+        f"data.train_files={task['train']}",
+        f"data.val_files={task['val']}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=24",
+        f"data.max_response_length={PEER_SHAPES['max_tokens']}",
+        f"actor_rollout_ref.model.path={task['model']}",
+        f"actor_rollout_ref.model.lora_rank={PEER_SHAPES['lora_rank']}",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        f"reward.custom_reward_function.path={task['reward']}",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"hydra.run.dir={out / 'hydra'}",
+        "remote_backend=tinker",
+        f"remote_backend.server.url={url}",
+        "trainer.v1.remote_backend.async_mode=true",
+    ]
+    return entry_point_command(overrides)
+
+
+def test_two_async_grpo_steps_through_tinker(tmp_path, tinker_peer):
+    # the task's model and the peer's are the same tiny Qwen3; the service only trains the one it serves
+    task = {**build_task(tmp_path / "task"), "model": tinker_peer.model}
+    cmd = grpo_command(task, tmp_path / "run", tinker_peer.url)
+    print("running:", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(TINKER_API_KEY=PEER_API_KEY),
+                                            timeout=2100)
+    (tmp_path / "run.log").write_text(output)
+    print(f"wall time {time.monotonic() - t0:.0f} s, log {tmp_path / 'run.log'}", flush=True)
+    assert returncode == 0, output[-6000:]
+    steps = parse_console_metrics(output)
+    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    for step, metrics in steps.items():
+        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr", "actor/entropy",
+                    "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update_actor"):
+            assert key in metrics, f"step {step}: {key} not logged"
+            assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
+        assert metrics["actor/lr"] == pytest.approx(1e-3)
+        assert 0 < metrics["response_length/mean"] <= 8
+        assert metrics["training/global_step"] == step
+    assert "asynchronous remote mode on (Tinker's sampling and training clients" in output
+    assert all(metrics["training/off_policy/async_mode"] == 1.0 for metrics in steps.values())
+    assert steps[1]["training/off_policy/trajectory_staleness_worst/max"] == 0
+    assert steps[2]["training/off_policy/trajectory_staleness_worst/max"] == 1  # sampled before step 1's update
+    assert steps[2]["training/off_policy/trajectory_staleness/max"] <= 1
+    index = tmp_path / "run" / "checkpoints" / "tinker_state_index.json"
+    assert index.exists() and '"2": "tinker://' in index.read_text(), "no Tinker checkpoint recorded for step 2"
