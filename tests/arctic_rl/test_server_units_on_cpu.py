@@ -403,6 +403,7 @@ def test_unexpected_errors_are_json_500_and_the_app_keeps_serving(tmp_path):
             Features.POLICY_LOSSES,
             Features.CONTINUOUS_BATCHING,
             Features.RESPONSE_LOGPROBS,
+            Features.CONCURRENT_JOBS,
         }
         assert client.get("/job/3").status_code == 404
         assert client.post("/step?job_id=1").json()["detail"]["field"] == "job_id"
