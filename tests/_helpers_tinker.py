@@ -167,3 +167,38 @@ def tinker_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerPeer
     pytest-xdist one per worker that uses it)."""
     with shared_peer(tmp_path_factory.getbasetemp() / "tinker-peer") as peer:
         yield peer
+
+
+def tinker_grpo_overrides(task: dict, out, url: str) -> list[str]:
+    """The two-step GRPO recipe's overrides through ``remote_backend=tinker`` against the peer at ``url``."""
+    # 2 prompts x 2 samples = the peer's 4-row micro-batch; prompt + response <= its 32-token bucket
+    overrides = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=True",
+        f"data.train_files={task['train']}",
+        f"data.val_files={task['val']}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=24",
+        f"data.max_response_length={PEER_SHAPES['max_tokens']}",
+        f"actor_rollout_ref.model.path={task['model']}",
+        f"actor_rollout_ref.model.lora_rank={PEER_SHAPES['lora_rank']}",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        f"reward.custom_reward_function.path={task['reward']}",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"hydra.run.dir={out / 'hydra'}",
+        "remote_backend=tinker",
+        f"remote_backend.server.url={url}",
+    ]
+    return overrides

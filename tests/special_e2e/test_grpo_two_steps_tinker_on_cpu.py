@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from _helpers_e2e import build_task, entry_point_command, entry_point_env, parse_console_metrics, run_in_own_session
-from _helpers_tinker import PEER_API_KEY, PEER_SHAPES
+from _helpers_tinker import PEER_API_KEY, tinker_grpo_overrides
 
 # the peer compiles one XLA program per new shape (sample, forward, forward_backward, compute_logprobs):
 # on two shared cores that alone takes minutes, so this test gets more than the suite's 900 s default
@@ -31,37 +31,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def grpo_command(task: dict[str, Path], out: Path, url: str) -> list[str]:
-    # 2 prompts x 2 samples = the peer's 4-row micro-batch; prompt + response <= its 32-token bucket
-    overrides = [
-        "algorithm.adv_estimator=grpo",
-        "algorithm.use_kl_in_reward=True",
-        f"data.train_files={task['train']}",
-        f"data.val_files={task['val']}",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=24",
-        f"data.max_response_length={PEER_SHAPES['max_tokens']}",
-        f"actor_rollout_ref.model.path={task['model']}",
-        f"actor_rollout_ref.model.lora_rank={PEER_SHAPES['lora_rank']}",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.actor.use_kl_loss=False",
-        "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-        f"reward.custom_reward_function.path={task['reward']}",
-        "trainer.logger=[console]",
-        "trainer.val_before_train=False",
-        "trainer.total_training_steps=2",
-        "trainer.save_freq=2",
-        "trainer.test_freq=-1",
-        f"trainer.default_local_dir={out / 'checkpoints'}",
-        f"hydra.run.dir={out / 'hydra'}",
-        "remote_backend=tinker",
-        f"remote_backend.server.url={url}",
-    ]
-    return entry_point_command(overrides)
+    return entry_point_command(tinker_grpo_overrides(task, out, url))
 
 
 def test_two_grpo_steps_through_tinker(tmp_path, tinker_peer):
