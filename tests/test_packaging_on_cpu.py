@@ -51,7 +51,7 @@ def test_wheel_carries_both_halves_and_the_config_group(wheel_files):
         "verl/remote_backend/base.py",
         "verl/remote_backend/errors.py",
         "arctic_rl/__init__.py",
-        "arctic_rl/protocol.py",
+        "arctic_rl/protocol/__init__.py",
         "arctic_rl/dssst1/__init__.py",
         "arctic_rl/dssst1/decode.py",
     ):

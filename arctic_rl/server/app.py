@@ -21,6 +21,7 @@ from fastapi.responses import Response
 
 import arctic_rl
 from arctic_rl.protocol import (
+    REPLAY_HEADER,
     REQUEST_ID_HEADER,
     STEP_HEADER,
     DestroyRequest,
@@ -44,8 +45,6 @@ from arctic_rl.server_timing import ServerTimingMiddleware
 __all__ = ["create_app"]
 
 logger = logging.getLogger("arctic_rl.server")
-
-REPLAY_HEADER = "X-Idempotent-Replay"
 
 
 def create_app(settings: ServerSettings | None = None) -> FastAPI:

@@ -29,8 +29,10 @@ from arctic_rl.protocol import (
     REQUIRED_TRAIN_TENSORS,
     SFT_LOSS_NAMES,
     BatchMeta,
+    FieldError,
     LossConfig,
     Processing,
+    validate_meta,
 )
 from arctic_rl.server.errors import BadRequest, from_validation_error
 
@@ -252,11 +254,7 @@ def _parse_processing(raw: dict, *, train: bool) -> tuple[Processing, str | None
         ) from None
     if not train:
         return processing, None, None
-    try:
-        config = LossConfig.model_validate(processing.config)
-    except ValidationError as exc:
-        raise from_validation_error(exc, prefix="processing.config") from None
-    return processing, processing.loss_fn or DEFAULT_LOSS, config
+    return processing, processing.loss_fn or DEFAULT_LOSS, processing.config or LossConfig()
 
 
 def parse_batch_body(obj: Any, *, vocab_size: int, train: bool) -> ParsedBatch:
@@ -273,7 +271,9 @@ def parse_batch_body(obj: Any, *, vocab_size: int, train: bool) -> ParsedBatch:
     batch = _section(obj, "batch")
     raw_meta = _scalar_meta(_section(obj, "meta"))
     try:
-        meta = BatchMeta.model_validate(raw_meta)
+        meta = validate_meta(raw_meta)
+    except FieldError as exc:  # an unknown key: named, with the allowed keys
+        raise BadRequest(exc.args[0], field=exc.field, allowed=exc.allowed, received=exc.received) from None
     except ValidationError as exc:
         raise from_validation_error(exc, prefix="meta") from None
     processing, loss_name, loss_config = _parse_processing(_section(obj, "processing"), train=train)

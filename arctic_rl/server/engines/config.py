@@ -81,13 +81,17 @@ _KNOWN_UNUSED = (
 WorkerKnobs = DsWorkerConfig
 
 
-def parse_worker_knobs(raw: dict[str, Any] | None) -> tuple[WorkerKnobs, list[str], list[str]]:
-    """``(knobs, known-but-unused keys, unknown keys)``; 400 on a wrong type."""
-    raw = dict(raw or {})
-    try:
-        knobs = WorkerKnobs.model_validate(raw)
-    except ValidationError as exc:
-        raise from_validation_error(exc, prefix="ds_worker_config") from None
+def parse_worker_knobs(raw: WorkerKnobs | dict[str, Any] | None) -> tuple[WorkerKnobs, list[str], list[str]]:
+    """``(knobs, known-but-unused keys, unknown keys)``; 400 on a wrong type (a ``JobConfig`` brings them
+    parsed already)."""
+    if isinstance(raw, WorkerKnobs):
+        knobs, raw = raw, raw.model_dump(exclude_unset=True)
+    else:
+        raw = dict(raw or {})
+        try:
+            knobs = WorkerKnobs.model_validate(raw)
+        except ValidationError as exc:
+            raise from_validation_error(exc, prefix="ds_worker_config") from None
     unused = sorted(k for k in raw if k in _KNOWN_UNUSED)
     unknown = sorted(k for k in (knobs.model_extra or {}) if k not in _KNOWN_UNUSED)
     return knobs, unused, unknown

@@ -54,14 +54,11 @@ def parse_generate_request(obj: Any) -> tuple[GenerateRequest, SamplingParams]:
         raise BadRequest(
             "body: expected an object {prompts, sampling_params}", field="body", received=type(obj).__name__
         )
-    try:
+    try:  # sampling_params is typed in: one validation, errors named ``sampling_params.<field>``
         request = GenerateRequest.model_validate(obj)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    try:
-        params = SamplingParams.model_validate(request.sampling_params or {})
-    except ValidationError as exc:
-        raise from_validation_error(exc, prefix="sampling_params") from None
+    params = request.sampling_params or SamplingParams()
     if len(request.prompts) * params.n > MAX_ROWS_PER_REQUEST:
         raise BadRequest(
             f"prompts x n = {len(request.prompts) * params.n} exceeds {MAX_ROWS_PER_REQUEST}",
@@ -140,7 +137,7 @@ class SamplingEngine:
         self.device = resolve_device(settings.device)
         self.dtype = compute_dtype(self.device)
         vllm_config = config.vllm_config or {}
-        attn = (config.ds_worker_config or {}).get("attn_implementation")
+        attn = config.ds_worker_config.attn_implementation if config.ds_worker_config else None
         self.model = load_model(config.model_name, device=self.device, dtype=self.dtype, attn_implementation=attn)
         self.model.eval()
         self.model.requires_grad_(False)

@@ -13,9 +13,10 @@ verl's rollout replica asks for token ids in and token ids out. Servers differ i
   The answer's shape is the client's to choose, from the features, not the caller's; other servers get
   neither key.
 
-Sampling parameters are filtered to the protocol's :class:`~arctic_rl.protocol.SamplingParams`
-(unknown knobs are logged once and not sent; a strict server would reject the whole call) and
-validated here, so a bad value is a config error naming the knob rather than a 400 later.
+Sampling parameters are filtered to the protocol's :class:`~arctic_rl.protocol.SamplingParams` by
+:func:`arctic_rl.protocol.clean_sampling_params` (unknown knobs are logged once per process and not sent; a
+strict server would reject the whole call) and validated here, so a bad value is a config error naming the
+knob rather than a 400 later.
 
 :class:`SeedDeriver` gives reproducible sampling under verl's ``rollout.full_determinism``: a call
 without a seed gets one derived from ``rollout.seed``, its prompts and how many times this client
@@ -41,6 +42,7 @@ from typing import Any
 
 from arctic_rl.protocol import (
     Features,
+    FieldError,
     GenerateResponse,
     GenerateResult,
     JobType,
@@ -48,6 +50,7 @@ from arctic_rl.protocol import (
     SamplingParams,
     sampled_logprobs,
 )
+from arctic_rl.protocol import clean_sampling_params as protocol_clean
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 
 from .answers import parse_answer
@@ -58,35 +61,13 @@ __all__ = ["Sampler", "SeedDeriver", "clean_sampling_params", "ordered_results",
 
 logger = logging.getLogger(__name__)
 
-_ALIASES = {"max_new_tokens": "max_tokens"}
-#: SamplingParams fields that shape the answer: set by :class:`Sampler` from the server's features, never by a caller
-_ANSWER_SHAPE = frozenset({"logprobs_format", "detokenize"})
-
-
-def clean_sampling_params(given: dict[str, Any], warned: set[str]) -> SamplingParams:
-    """``given`` restricted to the protocol's knobs and validated; ``warned`` remembers logged keys."""
-    known = SamplingParams.model_fields
-    clean: dict[str, Any] = {}
-    for key, value in given.items():
-        key = _ALIASES.get(key, key)
-        if key in known and key not in _ANSWER_SHAPE:
-            clean[key] = value
-        elif key not in warned:
-            warned.add(key)
-            if key in _ANSWER_SHAPE:
-                logger.warning("arctic: sampling parameter %r shapes the answer and is set from the server's "
-                               "features; the given value is not sent", key)
-            else:
-                logger.warning("arctic: sampling parameter %r is not part of the protocol; not sent", key)
+def clean_sampling_params(given: dict[str, Any]) -> SamplingParams:
+    """``given`` restricted to the protocol's knobs and validated (:func:`arctic_rl.protocol.clean_sampling_params`,
+    the one cleaning, with its one warned-once set); a bad value is a config error naming the knob."""
     try:
-        return SamplingParams.model_validate(clean)
-    except ValueError as exc:
-        errors = getattr(exc, "errors", list)()
-        first = errors[0] if errors else {}
-        field = ".".join(str(x) for x in first.get("loc", ())) or "?"
-        raise RemoteBackendConfigError(f"sampling_params.{field}", first.get("msg", str(exc)),
-                                       allowed="see arctic_rl.protocol.SamplingParams",
-                                       received=first.get("input")) from None
+        return protocol_clean(given)
+    except FieldError as exc:
+        raise RemoteBackendConfigError(exc.field, exc.message, allowed=exc.allowed, received=exc.received) from None
 
 
 class SeedDeriver:
@@ -135,7 +116,6 @@ class Sampler:
         self.state = state
         self.tokens = tokens
         self.seeds = seeds
-        self._warned: set[str] = set()
 
     def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[GenerateResult]:
         """One ``/generate`` call (one per :func:`unique_layers` layer when a seed is derived); results in
@@ -143,7 +123,7 @@ class Sampler:
         if not prompts:
             return []
         features = self.state.features
-        params = clean_sampling_params(sampling_params or {}, self._warned)
+        params = clean_sampling_params(sampling_params or {})
         n = params.n
         expand = n > 1 and Features.N_SAMPLES not in features
         per_row = 1 if expand else n

@@ -44,7 +44,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError
 
-from arctic_rl.protocol import AUTH_HEADER, JSON_MEDIA_TYPE, REQUEST_ID_HEADER, STEP_HEADER
+from arctic_rl.protocol import AUTH_HEADER, JSON_MEDIA_TYPE, REPLAY_HEADER, REQUEST_ID_HEADER, STEP_HEADER
 from arctic_rl.server_timing import SERVER_TIMING_HEADER, server_seconds
 from verl.remote_backend.errors import (
     RemoteConnectionError,
@@ -63,8 +63,6 @@ logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 RETRYABLE_STATUS = (429, 502, 503, 504)
-#: response header of a server that answered a replayed ``X-Request-Id`` from its cache
-REPLAY_HEADER = "X-Idempotent-Replay"
 #: operation name -> TimeoutsConfig field
 OPERATIONS = ("initialize", "forward_backward", "forward", "step", "generate", "weight_sync", "save", "default")
 

@@ -77,7 +77,7 @@ class LogProbs:
                           calculate_entropy=entropy, pad_token_id=pad,
                           response_logprobs_only=Features.RESPONSE_LOGPROBS in self.state.features)
         body = forward_body(dense_batch(data, layout, pad_token_id=pad, keys=()), meta,
-                            Processing(loss_fn=None, post=list(FORWARD_POST), config={}))
+                            Processing(loss_fn=None, post=list(FORWARD_POST)))
         path = self.state.dialect.forward_path
         endpoint = "POST /forward"
         out = self.calls.post_tensors(path, job_type, body, op="forward", idempotent=True).answer(endpoint)

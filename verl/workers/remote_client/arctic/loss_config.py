@@ -126,9 +126,8 @@ def build_loss_config(verl: VerlSettings, *, loss_scale_tokens: float | None) ->
 
 
 def loss_body(loss: LossConfig) -> dict:
-    """The JSON of ``loss`` as sent (``processing.config``, ``meta.policy_loss_config``): without
-    ``rollout_correction`` where no loss reads it, so the vanilla body is the one the vendor always got."""
-    return loss.model_dump(mode="json", exclude={"rollout_correction"} if loss.rollout_correction is None else None)
+    """The JSON of ``loss`` as sent in ``processing.config`` (:meth:`LossConfig.wire_body`)."""
+    return loss.wire_body()
 
 
 def apply_is_weights(batch: dict[str, torch.Tensor], verl: VerlSettings) -> None:

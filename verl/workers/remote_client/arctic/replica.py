@@ -23,9 +23,6 @@ from .generation import clean_sampling_params
 
 __all__ = ["ArcticRLRolloutReplica", "ArcticRLRolloutServer", "to_protocol_sampling_params"]
 
-_warned: set[str] = set()
-
-
 def to_protocol_sampling_params(
     params: Mapping[str, Any], *, prompt_len: int, response_length: int, prompt_length: int
 ) -> dict[str, Any]:
@@ -35,11 +32,12 @@ def to_protocol_sampling_params(
     ``None``/``0`` -> -1, ``logprobs`` bool -> ``True``/``None``, ``max_tokens`` defaulted like
     verl's vLLM server, unsupported penalties dropped with a one-time warning), then the adapter's
     :func:`~verl.workers.remote_client.arctic.generation.clean_sampling_params` (unknown keys dropped with
-    a one-time warning, values validated: a bad one raises naming the field).
+    a one-time warning, values validated: a bad one raises naming the field; the same function and
+    warned-once set as the adapter's ``generate``, which leaves a cleaned dict as it is).
     """
     raw = normalize_sampling_params(params, prompt_len=prompt_len, response_length=response_length,
                                     prompt_length=prompt_length, backend="Arctic RL")
-    return clean_sampling_params(raw, _warned).model_dump(exclude_none=True, exclude_unset=True)
+    return clean_sampling_params(raw).model_dump(exclude_none=True, exclude_unset=True)
 
 
 class ArcticRLRolloutServer(RemoteRolloutServer):

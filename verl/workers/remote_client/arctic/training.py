@@ -6,7 +6,7 @@ importance weights are folded into the advantages, or dropped for verl's ``bypas
 own (:func:`.loss_config.apply_is_weights`); metrics come
 back under verl's names (:mod:`.metrics`), the call's token means as the server reports them. The
 body is ``{batch, meta, processing}``: ``meta`` from :func:`.builders.build_meta` (validated by
-:class:`arctic_rl.protocol.BatchMeta`), ``processing`` a :class:`arctic_rl.protocol.Processing`.
+:func:`arctic_rl.protocol.validate_meta`), ``processing`` a :class:`arctic_rl.protocol.Processing`.
 
 What is not here: the lifecycle of the jobs (:mod:`.arctic_rl`), sending (:mod:`.session`), what
 happens when an answer is lost (:mod:`.recovery`).
@@ -21,7 +21,15 @@ from typing import Any
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
-from arctic_rl.protocol import BatchMeta, ForwardBackwardResponse, JobType, Paths, Processing, StepResponse
+from arctic_rl.protocol import (
+    FieldError,
+    ForwardBackwardResponse,
+    JobType,
+    Paths,
+    Processing,
+    StepResponse,
+    validate_meta,
+)
 from verl.remote_backend.errors import RemoteBackendConfigError
 
 from ..common.verl_settings import VerlSettings
@@ -30,7 +38,7 @@ from .arctic_config import ArcticConfig
 from .builders import BatchPlan, build_meta
 from .dialect import Payload
 from .layout import RESPONSE_KEYS, dense_batch, plan_layout, shuffled_rows, split_rows
-from .loss_config import apply_is_weights, build_loss_config, loss_body, loss_fn_name
+from .loss_config import apply_is_weights, build_loss_config, loss_fn_name
 from .metrics import FlopsEstimator, mini_batch_metrics
 from .recovery import Recovery
 from .request import JobRequest
@@ -53,8 +61,13 @@ def sampling_temperature(data: TensorDict, verl: VerlSettings) -> float:
 
 
 def forward_body(batch: dict, meta: dict, processing: Processing) -> dict[str, Any]:
-    """A ``/forward`` or ``/forward-backward`` body, its JSON parts checked by the protocol's models."""
-    return {"batch": batch, "meta": BatchMeta.model_validate(meta).model_dump(mode="json", exclude_unset=True),
+    """A ``/forward`` or ``/forward-backward`` body, its JSON parts checked by the protocol's models: a meta key
+    the protocol does not define raises here, naming it, the allowed keys and the keys given, before sending."""
+    try:
+        checked = validate_meta(meta)
+    except FieldError as exc:
+        raise RemoteBackendConfigError(exc.field, exc.message, allowed=exc.allowed, received=exc.received) from None
+    return {"batch": batch, "meta": checked.model_dump(mode="json", exclude_unset=True),
             "processing": processing.model_dump(mode="json")}
 
 
@@ -128,8 +141,7 @@ class Trainer:
                                   max_response_len=layout.response_width, temperature=temperature,
                                   calculate_entropy=entropy, pad_token_id=pad,
                                   global_batch_size=mini_rows, batch_num_tokens=scale or tokens, loss=loss)
-                processing = Processing(loss_fn=loss_fn_name(verl), post=list(TRAIN_POST),
-                                        config=loss_body(loss))
+                processing = Processing(loss_fn=loss_fn_name(verl), post=list(TRAIN_POST), config=loss)
                 body = forward_body({k: v.index_select(0, mini) for k, v in batch.items()}, meta, processing)
                 res = self.calls.post_tensors(path, JobType.TRAINING, body, op="forward_backward", idempotent=False,
                                               counter=("pending_forward_backward", 0))
