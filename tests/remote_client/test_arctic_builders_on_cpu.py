@@ -382,8 +382,9 @@ def test_meta_golden():
         "max_token_len_per_gpu": 4096, "temperature": 0.7, "calculate_entropy": True, "pad_token_id": 3,
         "load_balancer": None, "logits_optimization": "none", "logits_optimization_peak_mem_size_in_gib": 4,
         "logits_compute_in_fp32": False, "global_batch_size": 8, "batch_num_tokens": 40.0,
-        # the vanilla body the vendor always got: no rollout_correction (read by verl_bypass_mode only)
-        "policy_loss_config": loss.model_dump(mode="json", exclude={"rollout_correction"}),
+        # the loss's values travel in processing.config and, for the vendor's verl_grpo, in actor_config;
+        # policy_loss_config carries the one key the vendor's loss reads there
+        "policy_loss_config": {"loss_mode": "vanilla"},
         "actor_config": {"ppo_mini_batch_size": 4, "ppo_epochs": 2, "rollout_n": 2, "clip_ratio": 0.2,
                          "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
                          "loss_agg_mode": "token-mean", "use_kl_loss": True, "kl_loss_coef": 0.001,

@@ -26,9 +26,9 @@ from verl.remote_backend.errors import RemoteBackendConfigError
 
 from ..common.verl_settings import OptimSettings, VerlSettings
 from .arctic_config import ArcticConfig, DeepSpeedSettings
-from .loss_config import loss_body
 
 __all__ = [
+    "VENDOR_ACTOR_KEYS",
     "BatchPlan",
     "build_ds_config",
     "build_ds_worker_config",
@@ -42,6 +42,10 @@ __all__ = [
 
 
 _ACTOR = "actor_rollout_ref.actor"
+#: the :class:`LossConfig` fields the vendor's ``verl_grpo`` loss reads from ``meta.actor_config``
+#: (``integrations/verl/grpo_loss.py`` ``VerlPolicyConfig``); the others travel in ``processing.config`` only
+VENDOR_ACTOR_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "use_kl_loss",
+                     "kl_loss_coef", "kl_loss_type", "entropy_coeff")
 _OPTIM = f"{_ACTOR}.optim"
 
 
@@ -333,15 +337,13 @@ def build_meta(
         meta["global_batch_size"] = int(global_batch_size)
     if batch_num_tokens is not None:
         meta["batch_num_tokens"] = float(batch_num_tokens)
-    if loss is not None:
-        policy = loss_body(loss)
-        meta["policy_loss_config"] = policy
+    if loss is not None:  # where the vendor's verl_grpo loss reads its settings; ours reads processing.config
+        policy = loss.wire_body()
+        meta["policy_loss_config"] = {"loss_mode": verl.loss_mode}  # the one key the vendor's loss reads there
         meta["actor_config"] = {
             "ppo_mini_batch_size": verl.ppo_mini_batch_size,
             "ppo_epochs": verl.ppo_epochs,
             "rollout_n": verl.rollout_n,
-            **{k: policy[k] for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-                                      "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
-                                      "entropy_coeff")},
+            **{k: policy[k] for k in VENDOR_ACTOR_KEYS},
         }
     return meta
