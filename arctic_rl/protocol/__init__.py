@@ -2,22 +2,22 @@
 
 Modules, by role (every public name is re-exported here: ``from arctic_rl.protocol import X``):
 
-=================  =================================================================================
-:mod:`.wire`       wire generations (v1: ``torch.save`` bodies; v2: DSSST1 bodies), endpoint paths,
-                   media types, headers (auth, idempotency, replay), ``/health`` feature names
-:mod:`.base`       :class:`Strict` (what we send: unknown keys refused) and :class:`Tolerant` (what we
-                   read, or what the vendor's clients send with keys of their own), :class:`FieldError`
-:mod:`.jobs`       ``/initialize`` (:class:`JobConfig` with a typed :class:`DsWorkerConfig`), job and
-                   health answers, the 4xx ``detail``
-:mod:`.loss`       loss and post-processor allow-lists, :class:`LossConfig`, :class:`RolloutCorrection`
-:mod:`.batches`    ``/forward``, ``/forward-backward``, ``/step``: tensor names, :class:`BatchMeta`
-                   (strict: :func:`validate_meta`), :class:`Processing` (``config`` a ``LossConfig``)
-:mod:`.generation` ``/generate``: :class:`SamplingParams` (typed into :class:`GenerateRequest`),
-                   :func:`clean_sampling_params`, results and :func:`sampled_logprobs`
-:mod:`.checkpoints` ``/save``, ``/load-checkpoint``, weight sync (v1 and v2)
-:mod:`.control`    the vendor's v2 control routes (sleep/wake, prefix cache, ``/operation``, weight norm,
-                   ``/log-probs``)
-=================  =================================================================================
+====================  ==============================================================================
+:mod:`.wire`          wire generations (v1: ``torch.save`` bodies; v2: DSSST1 bodies), endpoint paths,
+                      media types, headers (auth, idempotency, replay), ``/health`` feature names
+:mod:`.base`          :class:`Strict` (what we send: unknown keys refused) and :class:`Tolerant` (what we
+                      read, or what the vendor's clients send with keys of their own), :class:`FieldError`
+:mod:`.jobs`          ``/initialize`` (:class:`JobConfig` with a typed :class:`DsWorkerConfig`), job and
+                      health answers, the 4xx ``detail``
+:mod:`.loss`          loss and post-processor allow-lists, :class:`LossConfig`, :class:`RolloutCorrection`
+:mod:`.batches`       ``/forward``, ``/forward-backward``, ``/step``: tensor names, :class:`BatchMeta`
+                      (strict: :func:`validate_meta`), :class:`Processing` (``config`` a ``LossConfig``)
+:mod:`.generation`    ``/generate``: :class:`SamplingParams` (typed into :class:`GenerateRequest`),
+                      :func:`clean_sampling_params`, results and :func:`sampled_logprobs`
+:mod:`.checkpoints`   ``/save``, ``/load-checkpoint``, weight sync (v1 and v2)
+:mod:`.control`       the vendor's v2 control routes (sleep/wake, prefix cache, ``/operation``, weight norm,
+                      ``/log-probs``)
+====================  ==============================================================================
 
 Conventions: request models are strict, answers tolerant (an older client keeps working against a
 newer server that adds fields). The exceptions are where the vendor's code is tolerant and its clients
