@@ -18,10 +18,10 @@ import time
 import pytest
 from _helpers_rollout import check_grpo_samples, dispatch_grpo_samples
 
+from verl.remote_backend.workers.batching import RolloutBatching
 from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.replica import backend_features, rollout_dispatcher
 from verl.remote_backend.workers.sample_groups import SampleGrouper
-from verl.workers.remote_client.common.rollout_batching import RolloutBatching
 
 
 class _Groups:

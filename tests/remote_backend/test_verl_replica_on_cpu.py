@@ -211,7 +211,7 @@ def test_the_batching_options_are_read_once_for_every_backend():
     from omegaconf import OmegaConf
 
     from verl.remote_backend.errors import RemoteBackendConfigError
-    from verl.workers.remote_client.common.rollout_batching import RolloutBatching
+    from verl.remote_backend.workers.batching import RolloutBatching
     from verl.workers.remote_client.tinker.config import TinkerRolloutConfig
 
     main = OmegaConf.create({"remote_backend": {"rollout": {"max_batch_size": 8, "max_wait_ms": 2,

@@ -18,7 +18,7 @@ verl's agent loop asks a rollout *replica* for a server Ray actor and calls its
     waits at most ``max_wait_ms`` for its samples);
   - otherwise (the vendor's server): concurrent calls are coalesced into bounded batches, one row per sample
     (:mod:`.coalescer`; ``max_batch_size`` / ``max_wait_ms`` / ``max_in_flight``, read as the shared
-    :class:`~verl.workers.remote_client.common.rollout_batching.RolloutBatching`);
+    :class:`~verl.remote_backend.workers.batching.RolloutBatching`);
 * :func:`normalize_sampling_params` maps verl's per-sample sampling parameters onto the
   backend-neutral dict every sampler takes; a backend's server subclass may refine it
   (:meth:`RemoteRolloutServer.convert_sampling_params`).
@@ -44,10 +44,10 @@ from verl.remote_backend.context import BackendContext, attach_backend, read_con
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.protocols import RemoteSampler, ReportsCallTimes, adopter_of, result_field
 from verl.remote_backend.timings import BusyClock, CallTotals
+from verl.remote_backend.workers.batching import RolloutBatching
 from verl.remote_backend.workers.coalescer import BatchFn, RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.sample_groups import GroupFn, SampleGrouper
 from verl.remote_backend.workers.worker import attach_rollout_server
-from verl.workers.remote_client.common.rollout_batching import RolloutBatching
 
 __all__ = ["CONTINUOUS_BATCHING", "N_SAMPLES", "RemoteRolloutReplica", "RemoteRolloutServer", "backend_features",
            "normalize_sampling_params", "remote_server_class", "rollout_dispatcher"]

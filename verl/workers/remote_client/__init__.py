@@ -6,7 +6,7 @@
 * ``tinker/`` -- ``remote_backend=tinker``: ``TinkerClient`` on the official ``tinker`` SDK (generic
   worker and replica);
 * ``common/`` -- what both use and names no vendor: the verl fields an adapter reads
-  (``verl_settings``) and strict config mirrors (``strict_config``).
+  (``verl_settings``); strict config mirrors and the rollout batching options are in ``verl.remote_backend``.
 
 Each vendor package registers its adapter in ``RemoteBackendRegistry`` when imported (see
 ``verl.remote_backend.builtin``); importing this package imports no vendor.

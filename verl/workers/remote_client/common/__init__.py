@@ -1,3 +1,4 @@
-"""What every remote adapter uses, whatever its vendor: the verl fields an adapter reads
-(``verl_settings``) and the strict conversion of a ``remote_backend`` mapping into frozen dataclasses
-(``strict_config``). Nothing here names a vendor; importing the package imports neither module."""
+"""What every remote adapter uses, whatever its vendor: the verl fields an adapter reads (``verl_settings``).
+The strict config conversion and the rollout batching options are the generic layer's
+(``verl.remote_backend.strict_config``, ``verl.remote_backend.workers.batching``). Nothing here names a vendor;
+importing the package imports no module of it."""

@@ -17,37 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.strict_config import select
 
-__all__ = ["KL_TYPE_ALIASES", "OptimSettings", "VerlSettings", "select"]
+__all__ = ["KL_TYPE_ALIASES", "OptimSettings", "VerlSettings"]
 
 #: verl's ``kl_loss_type`` spellings -> the protocol's ``KL_TYPES``
 KL_TYPE_ALIASES = {"kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse", "k2": "mse", "low_var_kl": "low_var_kl",
                    "k3": "low_var_kl"}
-_MISSING = object()
-
-
-def select(cfg: Any, dotted: str, default: Any = None) -> Any:
-    """``cfg.a.b.c`` for a DictConfig or nested mappings; ``default`` when a level is missing or null."""
-    node = cfg
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        try:
-            node = node.get(part, _MISSING) if hasattr(node, "get") else getattr(node, part, _MISSING)
-        except Exception:  # noqa: BLE001 - omegaconf raises on missing mandatory values ("???")
-            return default
-        if node is _MISSING:
-            return default
-    if node is None:
-        return default
-    try:  # plain containers out of omegaconf nodes
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(node, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(node, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return node
 
 
 def _clip_grad(cfg: Any, actor: str) -> float:

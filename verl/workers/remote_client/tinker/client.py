@@ -38,7 +38,7 @@ from tensordict import TensorDict
 from verl.remote_backend.base import RemoteBackend
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.protocols import SAMPLER_UPDATE_KEY, SamplerAdopter
-from verl.workers.remote_client.common.verl_settings import select
+from verl.remote_backend.strict_config import select
 from verl.workers.remote_client.tinker import batch as tb
 from verl.workers.remote_client.tinker.checkpoints import StateIndex
 from verl.workers.remote_client.tinker.config import TinkerConfig

@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..common.rollout_batching import RolloutBatching
-from ..common.strict_config import build as _build
-from ..common.strict_config import require as _require
-from ..common.strict_config import to_plain as _to_plain
+from verl.remote_backend.strict_config import build as _build
+from verl.remote_backend.strict_config import require as _require
+from verl.remote_backend.strict_config import to_plain as _to_plain
+from verl.remote_backend.workers.batching import RolloutBatching
 
 __all__ = [
     "API_KEY_ENV",

@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass
 
 from verl.remote_backend.errors import RemoteBackendConfigError
-from verl.workers.remote_client.common.verl_settings import OptimSettings, VerlSettings, select
+from verl.remote_backend.strict_config import select
+from verl.workers.remote_client.common.verl_settings import OptimSettings, VerlSettings
 from verl.workers.remote_client.tinker.batch import LOSS_AGG_MODES
 from verl.workers.remote_client.tinker.config import TinkerConfig
 

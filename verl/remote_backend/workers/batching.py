@@ -1,9 +1,9 @@
 """The rollout batching options every backend's ``remote_backend.rollout`` node carries, defined once.
 
 verl's agent loop sends one ``generate`` call per sample; the rollout server
-(:mod:`verl.remote_backend.workers.replica`) gathers concurrent calls into batches
-(:mod:`verl.remote_backend.workers.coalescer`) -- or, against a server that lists ``continuous_batching``, sends
-them as they come, the samples of one prompt as one request (:mod:`verl.remote_backend.workers.sample_groups`:
+(:mod:`.replica`) gathers concurrent calls into batches
+(:mod:`.coalescer`) -- or, against a server that lists ``continuous_batching``, sends
+them as they come, the samples of one prompt as one request (:mod:`.sample_groups`:
 ``max_batch_size`` requests in flight at most, ``max_wait_ms`` the longest a prompt's first sample waits for the
 others, ``max_in_flight`` unused). How large a batch may get, how long it waits for more
 calls and how many batches may be in flight are :class:`RolloutBatching`: each vendor's config mirror
@@ -17,8 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from verl.workers.remote_client.common.strict_config import build, require, to_plain
-from verl.workers.remote_client.common.verl_settings import select
+from verl.remote_backend.strict_config import build, require, select, to_plain
 
 __all__ = ["ROLLOUT_NODE", "RolloutBatching"]
 

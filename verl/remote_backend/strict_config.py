@@ -1,10 +1,12 @@
 """Strict conversion of a config mapping into frozen dataclasses, shared by the backends' config mirrors.
 
-``build(cls, data, prefix)`` turns ``remote_backend``'s mapping (``to_plain`` resolves an OmegaConf node
-first) into ``cls``: an unknown key, a value of the wrong type, a null where none is allowed or a value
-outside a ``Literal`` raises :class:`~verl.remote_backend.errors.RemoteBackendConfigError` naming the dotted
-key, the allowed values and what was received; then each dataclass's ``_validate(prefix)`` checks ranges
-(with :func:`require`). What is not here: any backend's keys.
+Whatever its vendor, a backend reads its ``remote_backend`` node through here: ``select(cfg, "a.b.c")``
+reads one dotted key of verl's main config (``default`` when absent or null); ``build(cls, data, prefix)``
+turns a mapping (``to_plain`` resolves an OmegaConf node first) into ``cls``: an unknown key, a value of
+the wrong type, a null where none is allowed or a value outside a ``Literal`` raises
+:class:`~verl.remote_backend.errors.RemoteBackendConfigError` naming the dotted key, the allowed values and
+what was received; then each dataclass's ``_validate(prefix)`` checks ranges (with :func:`require`).
+What is not here: any backend's keys.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any, Literal
 
 from verl.remote_backend.errors import RemoteBackendConfigError
 
-__all__ = ["build", "require", "to_plain"]
+__all__ = ["build", "require", "select", "to_plain"]
+
+_MISSING = object()
 
 
 def require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> None:
@@ -26,7 +30,23 @@ def require(ok: bool, key: str, message: str, allowed: Any, received: Any) -> No
         raise RemoteBackendConfigError(key, message, allowed=allowed, received=received)
 
 
+def select(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg.a.b.c`` for a DictConfig or nested mappings; ``default`` when a level is missing or null."""
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        try:
+            node = node.get(part, _MISSING) if hasattr(node, "get") else getattr(node, part, _MISSING)
+        except Exception:  # noqa: BLE001 - omegaconf raises on missing mandatory values ("???")
+            return default
+        if node is _MISSING:
+            return default
+    return default if node is None else to_plain(node)
+
+
 def to_plain(section: Any) -> Any:
+    """A plain container out of an OmegaConf node (resolved); anything else unchanged."""
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
 
