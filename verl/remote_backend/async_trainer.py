@@ -28,8 +28,6 @@ line saying why; a backend that cannot say is refused with an error naming the k
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -38,6 +36,7 @@ from verl.utils.debug import marked_timer
 from verl.remote_backend.base import RemoteBackendRegistry
 from verl.remote_backend.context import attach_backend, ensure_backends_registered, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.logs import module_logger
 
 __all__ = [
     "ASYNC_KEY",
@@ -49,8 +48,7 @@ __all__ = [
     "lag_metrics",
 ]
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = module_logger(__name__)
 
 #: the one switch of the asynchronous mode
 ASYNC_KEY = "trainer.v1.remote_backend.async_mode"

@@ -16,8 +16,6 @@ on the plugin route (stock ``main_ppo``) the trainer creates it inside Ray's tas
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -28,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.remote_backend.base import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.context import ensure_backends_registered, install_context
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.logs import module_logger
 
 __all__ = [
     "BackendOwner",
@@ -38,8 +37,7 @@ __all__ = [
     "signals_shielded",
 ]
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = module_logger(__name__)
 
 
 def backend_name(config: DictConfig) -> str:

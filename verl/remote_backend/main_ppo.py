@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,13 +33,13 @@ from omegaconf import DictConfig
 
 from verl.remote_backend.command_line import check_command_line, exit_on_usage_error
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.logs import module_logger
 from verl.remote_backend.preflight import PreflightError, check_server_reachable, check_settings
 from verl.remote_backend.settings import check_cluster_cpus, ensure_ray_cpus, joins_running_cluster, rewrite_overrides
 
 __all__ = ["CONFIG_DIR", "CONFIG_NAME", "main", "register_searchpath_plugin", "run", "start_ray"]
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = module_logger(__name__)
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 CONFIG_NAME = "remote_backend_ppo_trainer"

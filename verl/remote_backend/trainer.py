@@ -21,8 +21,6 @@ Not here: config derivation (``settings.py``), backend lifetime (``lifecycle.py`
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any, Self
 
 import numpy as np
@@ -40,6 +38,7 @@ from verl.remote_backend.base import RemoteBackendRegistry
 from verl.remote_backend.context import ensure_backends_registered, install_context, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.lifecycle import BackendOwner, backend_name
+from verl.remote_backend.logs import module_logger
 from verl.remote_backend.progress import StepClock, format_progress
 from verl.remote_backend.settings import (
     FORWARDER_BUNDLE_CPUS,
@@ -58,8 +57,7 @@ __all__ = [
     "prepare_remote_backend_config",
 ]
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = module_logger(__name__)
 
 GLOBAL_POOL = "global_pool"
 

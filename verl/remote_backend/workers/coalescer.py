@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestAborted", "RequestCoalescer", "params_key"]
+from verl.remote_backend.logs import module_logger
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))  # as the rollout server's own logger (replica.py)
+__all__ = ["PendingCalls", "RequestAborted", "RequestCoalescer", "params_key"]
+
+logger = module_logger(__name__)
 
 BatchFn = Callable[[list[list[int]], dict[str, Any]], Awaitable[Sequence[Any]]]
 
@@ -45,6 +44,98 @@ class RequestAborted(Exception):
 def params_key(params: Mapping[str, Any]) -> Hashable:
     """A hashable key equal for equal parameter mappings (order-insensitive, nested values ok)."""
     return json.dumps(params, sort_keys=True, default=repr)
+
+
+class PendingCalls:
+    """What :class:`RequestCoalescer` and :class:`~.sample_groups.SampleGrouper` share: groups of calls not yet
+    sent (``_groups``; a group's ``waiting()`` are its callers' futures, ``drop()`` stops its timer), the tasks
+    of the requests running (``_running``), counting, aborting and closing, and handing a request's results
+    to its callers (:meth:`_answer`).
+
+    Args:
+        max_wait_ms: longest time a group waits for more calls (>= 0).
+        max_in_flight: most requests running at once (>= 1).
+    """
+
+    def __init__(self, *, max_wait_ms: float, max_in_flight: int) -> None:
+        if not isinstance(max_wait_ms, (int, float)) or isinstance(max_wait_ms, bool) or max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms: expected a number >= 0, received {max_wait_ms!r}")
+        check_count("max_in_flight", max_in_flight)
+        self.max_wait_s = float(max_wait_ms) / 1000.0
+        self.max_in_flight = max_in_flight
+        self._groups: dict[Hashable, Any] = {}  # insertion order = age of each group's oldest call
+        self._running: set[asyncio.Task] = set()
+        self._closed = False
+
+    def pending(self) -> int:
+        """Calls queued and not yet sent."""
+        return sum(len(g.waiting()) for g in self._groups.values())
+
+    def in_flight(self) -> int:
+        """Requests (batches) running now."""
+        return len(self._running)
+
+    def abort_pending(self, reason: str = "aborted") -> int:
+        """Fail every call not yet sent with :class:`RequestAborted`; return how many."""
+        groups, self._groups = self._groups, {}
+        count = 0
+        for group in groups.values():
+            group.drop()
+            for future in group.waiting():
+                if not future.done():
+                    future.set_exception(RequestAborted(reason))
+                    count += 1
+        return count
+
+    async def close(self) -> None:
+        """Abort the calls not yet sent, stop sending, wait for the requests running."""
+        self._closed = True
+        self.abort_pending(f"{type(self).__name__} closed")
+        await self._stop()
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _stop(self) -> None:
+        """What a subclass stops on :meth:`close` before the running requests are awaited (nothing here)."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def _launch(self, request: Awaitable[None]) -> None:
+        task = asyncio.get_running_loop().create_task(request)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    @staticmethod
+    async def _answer(live: list[asyncio.Future], request: Callable[[], Awaitable[Sequence[Any]]],
+                      expected: str) -> bool:
+        """Run ``request()``; each future of ``live`` gets its result, in order. When the request fails, or answers
+        another number of results than ``live`` (``expected`` says what was asked, for the error), each gets the
+        exception; a cancelled request cancels them. Whether the results were handed out."""
+        try:
+            results = list(await request())
+            if len(results) != len(live):
+                raise RuntimeError(f"{expected}, received {len(results)}")
+        except asyncio.CancelledError:
+            for future in live:
+                future.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - every waiting caller must hear about it
+            for future in live:
+                if not future.done():
+                    future.set_exception(exc)
+            return False
+        for future, result in zip(live, results):
+            if not future.done():
+                future.set_result(result)
+        return True
+
+
+def check_count(name: str, value: Any) -> None:
+    """Refuse ``value`` unless it is an integer >= 1 (``ValueError`` naming ``name``)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected an integer >= 1, received {value!r}")
 
 
 @dataclass
@@ -59,8 +150,14 @@ class _Group:
     params: dict[str, Any]
     calls: list[_Call] = field(default_factory=list)
 
+    def waiting(self) -> list[asyncio.Future]:
+        return [call.future for call in self.calls]
 
-class RequestCoalescer:
+    def drop(self) -> None:
+        """Nothing to stop: the dispatcher finds the group gone."""
+
+
+class RequestCoalescer(PendingCalls):
     """Queue single-prompt calls and send them as bounded batches (see the module docstring).
 
     Args:
@@ -71,30 +168,20 @@ class RequestCoalescer:
     """
 
     def __init__(self, run_batch: BatchFn, *, max_batch_size: int, max_wait_ms: float, max_in_flight: int = 1):
-        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected an integer >= 1, received {max_batch_size!r}")
-        if not isinstance(max_wait_ms, (int, float)) or isinstance(max_wait_ms, bool) or max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms: expected a number >= 0, received {max_wait_ms!r}")
-        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
-            raise ValueError(f"max_in_flight: expected an integer >= 1, received {max_in_flight!r}")
+        check_count("max_batch_size", max_batch_size)
+        super().__init__(max_wait_ms=max_wait_ms, max_in_flight=max_in_flight)
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
-        self.max_wait_s = float(max_wait_ms) / 1000.0
-        self.max_in_flight = max_in_flight
-        self._groups: dict[Hashable, _Group] = {}  # insertion order = age of each group's oldest call
         self._changed: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
         self._dispatcher: asyncio.Task | None = None
-        self._running: set[asyncio.Task] = set()
-        self._closed = False
         #: (batch size, params) of every batch sent, most recent last; bounded, for tests and logs
         self.sent_batches: list[tuple[int, dict[str, Any]]] = []
 
     # ------------------------------------------------------------------ public API
     async def submit(self, prompt: Sequence[int], params: Mapping[str, Any]) -> Any:
         """Queue one prompt; return its result once its batch has run (or raise its error)."""
-        if self._closed:
-            raise RuntimeError("RequestCoalescer is closed")
+        self._check_open()
         self._start()
         future = asyncio.get_running_loop().create_future()
         key = params_key(params)
@@ -105,39 +192,15 @@ class RequestCoalescer:
         self._changed.set()
         return await future
 
-    def pending(self) -> int:
-        """Calls queued and not yet sent."""
-        return sum(len(g.calls) for g in self._groups.values())
-
-    def in_flight(self) -> int:
-        """Batches running now."""
-        return len(self._running)
-
-    def abort_pending(self, reason: str = "aborted") -> int:
-        """Fail every call not yet sent with :class:`RequestAborted`; return how many."""
-        groups, self._groups = self._groups, {}
-        count = 0
-        for group in groups.values():
-            for call in group.calls:
-                if not call.future.done():
-                    call.future.set_exception(RequestAborted(reason))
-                    count += 1
-        return count
-
-    async def close(self) -> None:
-        """Abort queued calls, wait for running batches, stop the dispatcher."""
-        self._closed = True
-        self.abort_pending("coalescer closed")
+    # ------------------------------------------------------------------ internals
+    async def _stop(self) -> None:
         if self._dispatcher is not None:
             self._dispatcher.cancel()
             try:
                 await self._dispatcher
             except asyncio.CancelledError:
                 pass
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
 
-    # ------------------------------------------------------------------ internals
     def _start(self) -> None:
         if self._dispatcher is None or self._dispatcher.done():
             self._changed = asyncio.Event()
@@ -176,9 +239,7 @@ class RequestCoalescer:
             del group.calls[: len(batch)]
             if not group.calls:
                 del self._groups[key]
-            task = asyncio.get_running_loop().create_task(self._run(batch, group.params))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._launch(self._run(batch, group.params))
 
     async def _run(self, batch: list[_Call], params: dict[str, Any]) -> None:
         try:
@@ -188,21 +249,10 @@ class RequestCoalescer:
             self.sent_batches.append((len(live), params))
             del self.sent_batches[:-256]
             sent = time.monotonic()
-            try:
-                results = await self._run_batch([c.prompt for c in live], dict(params))
-                results = list(results)
-                if len(results) != len(live):
-                    raise RuntimeError(
-                        f"generate batch: expected {len(live)} results (one per prompt), received {len(results)}"
-                    )
-            except asyncio.CancelledError:
-                for call in live:
-                    call.future.cancel()
-                raise
-            except Exception as exc:  # noqa: BLE001 - every waiting caller must hear about it
-                for call in live:
-                    if not call.future.done():
-                        call.future.set_exception(exc)
+            prompts = [c.prompt for c in live]
+            expected = f"generate batch: expected {len(live)} results (one per prompt)"
+            if not await self._answer([c.future for c in live], lambda: self._run_batch(prompts, dict(params)),
+                                      expected):
                 return
             arrivals = [c.arrived for c in live]
             logger.info(
@@ -213,9 +263,6 @@ class RequestCoalescer:
                 time.monotonic() - sent,
                 self.pending(),
             )
-            for call, result in zip(live, results):
-                if not call.future.done():
-                    call.future.set_result(result)
         finally:
             self._slots.release()
             if self._changed is not None:

@@ -30,8 +30,6 @@ its memory. Only the hybrid mode (one replica per forwarder worker) is supported
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +40,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import RemoteSampler, ReportsCallTimes, adopter_of, result_field
 from verl.remote_backend.timings import BusyClock, CallTotals
 from verl.remote_backend.workers.batching import RolloutBatching
@@ -68,8 +67,7 @@ def backend_features(backend: object) -> frozenset[str]:
     except TypeError:
         return frozenset()
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = module_logger(__name__)
 
 # verl's penalties a remote sampler may lack, with their neutral values (dropped; warned once when not neutral)
 _IGNORED_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}

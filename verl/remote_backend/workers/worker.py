@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import logging
 import os
 import re
 import time
@@ -35,13 +34,13 @@ from verl.single_controller.base.decorator import Dispatch, make_nd_compute_data
 
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_UPDATE_KEY, RemoteActor, ReportsCallTimes
 from verl.remote_backend.timings import PHASE_OF_METHOD, CallTotals, PhaseTimes
 
 __all__ = ["CHECKPOINT_MARKER", "RemoteActorRolloutRefWorker", "attach_rollout_server", "checkpoint_step"]
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = module_logger(__name__)
 
 #: file written into verl's ``global_step_N/actor`` folder: says where the remote checkpoint is
 CHECKPOINT_MARKER = "remote_backend_checkpoint.json"

@@ -25,8 +25,6 @@ created; the service frees a run whose session stops heartbeating.
 from __future__ import annotations
 
 import atexit
-import logging
-import os
 import random
 import threading
 import uuid
@@ -37,6 +35,7 @@ from tensordict import TensorDict
 
 from verl.remote_backend.base import RemoteBackend
 from verl.remote_backend.errors import RemoteBackendConfigError
+from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import SAMPLER_UPDATE_KEY, SamplerAdopter
 from verl.remote_backend.strict_config import select
 from verl.workers.remote_client.tinker import batch as tb
@@ -48,8 +47,7 @@ from verl.workers.remote_client.tinker.sdk import TinkerSession, full_length_log
 
 __all__ = ["TinkerClient"]
 
-logger = logging.getLogger(__name__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
+logger = module_logger(__name__)
 
 
 class TinkerClient(RemoteBackend, SamplerAdopter):
