@@ -4,7 +4,7 @@ For each architecture (Qwen3, Qwen2, Llama; small fp32 models), each ``rollout_n
 prompt:response length ratio, one batch of ``num_prompts`` prompts x ``rollout_n`` responses in the
 protocol's layout (left-padded prompts of 50-100% of ``P``, right-padded responses of 50-100% of
 ``R``) runs ``response_logprobs`` + the GRPO loss + ``backward`` through the plain ``[B, P+R]``
-pass and through ZoRRO's shared-prompt pass (:mod:`arctic_rl.server.zorro`). Reported:
+pass and through ZoRRO's shared-prompt pass (:mod:`arctic_rl.server.zorro.forward`). Reported:
 
 * ``plain_ms`` / ``zorro_ms``: median wall time of ``--repeats`` timed runs (after one warm-up);
   the two paths alternate so machine noise hits both alike.

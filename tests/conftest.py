@@ -33,8 +33,8 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
     os.environ.setdefault(_var, "1" if _var != "TOKENIZERS_PARALLELISM" else "false")
 
 # Servers the tests start take the ZoRRO pass whenever a call asks for ZoRRO (the tests' tiny batches would
-# otherwise take the plain pass by the server's rule, arctic_rl/server/zorro_rule.py, or the pass their timings
-# favour, arctic_rl/server/zorro_tuner.py); the rule's and the tuner's own tests pass their flags explicitly.
+# otherwise take the plain pass by the server's rule, arctic_rl/server/zorro/rule.py, or the pass their timings
+# favour, arctic_rl/server/zorro/tuner.py); the rule's and the tuner's own tests pass their flags explicitly.
 os.environ.setdefault("ARCTIC_RL_ZORRO_MIN_SAVING", "0")
 os.environ.setdefault("ARCTIC_RL_ZORRO_TRIALS", "0")
 
@@ -135,7 +135,7 @@ def _reset_process_wide_server_switches():
     logprobs = sys.modules.get("arctic_rl.server.logprobs")
     if logprobs is not None:
         logprobs.set_compiled_token_stats(False)
-    zorro_flex = sys.modules.get("arctic_rl.server.zorro_flex")
+    zorro_flex = sys.modules.get("arctic_rl.server.zorro.flex")
     if zorro_flex is not None:
         zorro_flex.set_response_attention("expand")
 

@@ -32,7 +32,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from arctic_rl.server import memory
-from arctic_rl.server.zorro_attention import unwrap_model
+from arctic_rl.server.zorro.attention import unwrap_model
 
 __all__ = ["chunked_head_supported", "head_stats", "hidden_states_out", "logits_bytes"]
 

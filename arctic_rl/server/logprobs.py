@@ -3,7 +3,7 @@
 A batch is dense ``[B, P+R]``: ``[left-padded prompt (width P) | right-padded response (width R)]``.
 :func:`response_logprobs` returns *response-aligned* values ``[B, R]`` (``lp[:, j] =
 log p(responses[:, j] | prompt, responses[:, :j])``) of the temperature-scaled distribution, either
-from the plain ``[B, P+R]`` pass or from ZoRRO's shared-prompt pass (:mod:`arctic_rl.server.zorro`);
+from the plain ``[B, P+R]`` pass or from ZoRRO's shared-prompt pass (:mod:`arctic_rl.server.zorro.forward`);
 both agree to float precision. :func:`shifted_logprobs` gives the protocol's *shifted* ``[B, P+R]``
 layout of a plain pass and :func:`to_shifted` moves response-aligned values into it.
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from arctic_rl.server import memory
 from arctic_rl.server.chunked_head import chunked_head_supported, head_stats, hidden_states_out, logits_bytes
-from arctic_rl.server.zorro import causal_lm_logits, zorro_forward, zorro_unsupported_reason
+from arctic_rl.server.zorro.forward import causal_lm_logits, zorro_forward, zorro_unsupported_reason
 
 __all__ = [
     "TokenLogprobs",
@@ -268,7 +268,7 @@ def response_logprobs(
 ) -> TokenLogprobs:
     """Response-aligned ``[B, R]`` log-probs (and entropy) of a ``[B, P+R]`` batch.
 
-    ``zorro=True`` runs each unique prompt once (:func:`arctic_rl.server.zorro.zorro_forward`).
+    ``zorro=True`` runs each unique prompt once (:func:`arctic_rl.server.zorro.forward.zorro_forward`).
     For a model that cannot take that path (gradient checkpointing while training, sliding-window
     or linear-attention caches) it logs a warning and runs the plain pass, which gives the same
     values; ``unique_prompts`` and ``tokens_computed`` then report the plain pass.

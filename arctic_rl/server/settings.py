@@ -63,10 +63,10 @@ class ServerSettings:
     #: the sampling engine (:data:`SAMPLERS`)
     sampler: str = "auto"
     #: share of tokens ZoRRO must save for a ZoRRO request to take the ZoRRO pass (else the plain pass, same
-    #: numbers; see :mod:`arctic_rl.server.zorro_rule`); 0 = always when asked
+    #: numbers; see :mod:`arctic_rl.server.zorro.rule`); 0 = always when asked
     zorro_min_saving: float = 0.55
     #: timed calls of each pass before a job keeps the faster for the calls the rule sends to ZoRRO (after a
-    #: warm-up call each; see :mod:`arctic_rl.server.zorro_tuner`); 0 = no timing, ZoRRO whenever the rule says
+    #: warm-up call each; see :mod:`arctic_rl.server.zorro.tuner`); 0 = no timing, ZoRRO whenever the rule says
     zorro_trials: int = 2
 
     def __post_init__(self) -> None:

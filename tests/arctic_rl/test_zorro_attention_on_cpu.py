@@ -1,4 +1,4 @@
-"""ZoRRO's attention wrapper (``arctic_rl/server/zorro_attention.py``): routing a model through it and back,
+"""ZoRRO's attention wrapper (``arctic_rl/server/zorro/attention.py``): routing a model through it and back,
 the per-thread pass state, and the refusals. The numbers of the passes that use it are checked in
 ``test_zorro_on_cpu.py``."""
 
@@ -6,8 +6,7 @@ import pytest
 import torch
 from _helpers_zorro import make_batch, make_model
 
-from arctic_rl.server.zorro import zorro_forward
-from arctic_rl.server.zorro_attention import (
+from arctic_rl.server.zorro.attention import (
     PassState,
     ZorroUnsupportedError,
     attention_base,
@@ -15,6 +14,7 @@ from arctic_rl.server.zorro_attention import (
     routed_through_wrapper,
     running_pass,
 )
+from arctic_rl.server.zorro.forward import zorro_forward
 
 torch.set_num_threads(1)
 

@@ -1,11 +1,11 @@
-"""ZoRRO's FlexAttention response pass (``arctic_rl/server/zorro_flex.py``): the choice of pass and the
+"""ZoRRO's FlexAttention response pass (``arctic_rl/server/zorro/flex.py``): the choice of pass and the
 one-off kernel probe. Its numbers against the plain pass are checked with the passes themselves
 (``test_zorro_on_cpu.py``; gradients on a GPU, ``test_zorro_gpu.py``)."""
 
 import pytest
 import torch
 
-from arctic_rl.server import zorro_flex
+from arctic_rl.server.zorro import flex as zorro_flex
 
 torch.set_num_threads(1)
 

@@ -16,11 +16,11 @@ import torch
 from _helpers_zorro import ARCHS, ATTNS, LAYOUTS, RTOL, VOCAB, make_batch, make_model, rel_err
 
 from arctic_rl.protocol import LossConfig
-from arctic_rl.server import zorro_flex
 from arctic_rl.server.logprobs import response_logprobs
 from arctic_rl.server.losses import compute_loss
-from arctic_rl.server.zorro import ZorroUnsupportedError, group_prompts, zorro_forward, zorro_unsupported_reason
-from arctic_rl.server.zorro_flex import set_response_attention
+from arctic_rl.server.zorro import flex as zorro_flex
+from arctic_rl.server.zorro.flex import set_response_attention
+from arctic_rl.server.zorro.forward import ZorroUnsupportedError, group_prompts, zorro_forward, zorro_unsupported_reason
 
 torch.set_num_threads(1)
 
@@ -270,7 +270,7 @@ def test_flex_failure_falls_back_to_the_expanding_pass(flex_response_attention, 
     monkeypatch.setattr(zorro_flex, "grouped_attention", broken)
     model = make_model("qwen3").eval()
     batch = make_batch(2, 3, 6, 5, seed=11)
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="arctic_rl.server.zorro"):
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="arctic_rl.server.zorro.forward"):
         plain = response_logprobs(model, *batch, 6)
         zorro = response_logprobs(model, *batch, 6, zorro=True)
     assert "FlexAttention response pass failed (RuntimeError: no valid kernel for this shape)" in caplog.text

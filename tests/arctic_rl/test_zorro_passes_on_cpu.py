@@ -1,4 +1,4 @@
-"""How a ZoRRO call's rows are grouped into passes (:mod:`arctic_rl.server.zorro_passes`).
+"""How a ZoRRO call's rows are grouped into passes (:mod:`arctic_rl.server.zorro.passes`).
 
 Unit tests of the token count of a pass, the merging of a ``/forward-backward``'s micro-batches and the
 row passes of a ``/forward`` under a token bound; the end-to-end check (same loss, gradient and log-probs
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arctic_rl.server.zorro_passes import merge_micro_batches, plan_row_passes, zorro_pass_tokens
+from arctic_rl.server.zorro.passes import merge_micro_batches, plan_row_passes, zorro_pass_tokens
 
 
 def _groups(*sizes: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The server's ZoRRO rule: a ZoRRO request takes the ZoRRO pass only where deduplicating prompts pays.
 
-Unit tests of :func:`arctic_rl.server.zorro_rule.choose_zorro` (token counts, per-pass grouping, both
+Unit tests of :func:`arctic_rl.server.zorro.rule.choose_zorro` (token counts, per-pass grouping, both
 branches at the threshold) and, against a real server process started with ``--zorro-min-saving 0.55``,
 both branches end to end: a batch with a long prompt shared by its group takes the ZoRRO pass, one with
 short prompts the plain pass, and in either case ``/forward``'s log-probs and ``/forward-backward``'s
@@ -19,7 +19,7 @@ from server_process import decode, make_batch, post_frame, running_server
 
 from arctic_rl.server.__main__ import parse_args
 from arctic_rl.server.settings import ServerSettings
-from arctic_rl.server.zorro_rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
+from arctic_rl.server.zorro.rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
 
 torch.set_num_threads(1)
 
@@ -72,7 +72,7 @@ def test_unique_prompts_are_counted_per_pass():
 def test_the_choice_is_logged_when_the_path_changes(caplog):
     b = _batch(groups=2, n=4, prompt_len=32, response_len=8)
     log = ZorroChoiceLog("training")
-    with caplog.at_level("DEBUG", logger="arctic_rl.server.zorro_rule"):
+    with caplog.at_level("DEBUG", logger="arctic_rl.server.zorro.rule"):
         for min_saving in (0.5, 0.5, 0.9):
             log.record("/forward", choose_zorro(b["input_ids"], b["attention_mask"], 32, min_saving=min_saving))
     infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
@@ -212,7 +212,7 @@ def test_the_adapter_passes_its_threshold_to_a_local_server():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The timing of both passes (arctic_rl/server/zorro_tuner.py) through a real server
+# The timing of both passes (arctic_rl/server/zorro/tuner.py) through a real server
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -256,7 +256,7 @@ def test_a_job_times_both_passes_and_keeps_the_faster_with_the_same_numbers(tmp_
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# ZoRRO's passes hold several plain passes' rows (arctic_rl/server/zorro_passes.py) through a real server
+# ZoRRO's passes hold several plain passes' rows (arctic_rl/server/zorro/passes.py) through a real server
 # ---------------------------------------------------------------------------------------------------------------
 
 

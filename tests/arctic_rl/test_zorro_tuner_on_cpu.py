@@ -1,6 +1,6 @@
 """The server's ZoRRO tuner: of the calls the token rule sends to ZoRRO, a job times both passes and keeps the faster.
 
-Unit tests of :class:`arctic_rl.server.zorro_tuner.ZorroTuner` with given times (the order of the passes
+Unit tests of :class:`arctic_rl.server.zorro.tuner.ZorroTuner` with given times (the order of the passes
 while measuring, untimed warm-ups, the verdict either way, re-timing the other pass, ``trials=0``, bad
 settings), and the settings that turn it on (``--zorro-trials``, ``$ARCTIC_RL_ZORRO_TRIALS``, the adapter's
 ``server.local.zorro_trials``). ``test_zorro_rule_on_cpu.py`` runs it inside a real server.
@@ -12,8 +12,8 @@ import pytest
 
 from arctic_rl.server.__main__ import parse_args
 from arctic_rl.server.settings import ServerSettings
-from arctic_rl.server.zorro_rule import ZorroChoice
-from arctic_rl.server.zorro_tuner import DEFAULT_TRIALS, ZorroTuner
+from arctic_rl.server.zorro.rule import ZorroChoice
+from arctic_rl.server.zorro.tuner import DEFAULT_TRIALS, ZorroTuner
 
 
 def _run(tuner: ZorroTuner, calls: int, seconds: dict[bool, float], warm: set[bool] | None = None) -> list[bool]:
@@ -44,7 +44,7 @@ def test_the_passes_alternate_zorro_first_until_each_is_timed():
 @pytest.mark.parametrize("zorro_s, plain_s, keeps", [(1.0, 2.0, True), (1.3, 1.0, False)])
 def test_the_faster_pass_is_kept(zorro_s, plain_s, keeps, caplog):
     tuner = ZorroTuner("training", "/forward", trials=2, recheck_every=100)
-    with caplog.at_level("INFO", logger="arctic_rl.server.zorro_tuner"):
+    with caplog.at_level("INFO", logger="arctic_rl.server.zorro.tuner"):
         taken = _run(tuner, 30, {True: zorro_s, False: plain_s})
     assert taken[6:] == [keeps] * 24
     lines = [r.getMessage() for r in caplog.records]

@@ -24,10 +24,10 @@ import torch
 from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.validation import ParsedBatch
-from arctic_rl.server.zorro import group_prompts, zorro_unsupported_reason
-from arctic_rl.server.zorro_passes import plan_row_passes
-from arctic_rl.server.zorro_rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
-from arctic_rl.server.zorro_tuner import ZorroTuner
+from arctic_rl.server.zorro.forward import group_prompts, zorro_unsupported_reason
+from arctic_rl.server.zorro.passes import plan_row_passes
+from arctic_rl.server.zorro.rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
+from arctic_rl.server.zorro.tuner import ZorroTuner
 
 __all__ = [
     "compile_model",
@@ -146,7 +146,7 @@ def compile_model(model: torch.nn.Module, mode: str) -> int:
 
     ``layers``: every decoder layer (``model.model.layers``) -- fuses norms, rotary, MLP and
     residuals; one compiled layer serves all layers (ZoRRO's passes included: its attention wrapper
-    is a graph break inside each layer, see :mod:`arctic_rl.server.zorro`). ``modules``: only the
+    is a graph break inside each layer, see :mod:`arctic_rl.server.zorro.forward`). ``modules``: only the
     layers' ``*RMSNorm`` and ``*MLP`` children (fuses less). ``off``: nothing. Values agree with
     the eager model up to bf16 rounding; the first calls of each new shape pay the compilation
     (after the second shape Dynamo compiles shape-generic graphs).
@@ -232,10 +232,10 @@ def forward_logprobs(
     tokens' columns only, zeros elsewhere, and the LM head runs at those positions only). Rows are
     processed in chunks of at most ``max_token_len`` tokens (at least one row) to bound memory; ZoRRO's
     passes hold as many rows as fit in ``max_token_len`` of the tokens ZoRRO computes
-    (:mod:`~arctic_rl.server.zorro_passes`).
-    With ZoRRO on, the pass itself is chosen by :func:`~arctic_rl.server.zorro_rule.choose_zorro` (the
+    (:mod:`~arctic_rl.server.zorro.passes`).
+    With ZoRRO on, the pass itself is chosen by :func:`~arctic_rl.server.zorro.rule.choose_zorro` (the
     plain pass where deduplicating the prompts would not pay) and, among the calls it sends to ZoRRO,
-    by ``tuner``'s timings of both passes (:mod:`~arctic_rl.server.zorro_tuner`); the layout stays
+    by ``tuner``'s timings of both passes (:mod:`~arctic_rl.server.zorro.tuner`); the layout stays
     response-aligned either way.
     """
     from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs, to_shifted
@@ -250,7 +250,7 @@ def forward_logprobs(
     t0 = time.perf_counter()
     choice = rule = None
     if zorro:
-        # ZoRRO's passes: as many rows as fit in max_token_len ZoRRO tokens (arctic_rl.server.zorro_passes)
+        # ZoRRO's passes: as many rows as fit in max_token_len ZoRRO tokens (arctic_rl.server.zorro.passes)
         _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
                                   position_ids=batch.position_ids)
         zorro_passes = passes  # a model that cannot run ZoRRO falls back to the plain pass: keep its passes

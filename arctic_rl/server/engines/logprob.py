@@ -26,8 +26,8 @@ from arctic_rl.server.engines.weights import copy_weights
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
-from arctic_rl.server.zorro_rule import ZorroChoiceLog
-from arctic_rl.server.zorro_tuner import ZorroTuner
+from arctic_rl.server.zorro.rule import ZorroChoiceLog
+from arctic_rl.server.zorro.tuner import ZorroTuner
 
 __all__ = ["LogProbEngine"]
 

@@ -9,7 +9,7 @@
   ``token-mean`` divides by the mini-batch's tokens (``meta.batch_num_tokens``), so the gradient is
   that of ``sum(loss * mask) / batch_num_tokens`` over the whole mini-batch. When the call takes
   ZoRRO's pass, consecutive micro-batches share one model pass while it computes no more tokens than
-  one plain micro-batch (:mod:`arctic_rl.server.zorro_passes`); the loss is still each micro-batch's, summed.
+  one plain micro-batch (:mod:`arctic_rl.server.zorro.passes`); the loss is still each micro-batch's, summed.
 * ``step`` -- the optimizer step closing the mini-batch (DeepSpeed runs with
   ``managed_gradient_accumulation=false``; this engine is the accumulation boundary). A second
   ``forward_backward`` before ``step``, or a ``step`` without one, is a 400. ``global_step`` counts
@@ -49,11 +49,11 @@ from arctic_rl.server.logprobs import set_compiled_token_stats
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
-from arctic_rl.server.zorro import group_prompts, zorro_unsupported_reason
-from arctic_rl.server.zorro_flex import set_response_attention
-from arctic_rl.server.zorro_passes import merge_micro_batches
-from arctic_rl.server.zorro_rule import ZorroChoiceLog, choose_zorro, row_slices
-from arctic_rl.server.zorro_tuner import ZorroTuner
+from arctic_rl.server.zorro.flex import set_response_attention
+from arctic_rl.server.zorro.forward import group_prompts, zorro_unsupported_reason
+from arctic_rl.server.zorro.passes import merge_micro_batches
+from arctic_rl.server.zorro.rule import ZorroChoiceLog, choose_zorro, row_slices
+from arctic_rl.server.zorro.tuner import ZorroTuner
 
 __all__ = ["TrainingEngine"]
 
@@ -300,7 +300,7 @@ class TrainingEngine:
         self, batch: ParsedBatch, groups: torch.Tensor, micro_batches: list[tuple[int, int]]
     ) -> list[list[tuple[int, int]]]:
         """The call's micro-batches grouped into ZoRRO passes of at most one plain micro-batch's tokens
-        (:mod:`arctic_rl.server.zorro_passes`; ``groups`` is the call's ``row_to_group``); one micro-batch
+        (:mod:`arctic_rl.server.zorro.passes`; ``groups`` is the call's ``row_to_group``); one micro-batch
         a pass where the model cannot run ZoRRO (its plain fallback must keep the client's micro-batch size)."""
         if zorro_unsupported_reason(self.model) is not None:
             return [[micro] for micro in micro_batches]

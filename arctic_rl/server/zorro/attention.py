@@ -1,11 +1,11 @@
-"""ZoRRO's attention wrapper: how the two passes of :mod:`arctic_rl.server.zorro` reach every attention layer.
+"""ZoRRO's attention wrapper: how the two passes of :mod:`arctic_rl.server.zorro.forward` reach every attention layer.
 
 The wrapper is registered with ``transformers``' public attention registry (``AttentionInterface``) as
 ``arctic_rl_zorro_sdpa`` / ``arctic_rl_zorro_eager``, around the ``sdpa`` or ``eager`` function it is named
 after. Outside a pass it is exactly that function. Inside one (:func:`running_pass`), the prompt pass hands
 each layer's post-rotary keys and values to the :class:`PassState`, and the response pass attends to
 ``[the prompt's keys | the response's own]`` -- copied to the rows (``expand``) or through the grouped
-FlexAttention pass of :mod:`arctic_rl.server.zorro_flex`. The wrapper is opaque to Dynamo
+FlexAttention pass of :mod:`arctic_rl.server.zorro.flex`. The wrapper is opaque to Dynamo
 (``torch.compiler.disable``) and reads ``layer_idx`` outside compiled graphs, so one compiled decoder layer
 serves every layer on both passes.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arctic_rl.server import zorro_flex
+from arctic_rl.server.zorro import flex as zorro_flex
 
 __all__ = [
     "PassState",
@@ -61,7 +61,7 @@ _EAGER_BY_CLASS: dict[type, object] = {}
 @dataclass
 class PassState:
     """What the wrapped attention does during one of ZoRRO's passes
-    (:func:`~arctic_rl.server.zorro.zorro_forward`; per thread)."""
+    (:func:`~arctic_rl.server.zorro.forward.zorro_forward`; per thread)."""
 
     #: prompt pass: layer_idx -> (keys, values) ``[U, kv_heads, P, head_dim]``, filled by the layers
     collected: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -230,7 +230,7 @@ def _layer_reason(inner: torch.nn.Module, config) -> str | None:
 
 
 def zorro_unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why ``model`` cannot run :func:`~arctic_rl.server.zorro.zorro_forward`, or ``None`` when it can."""
+    """Why ``model`` cannot run :func:`~arctic_rl.server.zorro.forward.zorro_forward`, or ``None`` when it can."""
     inner = unwrap_model(model)
     config = getattr(inner, "config", None)
     if config is None:

@@ -1,6 +1,6 @@
 """When a ZoRRO request takes the ZoRRO pass, and when the plain pass is the faster way to the same numbers.
 
-ZoRRO (:mod:`arctic_rl.server.zorro`) pushes each unique prompt through the model once and the
+ZoRRO (:mod:`arctic_rl.server.zorro.forward`) pushes each unique prompt through the model once and the
 responses after it, so a call computes ``U*P + B*R`` tokens instead of the plain pass's ``B*(P+R)``
 (``B`` rows, ``U`` unique prompts, ``P`` prompt width, ``R`` response width, padded as the batch is).
 Its response pass costs more per token than a plain pass (the responses attend to the shared prompt
@@ -18,7 +18,7 @@ speed only. ``U`` is counted per pass (per micro-batch of a ``/forward-backward`
 ``/forward``), since each pass deduplicates only its own rows. ``min_saving=0`` takes ZoRRO whenever
 it is asked for; ``min_saving>1`` never does.
 
-What is not here: the passes themselves (:mod:`arctic_rl.server.logprobs`, :mod:`arctic_rl.server.zorro`).
+What is not here: the passes themselves (:mod:`arctic_rl.server.logprobs`, :mod:`arctic_rl.server.zorro.forward`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_rl.server.zorro import group_prompts
+from arctic_rl.server.zorro.forward import group_prompts
 
 __all__ = ["DEFAULT_MIN_SAVING", "ZorroChoice", "ZorroChoiceLog", "choose_zorro", "row_slices"]
 
@@ -94,7 +94,7 @@ def choose_zorro(
 
     ``passes`` are the row ranges the call will be run in (default: one pass over all rows); unique
     prompts are counted inside each, as ZoRRO would group them. ``groups``: the call's ``row_to_group``
-    (:func:`~arctic_rl.server.zorro.group_prompts`) when the caller has it already; else it is computed.
+    (:func:`~arctic_rl.server.zorro.forward.group_prompts`) when the caller has it already; else it is computed.
     """
     if not min_saving >= 0.0:
         raise ValueError(f"min_saving: expected a share >= 0, got {min_saving!r}")

@@ -3,7 +3,7 @@
 The server runs a call as a sequence of passes -- a ``/forward-backward``'s
 ``gradient_accumulation_steps`` micro-batches, a ``/forward``'s row chunks of at most
 ``max_token_len`` tokens -- sized by the client for the plain pass, which computes ``B*(P+R)``
-tokens. ZoRRO's pass over the same rows computes ``U*P + B*R`` (:mod:`arctic_rl.server.zorro_rule`),
+tokens. ZoRRO's pass over the same rows computes ``U*P + B*R`` (:mod:`arctic_rl.server.zorro.rule`),
 often a fifth of that, so run pass by pass it leaves the GPU mostly idle: at SmolLM2-135M's size a
 16-row ZoRRO pass is almost all fixed cost (about 90 ms of launches and compiled-graph calls against
 30 ms of kernels on one H200; ``benchmarks/zorro_gpu_passes.py``). With ZoRRO the server therefore
@@ -20,8 +20,8 @@ Activation memory follows the tokens a pass computes, so it stays within what th
 the logits (``rows*R`` positions) grow with the rows of a pass, and are the smaller part wherever ZoRRO
 pays (long prompts, short responses).
 
-What is not here: whether ZoRRO runs at all (:mod:`arctic_rl.server.zorro_rule`,
-:mod:`arctic_rl.server.zorro_tuner`) and the passes themselves (:mod:`arctic_rl.server.zorro`).
+What is not here: whether ZoRRO runs at all (:mod:`arctic_rl.server.zorro.rule`,
+:mod:`arctic_rl.server.zorro.tuner`) and the passes themselves (:mod:`arctic_rl.server.zorro.forward`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ __all__ = ["merge_micro_batches", "plan_row_passes", "zorro_pass_tokens"]
 def zorro_pass_tokens(groups: torch.Tensor, start: int, stop: int, prompt_len: int, response_len: int) -> int:
     """Tokens ZoRRO computes for rows ``[start, stop)``: distinct prompts x P + rows x R.
 
-    ``groups`` is the call's ``row_to_group`` (:func:`arctic_rl.server.zorro.group_prompts`): rows with
+    ``groups`` is the call's ``row_to_group`` (:func:`arctic_rl.server.zorro.forward.group_prompts`): rows with
     the same value have byte-identical prompts.
     """
     if stop <= start:

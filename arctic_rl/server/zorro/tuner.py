@@ -1,6 +1,6 @@
 """Which of ZoRRO's pass and the plain pass is faster for one job, timed on the job's own calls.
 
-The token rule (:mod:`arctic_rl.server.zorro_rule`) says when ZoRRO *can* pay: its pass computes few
+The token rule (:mod:`arctic_rl.server.zorro.rule`) says when ZoRRO *can* pay: its pass computes few
 enough tokens. Whether it *does* pay depends on the model and the device as much as on the token counts.
 ZoRRO's pass is two forwards (the unique prompts, then the responses against their keys) with a graph
 break in every attention layer, so where a call's arithmetic is small next to per-kernel and per-layer
@@ -35,7 +35,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from arctic_rl.server.zorro_rule import ZorroChoice
+from arctic_rl.server.zorro.rule import ZorroChoice
 
 __all__ = ["DEFAULT_RECHECK_EVERY", "DEFAULT_TRIALS", "ZorroTuner"]
 

@@ -1,8 +1,8 @@
 """ZoRRO's grouped response pass: FlexAttention over each prompt's rows, without copies of the prompt.
 
-:mod:`arctic_rl.server.zorro` runs a batch's unique prompts once and then its responses against them. Its
+:mod:`arctic_rl.server.zorro.forward` runs a batch's unique prompts once and then its responses against them. Its
 response pass has two forms, chosen process-wide by :func:`set_response_attention`: ``expand`` (in
-:mod:`~arctic_rl.server.zorro`: each prompt's keys and values copied to its rows, any kernel) and ``flex``,
+:mod:`~arctic_rl.server.zorro.forward`: each prompt's keys and values copied to its rows, any kernel) and ``flex``,
 which lives here -- for batches whose prompts all have ``n`` rows, each prompt's ``n*R`` response queries
 attend to ``[its P keys | the group's own n*R keys]`` through FlexAttention (compiled on a GPU) with a block
 mask that skips the blocks no query may see (:func:`group_block_mask`, :func:`grouped_attention`).

@@ -18,15 +18,15 @@ log-probs and gradients agree to float precision -- ``tests/arctic_rl/test_zorro
 Qwen3, Qwen2 and Llama with eager and sdpa attention. Unlike the vendor's version it patches no
 attention module and no model code: steps 2 and 4 go through ``transformers``' public attention
 registry (``AttentionInterface``). While :func:`zorro_forward` runs, the model's ``sdpa`` or
-``eager`` attention is swapped for a wrapper of the same function (:mod:`arctic_rl.server.zorro_attention`),
+``eager`` attention is swapped for a wrapper of the same function (:mod:`arctic_rl.server.zorro.attention`),
 which behaves exactly like it outside ZoRRO's passes; afterwards the model's own implementation is
 back, so the plain pass runs as it would without ZoRRO (under ``torch.compile``, without the
 wrapper's graph breaks).
 
-Step 3-4 have two forms (:func:`arctic_rl.server.zorro_flex.set_response_attention`). ``expand`` --
+Step 3-4 have two forms (:func:`arctic_rl.server.zorro.flex.set_response_attention`). ``expand`` --
 the default, any device, any kernel -- copies each prompt's keys and values to its rows as described.
 ``flex`` -- what the reference server uses on a GPU with ``torch.compile``; its kernel, probe and
-block mask are in :mod:`arctic_rl.server.zorro_flex` -- copies nothing: for batches whose prompts
+block mask are in :mod:`arctic_rl.server.zorro.flex` -- copies nothing: for batches whose prompts
 all have ``n`` rows, each prompt's ``n*R`` response queries attend to ``[its P keys | the group's
 own n*R keys]`` through a compiled FlexAttention kernel with a block mask that skips the blocks
 no query may see. On an H200 this made ZoRRO 1.60x -> 1.97x the plain pass at 32 rows
@@ -58,8 +58,8 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_rl.server import zorro_flex
-from arctic_rl.server.zorro_attention import (
+from arctic_rl.server.zorro import flex as zorro_flex
+from arctic_rl.server.zorro.attention import (
     PassState,
     ZorroUnsupportedError,
     attention_base,
