@@ -116,8 +116,8 @@ def fwd_bwd(model, batch, p: int, zorro: bool):
     import torch
 
     from arctic_rl.protocol import LossConfig
-    from arctic_rl.server.logprobs import response_logprobs
-    from arctic_rl.server.losses import compute_loss
+    from arctic_rl.server.compute.losses import compute_loss
+    from arctic_rl.server.compute.token_logprobs import response_logprobs
 
     ids, mask, pos = batch
     model.zero_grad(set_to_none=True)

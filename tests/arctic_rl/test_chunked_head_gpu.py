@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arctic_rl.server import logprobs as logprobs_module
-from arctic_rl.server.logprobs import response_logprobs
+from arctic_rl.server.compute import token_logprobs as logprobs_module
+from arctic_rl.server.compute.token_logprobs import response_logprobs
 from arctic_rl.server.memory import GIB, JobMemory
 from arctic_rl.tiny_models import tiny_config
 

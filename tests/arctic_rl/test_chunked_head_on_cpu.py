@@ -1,4 +1,4 @@
-"""The LM head run chunk by chunk on hidden states (:mod:`arctic_rl.server.chunked_head`).
+"""The LM head run chunk by chunk on hidden states (:mod:`arctic_rl.server.compute.chunked_head`).
 
 On real tiny models with a vocabulary large enough to take several chunks, the chunked path must give
 today's log-probs, entropy and parameter gradients (plain and ZoRRO passes, the loss path and the
@@ -12,10 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from arctic_rl.protocol import BatchMeta, Features
-from arctic_rl.server import logprobs as logprobs_module
-from arctic_rl.server.chunked_head import chunked_head_supported, hidden_states_out
+from arctic_rl.server.compute import token_logprobs as logprobs_module
+from arctic_rl.server.compute.chunked_head import chunked_head_supported, hidden_states_out
+from arctic_rl.server.compute.token_logprobs import response_logprobs, shifted_logprobs
 from arctic_rl.server.engines.common import forward_logprobs
-from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs
 from arctic_rl.server.memory import JobMemory
 from arctic_rl.server.validation import parse_batch_body
 from arctic_rl.tiny_models import tiny_config

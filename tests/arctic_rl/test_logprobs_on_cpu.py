@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from arctic_rl.server import logprobs as logprobs_module
-from arctic_rl.server.logprobs import TokenLogprobs, response_logprobs, shifted_logprobs, to_shifted
+from arctic_rl.server.compute import token_logprobs as logprobs_module
+from arctic_rl.server.compute.token_logprobs import TokenLogprobs, response_logprobs, shifted_logprobs, to_shifted
 from arctic_rl.tiny_models import tiny_config
 
 torch.set_num_threads(1)

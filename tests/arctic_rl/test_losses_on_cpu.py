@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from arctic_rl.protocol import LOSS_NAMES, LossConfig
-from arctic_rl.server.logprobs import TokenLogprobs
-from arctic_rl.server.losses import (
+from arctic_rl.server.compute.losses import (
     LOSS_FUNCTIONS,
     LossNameError,
     compute_loss,
     kl_penalty,
     resolve_loss,
 )
+from arctic_rl.server.compute.token_logprobs import TokenLogprobs
 
 # row 0: ratio 1.5 (A=+1, clipped to 1.2), 0.5 (A=+1, not clipped), 1.0 (A=-1), masked token
 # row 1: ratio 4.0 (A=-1, dual-clipped to 3), 0.5 (A=-1, clipped to 0.8), 2.0 (A=+2, clipped to 1.2), 1.0 (A=0)

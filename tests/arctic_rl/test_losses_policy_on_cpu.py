@@ -13,9 +13,9 @@ import torch
 from pydantic import ValidationError
 
 from arctic_rl.protocol import LossConfig, RolloutCorrection
+from arctic_rl.server.compute.losses import compute_loss
+from arctic_rl.server.compute.token_logprobs import TokenLogprobs
 from arctic_rl.server.errors import BadRequest
-from arctic_rl.server.logprobs import TokenLogprobs
-from arctic_rl.server.losses import compute_loss
 
 
 def rows(log_ratios, adv, mask=None):

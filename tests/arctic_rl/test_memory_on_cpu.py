@@ -178,7 +178,7 @@ def test_offload_and_stage_3_reach_the_deepspeed_config():
 def test_training_job_runs_with_each_memory_option(model_dir, tmp_path, zero, knobs, monkeypatch):
     """Each option reaches DeepSpeed's engine (or the model) and the job trains to the plain job's loss, with the
     LM head run chunk by chunk on hidden states (ZeRO-3 gathers its weight at each chunk, forward and backward)."""
-    from arctic_rl.server import logprobs
+    from arctic_rl.server.compute import token_logprobs as logprobs
 
     plain = _engine(model_dir, tmp_path / "plain")
     try:

@@ -41,7 +41,7 @@ TIMEOUT_S = 3  # --body-timeout-s and --head-timeout-s of the server under test
 OCTET = {"Content-Type": "application/octet-stream"}
 JSON = {"Content-Type": "application/json"}
 DOTTED = ["os.system", "builtins.eval", "builtins.exec", "__import__", "subprocess.Popen",
-          "verl.trainer.ppo.core_algos.compute_policy_loss", "arctic_rl.server.losses.compute_loss", "grpo\x00",
+          "verl.trainer.ppo.core_algos.compute_policy_loss", "arctic_rl.server.compute.losses.compute_loss", "grpo\x00",
           "", "GRPO"]
 
 

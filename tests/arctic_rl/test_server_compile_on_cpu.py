@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from arctic_rl.server.__main__ import parse_args
+from arctic_rl.server.compute.token_logprobs import response_logprobs
 from arctic_rl.server.engines import common
 from arctic_rl.server.engines.common import compile_model, resolve_compile_mode
-from arctic_rl.server.logprobs import response_logprobs
 from arctic_rl.server.settings import TORCH_COMPILE_MODES, ServerSettings
 from arctic_rl.tiny_models import tiny_config
 
@@ -210,7 +210,7 @@ def test_training_engine_applies_the_setting_and_trains_like_eager(tmp_path):
 @pytest.mark.slow
 def test_compiled_token_stats_match_eager():
     """``set_compiled_token_stats(True)``: the fused log-prob / entropy chunks give the eager values and gradients."""
-    from arctic_rl.server import logprobs
+    from arctic_rl.server.compute import token_logprobs as logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(6, 5, 50, requires_grad=True)

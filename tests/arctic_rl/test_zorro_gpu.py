@@ -12,8 +12,8 @@ import pytest
 import torch
 from _helpers_zorro import ARCHS, LAYOUTS, make_batch, make_model, rel_err
 
+from arctic_rl.server.compute.token_logprobs import response_logprobs
 from arctic_rl.server.engines.common import compile_model
-from arctic_rl.server.logprobs import response_logprobs
 from arctic_rl.server.zorro import flex as zorro_flex
 from arctic_rl.server.zorro.flex import set_response_attention
 

@@ -16,8 +16,8 @@ import torch
 from _helpers_zorro import ARCHS, ATTNS, LAYOUTS, RTOL, VOCAB, make_batch, make_model, rel_err
 
 from arctic_rl.protocol import LossConfig
-from arctic_rl.server.logprobs import response_logprobs
-from arctic_rl.server.losses import compute_loss
+from arctic_rl.server.compute.losses import compute_loss
+from arctic_rl.server.compute.token_logprobs import response_logprobs
 from arctic_rl.server.zorro import flex as zorro_flex
 from arctic_rl.server.zorro.flex import set_response_attention
 from arctic_rl.server.zorro.forward import ZorroUnsupportedError, group_prompts, zorro_forward, zorro_unsupported_reason
@@ -222,7 +222,7 @@ def test_gradient_checkpointing_is_refused_and_falls_back(caplog):
     assert "gradient checkpointing" in zorro_unsupported_reason(model)
     with pytest.raises(ZorroUnsupportedError, match="gradient checkpointing"):
         zorro_forward(model, *batch, 5)
-    with caplog.at_level(logging.WARNING, logger="arctic_rl.server.logprobs"):
+    with caplog.at_level(logging.WARNING, logger="arctic_rl.server.compute.token_logprobs"):
         out = response_logprobs(model, *batch, 5, zorro=True)
     assert "ZoRRO requested but not possible" in caplog.text
     assert out.unique_prompts == 6

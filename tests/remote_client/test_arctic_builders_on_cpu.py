@@ -514,8 +514,8 @@ def test_folding_is_weights_into_advantages_is_exact_under_the_clipped_loss():
     import torch
 
     from arctic_rl.protocol import LossConfig
-    from arctic_rl.server.logprobs import TokenLogprobs
-    from arctic_rl.server.losses import ppo_clip_loss
+    from arctic_rl.server.compute.losses import ppo_clip_loss
+    from arctic_rl.server.compute.token_logprobs import TokenLogprobs
     from verl.workers.remote_client.arctic.layout import fold_is_weights
 
     g = torch.Generator().manual_seed(0)

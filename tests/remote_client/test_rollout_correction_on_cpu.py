@@ -174,8 +174,8 @@ def stock_loss(cfg, data, values, entropy, *, with_entropy: bool):
 def remote_loss(cfg, data, values, entropy, *, with_entropy: bool):
     """What the adapter sends for the mini-batch, parsed and computed as the reference server does."""
     from arctic_rl.protocol import Processing
-    from arctic_rl.server.logprobs import TokenLogprobs
-    from arctic_rl.server.losses import compute_loss
+    from arctic_rl.server.compute.losses import compute_loss
+    from arctic_rl.server.compute.token_logprobs import TokenLogprobs
     from arctic_rl.server.validation import parse_batch_body
     from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
     from verl.workers.remote_client.arctic.builders import build_meta

@@ -238,7 +238,7 @@ def forward_logprobs(
     by ``tuner``'s timings of both passes (:mod:`~arctic_rl.server.zorro.tuner`); the layout stays
     response-aligned either way.
     """
-    from arctic_rl.server.logprobs import response_logprobs, shifted_logprobs, to_shifted
+    from arctic_rl.server.compute.token_logprobs import response_logprobs, shifted_logprobs, to_shifted
 
     device = next(model.parameters()).device
     rows, total = batch.rows, batch.total_len

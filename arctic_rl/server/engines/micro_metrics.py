@@ -1,7 +1,7 @@
 """One ``/forward-backward``'s metrics from those of its micro-batches (token means over the call, as the vendor
 reports them).
 
-What is not here: the losses that produce the metrics (:mod:`arctic_rl.server.losses`), the engine.
+What is not here: the losses that produce the metrics (:mod:`arctic_rl.server.compute.losses`), the engine.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 * ``forward_backward`` -- one mini-batch, as at the vendor's worker: its rows are split into
   ``gradient_accumulation_steps`` (GAS) micro-batches, each runs log-probs
-  (:func:`~arctic_rl.server.logprobs.response_logprobs`, ZoRRO when enabled), the allow-listed loss
-  (:func:`~arctic_rl.server.losses.compute_loss`) and ``engine.backward``. The forward runs *through*
+  (:func:`~arctic_rl.server.compute.token_logprobs.response_logprobs`, ZoRRO when enabled), the allow-listed loss
+  (:func:`~arctic_rl.server.compute.losses.compute_loss`) and ``engine.backward``. The forward runs *through*
   the DeepSpeed engine (the model is wrapped in :class:`~.ds_glue.PolicyModule`, whose forward takes the whole
   computation as a function), so DeepSpeed's backward hooks see it exactly as with ``engine(batch)``.
   ``token-mean`` divides by the mini-batch's tokens (``meta.batch_num_tokens``), so the gradient is
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from arctic_rl.protocol import JobConfig, JobType, LogprobAlignment
+from arctic_rl.server.compute.token_logprobs import set_compiled_token_stats
 from arctic_rl.server.engines.common import (
     compile_model,
     ensure_process_group,
@@ -45,7 +46,6 @@ from arctic_rl.server.engines.ds_glue import Carry, PolicyModule, gathered_state
 from arctic_rl.server.engines.micro_metrics import combine_micro_metrics
 from arctic_rl.server.engines.training_state import load_training, save_training
 from arctic_rl.server.errors import BadRequest
-from arctic_rl.server.logprobs import set_compiled_token_stats
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.validation import ParsedBatch
@@ -176,8 +176,8 @@ class TrainingEngine:
         (where the vendor reads it), else ``processing.config.loss_scale_tokens``, else the call's own
         response tokens. The metrics are the call's token means (never sums over micro-batches).
         """
-        from arctic_rl.server.logprobs import response_logprobs
-        from arctic_rl.server.losses import compute_loss
+        from arctic_rl.server.compute.losses import compute_loss
+        from arctic_rl.server.compute.token_logprobs import response_logprobs
 
         if self.pending:
             raise BadRequest(

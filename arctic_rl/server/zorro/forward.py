@@ -46,8 +46,8 @@ linear attention, whose caches keep only part of the prompt) and no active gradi
 :func:`zorro_unsupported_reason` says why a model cannot take this path; :func:`zorro_forward`
 raises :class:`ZorroUnsupportedError` for such a model.
 
-What is not here: turning logits into log-probs, entropy or losses (:mod:`arctic_rl.server.logprobs`,
-:mod:`arctic_rl.server.losses`).
+What is not here: turning logits into log-probs, entropy or losses (:mod:`arctic_rl.server.compute.token_logprobs`,
+:mod:`arctic_rl.server.compute.losses`).
 """
 
 from __future__ import annotations

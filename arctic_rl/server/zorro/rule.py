@@ -18,7 +18,7 @@ speed only. ``U`` is counted per pass (per micro-batch of a ``/forward-backward`
 ``/forward``), since each pass deduplicates only its own rows. ``min_saving=0`` takes ZoRRO whenever
 it is asked for; ``min_saving>1`` never does.
 
-What is not here: the passes themselves (:mod:`arctic_rl.server.logprobs`, :mod:`arctic_rl.server.zorro.forward`).
+What is not here: the passes themselves (:mod:`arctic_rl.server.compute.token_logprobs`, :mod:`arctic_rl.server.zorro.forward`).
 """
 
 from __future__ import annotations

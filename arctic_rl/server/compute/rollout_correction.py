@@ -17,7 +17,7 @@ rollout_logprob`` (masked tokens only):
 Metrics carry verl's ``rollout_corr/`` names for the summary values (``rollout_is_mean``, ``rollout_is_max``,
 ``rollout_is_min``, ``rollout_rs_masked_fraction``); verl's fuller diagnostics (ESS, chi^2, PPL) are not computed.
 
-What is not here: the losses that use them (:mod:`arctic_rl.server.losses`), validation of the config's
+What is not here: the losses that use them (:mod:`arctic_rl.server.compute.losses`), validation of the config's
 types (:class:`arctic_rl.protocol.RolloutCorrection`).
 """
 

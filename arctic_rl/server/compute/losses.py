@@ -15,12 +15,12 @@ verl 0.9.1's policy losses (``core_algos``), each combined as verl's ``ppo_loss`
   no dual clip, optional ``rollout_is_weights``.
 * ``verl_bypass_mode``: ``compute_policy_loss_bypass_mode`` -- ``old_log_probs`` are the rollout's; the IS
   weights and rejection mask of ``config.rollout_correction`` are computed from the current log-probs
-  (:mod:`arctic_rl.server.rollout_correction`), then ``loss_type`` ``ppo_clip`` (vanilla on the rejection
+  (:mod:`arctic_rl.server.compute.rollout_correction`), then ``loss_type`` ``ppo_clip`` (vanilla on the rejection
   mask, no weights: the ratio is the correction) or ``reinforce`` (``-A * logprob * w``, no clipping).
 * ``sft``, ``sft_ce``, ``cross_entropy``: masked cross-entropy ``-log p(token)``.
 
 Inputs are *response-sliced* ``[B, R]`` tensors (the last ``R`` columns of the body's left-padded
-RL tensors) next to a :class:`~arctic_rl.server.logprobs.TokenLogprobs`. ``loss_scale_tokens``
+RL tensors) next to a :class:`~arctic_rl.server.compute.token_logprobs.TokenLogprobs`. ``loss_scale_tokens``
 replaces the token count of ``token-mean`` (a global token mean over the micro-batches of a step);
 the loss-valued metrics (``loss``, ``actor/pg_loss``, ``kl_loss``, ``actor/entropy_loss``,
 ``sft_loss``) use the same aggregation as the loss, so they add up over micro-batches like the loss
@@ -31,7 +31,7 @@ own verl client hands to verl unchanged: ``actor/pg_loss``, ``actor/pg_clipfrac`
 ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``, ``actor/entropy_loss``, ``loss``, ``kl_loss`` and
 ``kl_coef`` (with ``use_kl_loss``).
 
-What is not here: log-prob computation (:mod:`arctic_rl.server.logprobs`), optimizer steps, HTTP.
+What is not here: log-prob computation (:mod:`arctic_rl.server.compute.token_logprobs`), optimizer steps, HTTP.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from arctic_rl.protocol import LOSS_NAMES, LossConfig, RolloutCorrection
-from arctic_rl.server.logprobs import TokenLogprobs
-from arctic_rl.server.rollout_correction import correction_weights, rejection_mask
+from arctic_rl.server.compute.rollout_correction import correction_weights, rejection_mask
+from arctic_rl.server.compute.token_logprobs import TokenLogprobs
 
 __all__ = ["DEFAULT_LOSS", "LOSS_FUNCTIONS", "LossFn", "LossNameError", "bypass_mode_loss", "compute_loss", "gspo_loss",
            "kl_penalty", "ppo_clip_loss", "resolve_loss"]

@@ -19,7 +19,7 @@ logits are the plain ``lm_head`` projection -- :func:`chunked_head_supported` li
 architectures and refuses configs that soft-cap or scale the logits; the caller keeps the whole
 logits for anything else.
 
-What is not here: the log-softmax math (:mod:`arctic_rl.server.logprobs`), choosing when to chunk
+What is not here: the log-softmax math (:mod:`arctic_rl.server.compute.token_logprobs`), choosing when to chunk
 (the caller).
 """
 

@@ -20,7 +20,7 @@ and gradients equal the unchunked computation's to float precision. Everything i
 when grad is enabled and works under ``torch.no_grad()``. The largest logits buffer of a pass is
 reported to :mod:`arctic_rl.server.memory`.
 
-What is not here: losses (:mod:`arctic_rl.server.losses`), HTTP or engines.
+What is not here: losses (:mod:`arctic_rl.server.compute.losses`), HTTP or engines.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from arctic_rl.server import memory
-from arctic_rl.server.chunked_head import chunked_head_supported, head_stats, hidden_states_out, logits_bytes
+from arctic_rl.server.compute.chunked_head import chunked_head_supported, head_stats, hidden_states_out, logits_bytes
 from arctic_rl.server.zorro.forward import causal_lm_logits, zorro_forward, zorro_unsupported_reason
 
 __all__ = [
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 #: fp32 bytes of logits upcast at once when turning logits into log-probs (per chunk of rows)
 _FP32_CHUNK_BYTES = 256 * 1024 * 1024
 #: fp32 bytes of the logits one chunk of the LM head computes on hidden states (and the logits above which the
-#: head runs chunk by chunk: :mod:`arctic_rl.server.chunked_head`)
+#: head runs chunk by chunk: :mod:`arctic_rl.server.compute.chunked_head`)
 _HEAD_CHUNK_BYTES = 256 * 1024 * 1024
 
 
