@@ -205,7 +205,7 @@ def make_training_engine(model_dir: Path, device: torch.device, work: Path, zero
 
 def time_case(engine, device: torch.device, case: dict, vocab: int, warmup: int, repeats: int) -> dict[str, Any]:
     """Median fwd+bwd and step seconds of one case (alternating nothing: one engine, one case)."""
-    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.server.http.validation import parse_batch_body
 
     rows, p, r, n = case["rows"], case["p"], case["r"], case["n"]
     if case.get("hf_labels"):
@@ -397,7 +397,7 @@ def profile_step(engine, device: torch.device) -> str:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     case = {"name": "s", "rows": 2, "p": 8, "r": 8, "n": 1, "zorro": False}
     time_case(engine, device, case, engine.vocab_size, warmup=1, repeats=1)
-    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.server.http.validation import parse_batch_body
 
     engine.forward_backward(parse_batch_body(train_body(2, 8, 8, 1, engine.vocab_size, zorro=False, entropy=True,
                                                         seed=2), vocab_size=engine.vocab_size, train=True))

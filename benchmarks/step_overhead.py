@@ -164,8 +164,8 @@ class Probe:
 
 def server_side_replay(exchanges: list[dict[str, Any]], vocab: int, rtt_json: float) -> dict[str, float]:
     """Server work outside compute, replayed on the same bytes, plus the compute the server reported."""
-    from arctic_rl.server.idempotency import payload_hash
-    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.server.http.idempotency import payload_hash
+    from arctic_rl.server.http.validation import parse_batch_body
 
     out: dict[str, float] = defaultdict(float)
     for ex in exchanges:

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.exit_with_parent is not None:
         watch_parent(args.exit_with_parent)
     uvicorn_level = args.log_level if args.log_level != "info" else "warning"  # our own logger says enough
-    from arctic_rl.server.connection import head_timeout_protocol
+    from arctic_rl.server.http.connection import head_timeout_protocol
 
     uvicorn.run(
         app,

@@ -33,11 +33,11 @@ from arctic_rl.protocol import (
     V1SyncWeightsRequest,
     WeightSyncRequest,
 )
-from arctic_rl.server import bodies
-from arctic_rl.server.auth import BearerTokenMiddleware
-from arctic_rl.server.control import install_control_routes
 from arctic_rl.server.errors import install_error_handlers
-from arctic_rl.server.idempotency import CachedResponse, payload_hash
+from arctic_rl.server.http import bodies
+from arctic_rl.server.http.auth import BearerTokenMiddleware
+from arctic_rl.server.http.control import install_control_routes
+from arctic_rl.server.http.idempotency import CachedResponse, payload_hash
 from arctic_rl.server.service import SERVER_NAME, ServerState
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server_timing import ServerTimingMiddleware

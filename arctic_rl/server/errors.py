@@ -13,7 +13,7 @@ Hierarchy::
 Every 4xx body is ``{"detail": {"message", "field", "allowed", "received"}}``
 (:class:`arctic_rl.protocol.ErrorDetail`). Anything unexpected becomes a logged 500 with a JSON
 message; the server keeps serving. What is not here: *which* input is invalid (that is
-:mod:`arctic_rl.server.validation`).
+:mod:`arctic_rl.server.http.validation`).
 """
 
 from __future__ import annotations

@@ -47,11 +47,11 @@ from arctic_rl.protocol import (
 )
 from arctic_rl.server import checkpoint as ckpt
 from arctic_rl.server.errors import ApiError, BadRequest, Conflict, from_validation_error
-from arctic_rl.server.idempotency import IdempotencyCache
+from arctic_rl.server.http.idempotency import IdempotencyCache
+from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import Job, JobRegistry, JobState
 from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
-from arctic_rl.server.validation import parse_batch_body
 
 __all__ = ["FEATURES", "SERVER_NAME", "ServerState"]
 

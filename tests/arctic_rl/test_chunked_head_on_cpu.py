@@ -16,8 +16,8 @@ from arctic_rl.server.compute import token_logprobs as logprobs_module
 from arctic_rl.server.compute.chunked_head import chunked_head_supported, hidden_states_out
 from arctic_rl.server.compute.token_logprobs import response_logprobs, shifted_logprobs
 from arctic_rl.server.engines.common import forward_logprobs
+from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.memory import JobMemory
-from arctic_rl.server.validation import parse_batch_body
 from arctic_rl.tiny_models import tiny_config
 
 torch.set_num_threads(1)

@@ -117,7 +117,7 @@ def test_a_bad_rollout_correction_is_refused_naming_the_field(config, field):
 
 
 def test_the_server_answers_a_bad_rollout_correction_with_a_400_naming_it():
-    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.server.http.validation import parse_batch_body
 
     ids = torch.tensor([[5, 6, 7, 8]])
     body = {"batch": {"input_ids": ids, "attention_mask": torch.ones_like(ids), "prompts": ids[:, :2],

@@ -18,6 +18,7 @@ from arctic_rl.server.engines.config import build_training_ds_config
 from arctic_rl.server.engines.logprob import LogProbEngine
 from arctic_rl.server.engines.training import TrainingEngine
 from arctic_rl.server.errors import BadRequest
+from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.memory import (
     GIB,
     JobMemory,
@@ -28,7 +29,6 @@ from arctic_rl.server.memory import (
     vllm_worker_parts,
 )
 from arctic_rl.server.settings import ServerSettings
-from arctic_rl.server.validation import parse_batch_body
 from arctic_rl.tiny_models import build_tiny_model
 
 P, R, ROWS = 5, 4, 4

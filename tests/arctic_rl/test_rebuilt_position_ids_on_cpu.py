@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from server_process import make_batch
 
-from arctic_rl.server.validation import parse_batch_body
+from arctic_rl.server.http.validation import parse_batch_body
 
 PROMPTS = [[5, 6, 7], [8, 9], [4], [3, 2, 1]]
 RESPONSES = [[10, 11, 12], [13], [14, 15], [16, 17]]

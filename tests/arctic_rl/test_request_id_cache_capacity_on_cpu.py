@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from arctic_rl.server.idempotency import CachedResponse, IdempotencyCache
+from arctic_rl.server.http.idempotency import CachedResponse, IdempotencyCache
 
 
 @pytest.mark.parametrize("capacity", [1, 3])

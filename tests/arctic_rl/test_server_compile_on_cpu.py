@@ -174,7 +174,7 @@ def test_training_engine_applies_the_setting_and_trains_like_eager(tmp_path):
     """``TrainingEngine`` under ``torch_compile="layers"`` with ZoRRO: compiled layers, the eager losses."""
     from arctic_rl.protocol import JobConfig, JobType
     from arctic_rl.server.engines.training import TrainingEngine
-    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.server.http.validation import parse_batch_body
     from arctic_rl.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model", "qwen3", seed=0)

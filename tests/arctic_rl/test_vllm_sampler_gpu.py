@@ -131,7 +131,7 @@ def test_sampling_params(engines):
 
 
 def _train_step(train):
-    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.server.http.validation import parse_batch_body
 
     g = torch.Generator().manual_seed(3)
     rows, p, r = 8, 32, 32

@@ -176,7 +176,7 @@ def remote_loss(cfg, data, values, entropy, *, with_entropy: bool):
     from arctic_rl.protocol import Processing
     from arctic_rl.server.compute.losses import compute_loss
     from arctic_rl.server.compute.token_logprobs import TokenLogprobs
-    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.server.http.validation import parse_batch_body
     from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
     from verl.workers.remote_client.arctic.builders import build_meta
     from verl.workers.remote_client.arctic.layout import RESPONSE_KEYS, dense_batch, plan_layout

@@ -23,7 +23,7 @@ import torch
 
 from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
 from arctic_rl.server.errors import BadRequest
-from arctic_rl.server.validation import ParsedBatch
+from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.zorro.forward import group_prompts, zorro_unsupported_reason
 from arctic_rl.server.zorro.passes import plan_row_passes
 from arctic_rl.server.zorro.rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices

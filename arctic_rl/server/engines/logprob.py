@@ -23,9 +23,9 @@ from arctic_rl.server.engines.common import (
 )
 from arctic_rl.server.engines.config import parse_worker_knobs
 from arctic_rl.server.engines.weights import copy_weights
+from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
-from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro.rule import ZorroChoiceLog
 from arctic_rl.server.zorro.tuner import ZorroTuner
 

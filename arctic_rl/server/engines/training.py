@@ -46,9 +46,9 @@ from arctic_rl.server.engines.ds_glue import Carry, PolicyModule, gathered_state
 from arctic_rl.server.engines.micro_metrics import combine_micro_metrics
 from arctic_rl.server.engines.training_state import load_training, save_training
 from arctic_rl.server.errors import BadRequest
+from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
-from arctic_rl.server.validation import ParsedBatch
 from arctic_rl.server.zorro.flex import set_response_attention
 from arctic_rl.server.zorro.forward import group_prompts, zorro_unsupported_reason
 from arctic_rl.server.zorro.passes import merge_micro_batches

@@ -180,7 +180,7 @@ def test_client_refuses_a_misspelt_meta_key_before_sending():
 
 def test_server_answers_a_misspelt_meta_key_with_a_400_naming_it():
     from arctic_rl.server.errors import BadRequest
-    from arctic_rl.server.validation import parse_batch_body
+    from arctic_rl.server.http.validation import parse_batch_body
 
     ids = torch.tensor([[1, 2, 3, 4]])
     body = {"batch": {"input_ids": ids, "attention_mask": torch.ones_like(ids), "prompts": ids[:, :2]},

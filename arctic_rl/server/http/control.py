@@ -43,9 +43,9 @@ from arctic_rl.protocol import (
     WeightNormRequest,
     WeightSyncRequest,
 )
-from arctic_rl.server import bodies
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest
+from arctic_rl.server.http import bodies
 from arctic_rl.server.service import ServerState
 
 __all__ = ["SLEEP_TRAINING_MODES", "install_control_routes"]

@@ -6,7 +6,7 @@ trickles the *head* of a request -- a byte of header every few seconds keeps it 
 made by :func:`head_timeout_protocol` is uvicorn's own h11 protocol plus one timer: armed when a
 connection opens and after every response, it closes the connection if no complete request head
 arrived within ``head_timeout_s`` seconds. Bodies are bounded separately (``--body-timeout-s``,
-:func:`arctic_rl.server.bodies.read_body`).
+:func:`arctic_rl.server.http.bodies.read_body`).
 
 What is not here: authentication, body limits, request validation.
 """
