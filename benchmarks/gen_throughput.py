@@ -57,7 +57,7 @@ VLLM_CONFIG = {"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_se
 WIRE = "json"  # the server's /generate body and answer: json (v1) or dssst1 (v2, the adapter's)
 ANSWER = "vendor"  # the answer's shape: vendor (per-token candidates, text) or compact (compact_results)
 COMPACT = {"logprobs_format": "sampled", "detokenize": False}  # what the adapter asks of a server listing compact_results
-#: the server's log line for one /generate (arctic_rl/server/service.py): the call's seconds inside the server
+#: the server's log line for one /generate (arctic_rl/server/jobs/service.py): the call's seconds inside the server
 _SERVER_LINE = re.compile(r"generate job=\d+ prompts=(\d+) n=\d+ tokens=(\d+) ([0-9.]+)s")
 
 

@@ -38,7 +38,7 @@ from arctic_rl.server.http import bodies
 from arctic_rl.server.http.auth import BearerTokenMiddleware
 from arctic_rl.server.http.control import install_control_routes
 from arctic_rl.server.http.idempotency import CachedResponse, payload_hash
-from arctic_rl.server.service import SERVER_NAME, ServerState
+from arctic_rl.server.jobs.service import SERVER_NAME, ServerState
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server_timing import ServerTimingMiddleware
 

@@ -38,7 +38,7 @@ class ServerSettings:
     """What the server was started with.
 
     ``checkpoint_root`` is the only directory the server writes checkpoints to or reads them from;
-    request paths are resolved inside it (see :mod:`arctic_rl.server.checkpoint`).
+    request paths are resolved inside it (see :mod:`arctic_rl.server.jobs.checkpoint`).
     """
 
     host: str = "127.0.0.1"

@@ -12,13 +12,13 @@ import torch
 from server_process import make_batch
 
 from arctic_rl.protocol import LOSS_NAMES, POST_PROCESSORS, REQUIRED_TRAIN_TENSORS, SamplingParams
-from arctic_rl.server import checkpoint as ckpt
 from arctic_rl.server.engines.config import build_training_ds_config, parse_worker_knobs
 from arctic_rl.server.engines.generation import sample_next
 from arctic_rl.server.errors import ApiError, BadRequest, Conflict, NotFound
 from arctic_rl.server.http.auth import token_matches
 from arctic_rl.server.http.idempotency import CachedResponse, IdempotencyCache, payload_hash
 from arctic_rl.server.http.validation import parse_batch_body
+from arctic_rl.server.jobs import checkpoint as ckpt
 from arctic_rl.server.settings import is_loopback_host
 
 # --------------------------------------------------------------------------- idempotency

@@ -1,5 +1,5 @@
 """The training engine's checkpoints: DeepSpeed's own (module, optimizer, scheduler, step) plus RNG states, in the
-layout of :mod:`arctic_rl.server.checkpoint`, and the Hugging Face export (under ZeRO-3, of the gathered weights).
+layout of :mod:`arctic_rl.server.jobs.checkpoint`, and the Hugging Face export (under ZeRO-3, of the gathered weights).
 
 What is not here: the engine (:mod:`arctic_rl.server.engines.training`), paths and HTTP.
 """
@@ -10,9 +10,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from arctic_rl.server import checkpoint as ckpt_layout
 from arctic_rl.server.engines.common import load_tokenizer
 from arctic_rl.server.errors import BadRequest
+from arctic_rl.server.jobs import checkpoint as ckpt_layout
 
 __all__ = ["load_training", "save_training"]
 

@@ -46,7 +46,7 @@ from arctic_rl.protocol import (
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.http import bodies
-from arctic_rl.server.service import ServerState
+from arctic_rl.server.jobs.service import ServerState
 
 __all__ = ["SLEEP_TRAINING_MODES", "install_control_routes"]
 
@@ -97,7 +97,7 @@ def _text_logprobs(engine: Any, texts: list[str]) -> torch.Tensor:
 
 
 class ControlService:
-    """What the control routes do, on top of :class:`~arctic_rl.server.service.ServerState`."""
+    """What the control routes do, on top of :class:`~arctic_rl.server.jobs.service.ServerState`."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state

@@ -45,11 +45,11 @@ from arctic_rl.protocol import (
     StepRequest,
     WeightSyncRequest,
 )
-from arctic_rl.server import checkpoint as ckpt
 from arctic_rl.server.errors import ApiError, BadRequest, Conflict, from_validation_error
 from arctic_rl.server.http.idempotency import IdempotencyCache
 from arctic_rl.server.http.validation import parse_batch_body
-from arctic_rl.server.jobs import Job, JobRegistry, JobState
+from arctic_rl.server.jobs import checkpoint as ckpt
+from arctic_rl.server.jobs.registry import Job, JobRegistry, JobState
 from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
 
