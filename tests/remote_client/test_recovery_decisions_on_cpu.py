@@ -75,9 +75,8 @@ def test_every_action_is_reachable():
 def test_a_call_result_is_answered_or_applied_with_its_answer_lost():
     answered = CallResult({"global_step": 3})
     assert answered.answered and answered.answer("POST /step") == {"global_step": 3}
-    assert answered.map(lambda v: v["global_step"]) == CallResult(3)
     lost = CallResult.lost()
-    assert not lost.answered and lost.value is None and not lost.map(lambda v: 1 / 0).answered
+    assert not lost.answered and lost.value is None
     with pytest.raises(RemoteProtocolError, match="applied but its answer was lost"):
         lost.answer("POST /step")
 

@@ -48,12 +48,22 @@ from verl.remote_backend.errors import RemoteBackendError, RemoteJobNotFoundErro
 
 from ..common.verl_settings import VerlSettings
 from .arctic_config import ArcticConfig
-from .builders import build_job_config, plan_batches
+from .builders import plan_batches
+from .checkpoint_schedule import CheckpointSchedule
 from .checkpoints import Checkpoints, weight_sync_request
 from .dialect import Dialect, dialect_for
 from .generation import Sampler, SeedDeriver
 from .http import ArcticHttp, resolve_token
-from .jobs import HANDLE_VERSION, JOB_ORDER, check_handle, create_job, destroy_jobs, read_health, tagged_jobs
+from .jobs import (
+    HANDLE_VERSION,
+    JOB_ORDER,
+    check_handle,
+    create_job,
+    destroy_jobs,
+    job_bodies,
+    read_health,
+    tagged_jobs,
+)
 from .local_server import LocalServer, start_local_server
 from .log_probs import LogProbs
 from .loss_config import build_loss_config, check_loss_support
@@ -95,17 +105,20 @@ class ArcticRLClient(RemoteBackend):
                                job_ids=dict(job_ids), owned=dict(job_ids) if owned else {},
                                instance_id=health.instance_id, client_tag=client_tag, step=int(step))
         http.idempotency = Features.IDEMPOTENCY in self._state.features and arctic.retry.server_idempotency == "auto"
-        # built in dependency order: state, recovery (its own calls: weight sync, job info), calls, roles
+        # built in dependency order: state, recovery (its own call: the weight sync of a restore), calls, roles
         state, sync = self._state, weight_sync_request(arctic)
-        recovery = self._recovery = Recovery(state, arctic.recovery, job_bodies=self._job_bodies, weight_sync=sync,
-                                             checkpoint_path=arctic.train.checkpoint_path)
+        recovery = self._recovery = Recovery(state, arctic.recovery, weight_sync=sync,
+                                             job_bodies=functools.partial(job_bodies, verl, arctic, client_tag))
         self._local = local_server
         calls = JobCalls(state, recovery)
+        schedule = CheckpointSchedule(arctic.recovery, recovery.journal, recovery.stats,
+                                      job_info=functools.partial(calls.job_info, JobType.TRAINING),
+                                      default_path=arctic.train.checkpoint_path)
         self._tokens = ModelTokens(verl.tokenizer_path, trust_remote_code=verl.trust_remote_code)
         flops = FlopsEstimator(verl.model_path, peak_tflops_per_device=arctic.mfu.peak_tflops_per_device,
                                trust_remote_code=verl.trust_remote_code)
         self._checkpoints = Checkpoints(calls, state, recovery, arctic=arctic, weight_sync=sync)
-        self._trainer = Trainer(calls, state, recovery, verl=verl, arctic=arctic, plan=plan_batches(verl, arctic),
+        self._trainer = Trainer(calls, state, schedule, verl=verl, arctic=arctic, plan=plan_batches(verl, arctic),
                                 flops=flops, tokens=self._tokens, save_checkpoint=self._checkpoints.save_checkpoint)
         self._log_probs = LogProbs(calls, state, verl=verl, arctic=arctic, flops=flops, tokens=self._tokens)
         self._sampler = Sampler(calls, state, tokens=self._tokens,
@@ -134,7 +147,7 @@ class ArcticRLClient(RemoteBackend):
             if arctic.train.checkpoint_path is None:  # our own server: checkpoints go to <root>/training
                 arctic = dataclasses.replace(arctic, train=dataclasses.replace(arctic.train, checkpoint_path="training"))
         tag = uuid.uuid4().hex
-        bodies = _tagged_bodies(verl, arctic, tag)  # every config error before any side effect
+        bodies = job_bodies(verl, arctic, tag)  # every config error before any side effect
         build_loss_config(verl, loss_scale_tokens=None)
         if arctic.train.zorro_train.enable and verl.enable_gradient_checkpointing:
             logger.info("arctic: ZoRRO is on, so the reference server does not checkpoint activations "
@@ -255,10 +268,6 @@ class ArcticRLClient(RemoteBackend):
             return {}
         return tagged
 
-    def _job_bodies(self) -> dict[JobType, dict]:
-        """The ``/initialize`` bodies of this run's jobs (used again to restore them after a restart)."""
-        return _tagged_bodies(self.verl, self.arctic, self.client_tag)
-
     def reliability_stats(self) -> dict[str, int]:
         """What the failure handling did: HTTP retries by reason, replays, restores, journal replays, ..."""
         return {**self._state.http.stats, **{f"recovery/{k}": v for k, v in self._recovery.stats.items()}}
@@ -341,7 +350,3 @@ class ArcticRLClient(RemoteBackend):
     def load_checkpoint(self, step: int | None = None, *, path: str | None = None, sync_weights: bool = True) -> dict:
         """Restore model + optimizer + step (v2 servers only), then refresh the sampler's weights."""
         return self._checkpoints.load_checkpoint(step, path=path, sync_weights=sync_weights)
-
-
-def _tagged_bodies(verl: VerlSettings, arctic: ArcticConfig, tag: str | None) -> dict[JobType, dict]:
-    return {t: build_job_config(t, verl, arctic, client_tag=tag) for t in JOB_ORDER}

@@ -29,9 +29,9 @@ from arctic_rl.protocol import (
 
 from .answers import parse_answer
 from .arctic_config import ArcticConfig
-from .dialect import Payload, Route
+from .dialect import Payload
 from .recovery import Recovery
-from .request import JobRequest
+from .request import JobRequest, WeightSync
 from .session import JobCalls
 from .state import RunState
 
@@ -41,14 +41,9 @@ __all__ = ["Checkpoints", "weight_sync_request"]
 def weight_sync_request(arctic: ArcticConfig) -> JobRequest:
     """The weight sync between the run's current jobs (addressed afresh at each send: a restore changes them)."""
     ws = arctic.weight_sync
-
-    def route(state: RunState) -> Route:
-        return state.dialect.weight_sync(
-            training=state.job(JobType.TRAINING), sampling=state.job(JobType.SAMPLING),
-            log_prob=state.job(JobType.LOG_PROB) if ws.sync_log_prob else None, cuda_ipc=ws.cuda_ipc,
-            low_memory=ws.low_memory)
-
-    return JobRequest("POST", "weight sync", op="weight_sync", idempotent=True, route=route)
+    return JobRequest("POST", "weight sync", op="weight_sync", idempotent=True,
+                      weight_sync=WeightSync(to_log_prob=ws.sync_log_prob, cuda_ipc=ws.cuda_ipc,
+                                             low_memory=ws.low_memory))
 
 
 class Checkpoints:

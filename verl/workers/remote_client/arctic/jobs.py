@@ -9,6 +9,7 @@
 * :func:`reclaim_abandoned_jobs` -- opt-in (``server.reclaim_idle_jobs_s``): destroy the jobs of an
   earlier run of this adapter that are all idle that long (its driver was SIGKILLed).
 * :func:`check_handle` -- validation of a ``reconnect_handle()`` dict received from another process.
+* :func:`job_bodies` -- the ``/initialize`` bodies of a run's jobs, tagged (built by :mod:`.builders`).
 
 What is not here: the data plane (:mod:`.arctic_rl`) or HTTP itself (:mod:`.http`).
 """
@@ -29,9 +30,12 @@ from verl.remote_backend.errors import (
     RemoteTimeoutError,
 )
 
+from ..common.verl_settings import VerlSettings
+from .arctic_config import ArcticConfig
+from .builders import build_job_config
 from .http import AmbiguousCallError, ArcticHttp
 
-__all__ = ["HANDLE_VERSION", "JOB_ORDER", "check_handle", "create_job", "destroy_jobs", "read_health",
+__all__ = ["HANDLE_VERSION", "JOB_ORDER", "check_handle", "create_job", "destroy_jobs", "job_bodies", "read_health",
            "reclaim_abandoned_jobs", "status_jobs", "tagged_jobs"]
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,11 @@ HANDLE_VERSION = 1
 #: creation order (the vendor's): the sampler first, the training job last
 JOB_ORDER = (JobType.SAMPLING, JobType.LOG_PROB, JobType.TRAINING)
 _POLL_S = 0.5
+
+
+def job_bodies(verl: VerlSettings, arctic: ArcticConfig, tag: str | None) -> dict[JobType, dict]:
+    """The ``/initialize`` body of each of the run's jobs, carrying the run's ``client_tag``."""
+    return {t: build_job_config(t, verl, arctic, client_tag=tag) for t in JOB_ORDER}
 
 
 def read_health(http: ArcticHttp) -> HealthResponse:

@@ -16,7 +16,7 @@ calls (:mod:`.restore`) and the call goes to the rebuilt job. Harmless calls (``
 (the one that called the training job: verl's forwarder worker) restores every job; the others
 adopt the restored ones (:mod:`.restore`). A background watcher in the training client notices a
 restart even while no call is in flight (:mod:`.watcher`). Recovery checkpoints bound what a restore
-replays (:mod:`.checkpoint_schedule`).
+replays: the training role takes them when :mod:`.checkpoint_schedule` says they are due.
 
 What to do after a failed send is one pure function, :func:`decide` (an :class:`Action` from the
 facts gathered about the failure); :class:`Recovery` gathers the facts and carries the action out.
@@ -50,8 +50,6 @@ from verl.remote_backend.errors import (
 )
 
 from .arctic_config import RecoveryConfig
-from .checkpoint_schedule import CheckpointSchedule
-from .dialect import Route
 from .http import AmbiguousCallError, new_request_id
 from .journal import CheckpointRef, UpdateJournal
 from .request import JobRequest
@@ -66,7 +64,6 @@ __all__ = ["Action", "CallResult", "Recovery", "decide"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-U = TypeVar("U")
 _POLL_S = 0.5
 _MAX_RESENDS = 20
 _FAILED = (RemoteConnectionError, RemoteJobNotFoundError)
@@ -85,10 +82,6 @@ class CallResult(Generic[T]):
     def lost(cls) -> CallResult[Any]:
         """Applied, its answer lost."""
         return cls(None, answered=False)
-
-    def map(self, fn: Callable[[T], U]) -> CallResult[U]:
-        """``fn`` applied to the answer (a lost answer stays lost)."""
-        return CallResult(fn(self.value), answered=True) if self.answered else CallResult.lost()
 
     def answer(self, what: str) -> T:
         """The answer; for a call that must have one (harmless calls always do)."""
@@ -133,14 +126,13 @@ def decide(*, restored: bool, job_gone: bool, ambiguous: bool, safe: bool, repla
 class Recovery:
     """Failure handling of one client (see the module docstring).
 
-    ``job_bodies()`` gives the ``/initialize`` bodies of the run's jobs, ``weight_sync`` is the
-    request that pushes the training weights to the sampler, and ``checkpoint_path`` is the training
-    job's configured checkpoint directory. :attr:`lock` serialises the training client's calls with
-    restores and rebuilds.
+    ``job_bodies()`` gives the ``/initialize`` bodies of the run's jobs and ``weight_sync`` is the
+    request that pushes the training weights to the sampler. :attr:`lock` serialises the training
+    client's calls with restores and rebuilds.
     """
 
     def __init__(self, state: RunState, config: RecoveryConfig, *, job_bodies: Callable[[], dict[JobType, dict]],
-                 weight_sync: JobRequest, checkpoint_path: str | None = None) -> None:
+                 weight_sync: JobRequest) -> None:
         self.state = state
         self.config = config
         self.journal = UpdateJournal(max_bytes=int(config.journal_max_mb * 2**20))
@@ -153,8 +145,6 @@ class Recovery:
         self.detector = RestartDetector(state, wait_s=config.wait_s)
         self.restorer = Restorer(state, config, self.journal, self.detector, self.stats, job_bodies=job_bodies,
                                  weight_sync=weight_sync)
-        self.checkpoints = CheckpointSchedule(config, self.journal, self.stats, job_info=self.training_job_info,
-                                              default_path=checkpoint_path)
         self._watcher: RestartWatcher | None = None
 
     def training_call(self) -> threading.RLock:
@@ -183,10 +173,6 @@ class Recovery:
         """A checkpoint at ``path`` of optimizer step ``step`` was saved or loaded: a restore starts from it."""
         self.journal.reset(CheckpointRef(str(path), int(step)))
 
-    def after_step(self, step: int, save: Callable[..., dict]) -> None:
-        """After optimizer step ``step``: a recovery checkpoint when due (:mod:`.checkpoint_schedule`)."""
-        self.checkpoints.after_step(step, save)
-
     def _acknowledged(self, request: JobRequest) -> None:
         """An update the server applied (answered, or settled as applied) goes into the journal."""
         if request.idempotent:
@@ -196,13 +182,6 @@ class Recovery:
                             body.content_type if body.data is not None else None, is_step=request.path == Paths.STEP)
 
     # ------------------------------------------------------------------------------ calls
-
-    def training_job_info(self) -> dict:
-        """``GET /job/{id}`` of the training job (after a restore: the new job's)."""
-        request = JobRequest("GET", Paths.JOB, op="default", idempotent=True,
-                             route=lambda state: Route(Paths.job(state.job(JobType.TRAINING)), None, None))
-        info = self.call(request).answer(request.what).json()
-        return info if isinstance(info, dict) else {}
 
     def call(self, request: JobRequest, *, counter: tuple[str, int] | None = None) -> CallResult[requests.Response]:
         """Send ``request``, surviving unanswered calls and restarts; an update is journalled once applied.

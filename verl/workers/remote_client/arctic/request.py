@@ -1,9 +1,10 @@
 """One call to a job of the run, as data: :class:`JobRequest`.
 
 A request names its method, path, time-limit operation and whether repeating it is harmless, plus
-*which* job it goes to -- ``job`` (sent as ``?job_id=``) or ``route`` (path, query and JSON body built
-from the run's state, for calls that name several jobs: weight sync). It is addressed afresh at every
-send, so a re-send after a restore or a rebuild reaches the new jobs. :meth:`JobRequest.send` is one
+*which* job it goes to, as data: ``job`` (sent as ``?job_id=``, or in the path with ``job_in_path``:
+``GET /job/{id}``), or ``weight_sync`` (the call that names several jobs: path, query and body built
+by the run's dialect). It is addressed afresh at every send, so a re-send after a restore or a rebuild
+reaches the new jobs; nothing in a request calls back into the role that made it. :meth:`JobRequest.send` is one
 HTTP call (with the transport's retries of transient failures, :mod:`.http`) carrying the run's
 optimizer step; the retry rule for lost answers and restarts is applied by
 :meth:`~.recovery.Recovery.call`, the one call path of the roles. The restore itself
@@ -12,7 +13,6 @@ optimizer step; the retry rule for lost answers and restarts is applied by
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import requests
@@ -20,15 +20,25 @@ import requests
 from arctic_rl.protocol import JobType, Paths
 from verl.remote_backend.errors import RemoteBackendError, RemoteJobNotFoundError, RemoteServerError
 
-from .dialect import Payload, Route
+from .dialect import Payload
 from .state import RunState
 
-__all__ = ["JobRequest"]
+__all__ = ["JobRequest", "WeightSync"]
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """The weight sync's targets: the run's training job to its sampler, and to its log_prob job when
+    ``to_log_prob``; ``cuda_ipc`` and ``low_memory`` as ``remote_backend.weight_sync`` says."""
+
+    to_log_prob: bool
+    cuda_ipc: bool
+    low_memory: bool
 
 
 @dataclass(frozen=True)
 class JobRequest:
-    """See the module docstring. ``op`` picks the time limit (``timeouts.<op>_s``); with ``route``,
+    """See the module docstring. ``op`` picks the time limit (``timeouts.<op>_s``); with ``weight_sync``,
     ``path`` only names the call in logs and errors."""
 
     method: str
@@ -37,7 +47,13 @@ class JobRequest:
     idempotent: bool
     job: JobType | None = None
     payload: Payload = field(default_factory=Payload)
-    route: Callable[[RunState], Route] | None = None
+    job_in_path: bool = False
+    weight_sync: WeightSync | None = None
+
+    @classmethod
+    def job_info(cls, job: JobType) -> JobRequest:
+        """``GET /job/{id}`` of the run's job of type ``job``."""
+        return cls("GET", Paths.JOB, op="default", idempotent=True, job=job, job_in_path=True)
 
     @property
     def what(self) -> str:
@@ -45,11 +61,17 @@ class JobRequest:
 
     def target(self, state: RunState, *, job_id: int | None = None) -> tuple[str, dict | None, Payload]:
         """Path, query and body of the request against ``state``'s jobs (``job_id`` overrides ``job``'s)."""
-        if self.route is not None:
-            route = self.route(state)
+        if self.weight_sync is not None:
+            sync = self.weight_sync
+            route = state.dialect.weight_sync(
+                training=state.job(JobType.TRAINING), sampling=state.job(JobType.SAMPLING),
+                log_prob=state.job(JobType.LOG_PROB) if sync.to_log_prob else None, cuda_ipc=sync.cuda_ipc,
+                low_memory=sync.low_memory)
             return route.path, route.params, Payload(json=route.body)
         if job_id is None and self.job is not None:
             job_id = state.job(self.job)
+        if self.job_in_path:
+            return Paths.job(job_id), None, self.payload
         return self.path, ({"job_id": job_id} if job_id is not None else None), self.payload
 
     def send(self, state: RunState, request_id: str | None = None, *, job_id: int | None = None) -> requests.Response:

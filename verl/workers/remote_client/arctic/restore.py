@@ -25,6 +25,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from arctic_rl.protocol import (
     JobType,
@@ -55,22 +56,20 @@ _POLL_S = 0.5
 _INTERRUPTED = (RemoteConnectionError, RemoteJobNotFoundError)
 
 
+@dataclass(eq=False)
 class Restorer:
     """Restore, rebuild and adopt the jobs of one client (see the module docstring).
 
     ``job_bodies()`` gives the ``/initialize`` bodies of the run's jobs; ``weight_sync`` is the request
     that pushes the training weights to the sampler (sent once, no recovery around it)."""
 
-    def __init__(self, state: RunState, config: RecoveryConfig, journal: UpdateJournal, detector: RestartDetector,
-                 stats: Counter[str], *, job_bodies: Callable[[], dict[JobType, dict]],
-                 weight_sync: JobRequest) -> None:
-        self.state = state
-        self.config = config
-        self.journal = journal
-        self.detector = detector
-        self.stats = stats
-        self._job_bodies = job_bodies
-        self._weight_sync = weight_sync
+    state: RunState
+    config: RecoveryConfig
+    journal: UpdateJournal
+    detector: RestartDetector
+    stats: Counter[str]
+    job_bodies: Callable[[], dict[JobType, dict]]
+    weight_sync: JobRequest
 
     # ------------------------------------------------------------------------------ training client
 
@@ -127,7 +126,7 @@ class Restorer:
         logger.warning("arctic: %s the training state (%s): base %s, %d journalled call(s) with %d step(s)%s",
                        "rebuilding" if only_training else "restoring", reason, journal.base or "a fresh job",
                        len(journal.entries), journal.steps, "" if journal.complete else " -- JOURNAL INCOMPLETE")
-        bodies = self._job_bodies()
+        bodies = self.job_bodies()
         types = [JobType.TRAINING] if only_training else [t for t in JOB_ORDER if t.value in state.job_ids]
         created: dict[str, int] = {}
         try:
@@ -142,7 +141,7 @@ class Restorer:
             state.publish_jobs({**state.job_ids, **created}, health.get("instance_id") or state.instance_id,
                                created=created)
             if not only_training:  # a rebuilt training job holds the weights the sampler already has
-                sync = self._weight_sync
+                sync = self.weight_sync
                 parse_answer(WeightSyncResponse, sync.send(state).json(), sync.what)
         except BaseException:
             state.retire(created.values())

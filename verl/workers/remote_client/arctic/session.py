@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 import requests
 from pydantic import BaseModel
 
-from arctic_rl.protocol import OCTET_STREAM, JobType, Paths
+from arctic_rl.protocol import OCTET_STREAM, JobType
 from verl.remote_backend.errors import RemoteProtocolError
 
 from .answers import parse_answer
-from .dialect import Payload, Route
+from .dialect import Payload
 from .recovery import CallResult, Recovery
 from .request import JobRequest
 from .state import RunState
@@ -50,9 +50,11 @@ class JobCalls:
 
     def read(self, request: JobRequest, model: type[M], *, counter: tuple[str, int] | None = None) -> CallResult[M]:
         """:meth:`call`, its answer decoded by the dialect and read through the protocol's ``model``."""
+        result = self.call(request, counter=counter)
+        if not result.answered:
+            return CallResult.lost()
         what = request.what
-        return self.call(request, counter=counter).map(
-            lambda resp: parse_answer(model, self._state.dialect.decode(resp, what), what))
+        return CallResult(parse_answer(model, self._state.dialect.decode(result.value, what), what))
 
     def post_tensors(self, path: str, job_type: JobType, body: dict, *, op: str, idempotent: bool,
                      counter: tuple[str, int] | None = None) -> CallResult[dict]:
@@ -64,15 +66,15 @@ class JobCalls:
              counter: tuple[str, int] | None = None) -> CallResult[dict]:
         """POST ``payload`` to the job of ``job_type``; the answer decoded by the dialect (an object)."""
         request = JobRequest("POST", path, op=op, idempotent=idempotent, job=job_type, payload=payload)
-        result = self.call(request, counter=counter).map(lambda resp: self._object(resp, request.what))
+        result = self.call(request, counter=counter)
         if not result.answered:
             logger.warning("arctic: the metrics of an applied %s are lost (its answer never came)", path)
-        return result
+            return CallResult.lost()
+        return CallResult(self._object(result.value, request.what))
 
     def job_info(self, job_type: JobType) -> dict:
         """``GET /job/{id}`` of the run's job of ``job_type`` (after a restore: the new job's)."""
-        request = JobRequest("GET", Paths.JOB, op="default", idempotent=True,
-                             route=lambda state: Route(Paths.job(state.job(job_type)), None, None))
+        request = JobRequest.job_info(job_type)
         info = self.call(request).answer(request.what).json()
         return info if isinstance(info, dict) else {}
 

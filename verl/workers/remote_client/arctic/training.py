@@ -9,13 +9,14 @@ body is ``{batch, meta, processing}``: ``meta`` from :func:`.builders.build_meta
 :func:`arctic_rl.protocol.validate_meta`), ``processing`` a :class:`arctic_rl.protocol.Processing`.
 
 What is not here: the lifecycle of the jobs (:mod:`.arctic_rl`), sending (:mod:`.session`), what
-happens when an answer is lost (:mod:`.recovery`).
+happens when an answer is lost (:mod:`.recovery`), when a recovery checkpoint is due (:mod:`.checkpoint_schedule`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tensordict import TensorDict
@@ -36,11 +37,11 @@ from ..common.verl_settings import VerlSettings
 from .answers import parse_answer
 from .arctic_config import ArcticConfig
 from .builders import BatchPlan, build_meta
+from .checkpoint_schedule import CheckpointSchedule
 from .dialect import Payload
 from .layout import RESPONSE_KEYS, dense_batch, plan_layout, shuffled_rows, split_rows
 from .loss_config import apply_is_weights, build_loss_config, loss_fn_name
 from .metrics import FlopsEstimator, mini_batch_metrics
-from .recovery import Recovery
 from .request import JobRequest
 from .session import JobCalls, ModelTokens
 from .state import RunState
@@ -71,21 +72,20 @@ def forward_body(batch: dict, meta: dict, processing: Processing) -> dict[str, A
             "processing": processing.model_dump(mode="json")}
 
 
+@dataclass(eq=False)
 class Trainer:
-    """``update_actor`` on the training job, and the optimizer step it ends every mini-batch with."""
+    """``update_actor`` on the training job, and the optimizer step it ends every mini-batch with; after a
+    step, a recovery checkpoint (``save_checkpoint``) when ``schedule`` says one is due."""
 
-    def __init__(self, calls: JobCalls, state: RunState, recovery: Recovery, *, verl: VerlSettings,
-                 arctic: ArcticConfig, plan: BatchPlan, flops: FlopsEstimator, tokens: ModelTokens,
-                 save_checkpoint: Callable[..., dict]) -> None:
-        self.calls = calls
-        self.state = state
-        self.recovery = recovery
-        self.verl = verl
-        self.arctic = arctic
-        self.plan = plan
-        self.flops = flops
-        self.tokens = tokens
-        self._save_checkpoint = save_checkpoint
+    calls: JobCalls
+    state: RunState
+    schedule: CheckpointSchedule
+    verl: VerlSettings
+    arctic: ArcticConfig
+    plan: BatchPlan
+    flops: FlopsEstimator
+    tokens: ModelTokens
+    save_checkpoint: Callable[..., dict]
 
     def update_actor(self, data: TensorDict) -> TensorDict:
         """PPO/GRPO update: ``epochs`` x mini-batches of (one ``/forward-backward``, one ``/step``)."""
@@ -175,5 +175,5 @@ class Trainer:
         step = metrics.get("global_step")
         state.set_step(int(step) if isinstance(step, int) and not isinstance(step, bool) else state.step + 1)
         if state.dialect.can_load_checkpoints:  # a recovery checkpoint is only useful where it can be loaded
-            self.recovery.after_step(state.step, self._save_checkpoint)
+            self.schedule.after_step(state.step, self.save_checkpoint)
         return metrics
