@@ -15,7 +15,7 @@ import torch
 
 from arctic_rl.protocol import JobConfig, JobType
 from arctic_rl.server.engines.config import build_training_ds_config
-from arctic_rl.server.engines.logprob import LogProbEngine
+from arctic_rl.server.engines.logprob_engine import LogProbEngine
 from arctic_rl.server.engines.training import TrainingEngine
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.http.validation import parse_batch_body

@@ -4,7 +4,7 @@
 job type        class                                         does
 ==============  ============================================  =====================================
 ``training``    :class:`~.training.TrainingEngine`            DeepSpeed fwd/bwd, step, checkpoints
-``log_prob``    :class:`~.logprob.LogProbEngine`              no-grad log-probs (reference policy)
+``log_prob``    :class:`~.logprob_engine.LogProbEngine`       no-grad log-probs (reference policy)
 ``sampling``    :class:`~.sampling.SamplingEngine`            generation with ``transformers``
 ``sampling``    :class:`~.vllm_sampler.VllmSamplingEngine`    generation with vLLM (``--sampler``)
 ==============  ============================================  =====================================
@@ -35,7 +35,7 @@ def create_engine(config: JobConfig, settings: ServerSettings, job_dir: Path | N
             raise ValueError("a training engine needs a job directory")
         return TrainingEngine(config, settings, job_dir)
     if config.job_type == JobType.LOG_PROB:
-        from arctic_rl.server.engines.logprob import LogProbEngine
+        from arctic_rl.server.engines.logprob_engine import LogProbEngine
 
         return LogProbEngine(config, settings)
     if config.job_type == JobType.SAMPLING:
