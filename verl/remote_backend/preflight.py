@@ -35,9 +35,12 @@ from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from verl.remote_backend.base import RemoteBackendRegistry
+from verl.remote_backend.context import ensure_backends_registered
 from verl.remote_backend.errors import RemoteBackendConfigError
 
 __all__ = [
+    "NULL_URL_ATTRIBUTE",
     "PreflightError",
     "check_server_reachable",
     "check_settings",
@@ -48,13 +51,23 @@ __all__ = [
 #: seconds one TCP connection attempt to the server may take
 CONNECT_TIMEOUT_S = 5.0
 _URL_KEY = "remote_backend.server.url"
-#: what ``remote_backend.server.url: null`` means, per backend
-_NULL_MEANS = {"arctic": "start the bundled reference server on this machine", "tinker": "use the SDK's default service"}
+#: the backend class attribute saying what ``remote_backend.server.url: null`` means for it (optional)
+NULL_URL_ATTRIBUTE = "null_url_means"
 _CRITIC_FREE = "grpo, rloo, reinforce_plus_plus, remax, opo, gpg, ... (no critic)"
 
 
 class PreflightError(RemoteBackendConfigError):
     """Settings that stop the run before anything starts; the message lists every one of them."""
+
+
+def _null_url_means(name: str) -> str:
+    """What ``server.url: null`` means for backend ``name``: its class's :data:`NULL_URL_ATTRIBUTE`."""
+    ensure_backends_registered()
+    try:
+        backend_cls = RemoteBackendRegistry.get(name)
+    except KeyError:
+        backend_cls = None
+    return str(getattr(backend_cls, NULL_URL_ATTRIBUTE, None) or "use the backend's default server")
 
 
 def _select(config: DictConfig, key: str) -> Any:
@@ -218,8 +231,7 @@ def check_server_reachable(config: DictConfig, timeout_s: float = CONNECT_TIMEOU
     if url in (None, ""):
         return
     parts = urlsplit(str(url))
-    backend = str(_select(config, "remote_backend.name") or "")
-    null_means = _NULL_MEANS.get(backend, "use the backend's default server")
+    null_means = _null_url_means(str(_select(config, "remote_backend.name") or ""))
     hint = f"start the server or correct the URL, or set {_URL_KEY}=null to {null_means}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise PreflightError(_URL_KEY, f"expected http://host:port or https://host[:port]; {hint}", received=str(url))

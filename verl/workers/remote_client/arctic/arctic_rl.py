@@ -91,6 +91,8 @@ class ArcticRLClient(RemoteBackend):
     #: the config mirror of ``remote_backend.*``; a backend registered under another name with this class (or a
     #: subclass) is accepted by it under that name
     config_class = ArcticConfig
+    #: what ``remote_backend.server.url: null`` means (the preflight check's hint)
+    null_url_means = "start the bundled reference server on this machine"
 
     def __init__(self, *, arctic: ArcticConfig, verl: VerlSettings, http: ArcticHttp, protocol: ProtocolVersion,
                  health: HealthResponse, job_ids: dict[str, int], owned: bool, step: int = 0,

@@ -53,6 +53,9 @@ logger = module_logger(__name__)
 class TinkerClient(RemoteBackend, SamplerAdopter):
     """The Tinker adapter; construct with :meth:`from_config`."""
 
+    #: what ``remote_backend.server.url: null`` means (the preflight check's hint)
+    null_url_means = "use the SDK's default service"
+
     def __init__(self, *, tinker: TinkerConfig, run: TinkerRun, session: TinkerSession, handle: dict,
                  index: StateIndex):
         self.tinker = tinker
