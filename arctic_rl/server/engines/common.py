@@ -24,10 +24,9 @@ import torch
 from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.http.validation import ParsedBatch
-from arctic_rl.server.zorro.forward import group_prompts, zorro_unsupported_reason
 from arctic_rl.server.zorro.passes import plan_row_passes
-from arctic_rl.server.zorro.rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
-from arctic_rl.server.zorro.tuner import ZorroTuner
+from arctic_rl.server.zorro.planner import ZorroPlan, ZorroPlanner
+from arctic_rl.server.zorro.rule import row_slices
 
 __all__ = [
     "compile_model",
@@ -220,9 +219,7 @@ def forward_logprobs(
     zorro: bool,
     temperature: float,
     max_token_len: int | None = None,
-    zorro_min_saving: float = DEFAULT_MIN_SAVING,
-    choice_log: ZorroChoiceLog | None = None,
-    tuner: ZorroTuner | None = None,
+    planner: ZorroPlanner | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], LogprobAlignment]:
     """No-grad log-probs of a validated batch: ``(batch dict, metrics, alignment)``.
 
@@ -233,48 +230,31 @@ def forward_logprobs(
     processed in chunks of at most ``max_token_len`` tokens (at least one row) to bound memory; ZoRRO's
     passes hold as many rows as fit in ``max_token_len`` of the tokens ZoRRO computes
     (:mod:`~arctic_rl.server.zorro.passes`).
-    With ZoRRO on, the pass itself is chosen by :func:`~arctic_rl.server.zorro.rule.choose_zorro` (the
-    plain pass where deduplicating the prompts would not pay) and, among the calls it sends to ZoRRO,
-    by ``tuner``'s timings of both passes (:mod:`~arctic_rl.server.zorro.tuner`); the layout stays
-    response-aligned either way.
+    With ZoRRO on, the pass itself is chosen by ``planner`` (:class:`~arctic_rl.server.zorro.planner.ZorroPlanner`:
+    the plain pass where deduplicating the prompts would not pay or where the job's timings favour it; an
+    untimed one when not given); the layout stays response-aligned either way.
     """
     from arctic_rl.server.compute.token_logprobs import response_logprobs, shifted_logprobs, to_shifted
 
     device = next(model.parameters()).device
     rows, total = batch.rows, batch.total_len
     step = rows if not max_token_len else max(1, max_token_len // total)
-    passes = row_slices(rows, step)  # the plain passes: max_token_len tokens each
+    plan = ZorroPlan(passes=[[part] for part in row_slices(rows, step)])  # the plain passes: max_token_len tokens each
     want_entropy = batch.wants_entropy
     lps, ents = [], []
     tokens_computed, unique = 0, 0
     t0 = time.perf_counter()
-    choice = rule = None
     if zorro:
+        planner = planner if planner is not None else ZorroPlanner("forward", "/forward")
         # ZoRRO's passes: as many rows as fit in max_token_len ZoRRO tokens (arctic_rl.server.zorro.passes)
-        _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
-                                  position_ids=batch.position_ids)
-        zorro_passes = passes  # a model that cannot run ZoRRO falls back to the plain pass: keep its passes
-        if zorro_unsupported_reason(model) is None:
-            zorro_passes = plan_row_passes(groups, batch.prompt_len, batch.response_len, max_token_len or None)
-        rule = choose_zorro(
-            batch.input_ids,
-            batch.attention_mask,
-            batch.prompt_len,
-            min_saving=zorro_min_saving,
-            passes=zorro_passes,
-            groups=groups,
-        )
-        if choice_log is not None:
-            choice_log.record("/forward", rule)
-        choice = tuner.choose(rule) if tuner is not None else rule
-        if choice.use_zorro:
-            passes = zorro_passes
+        plan = planner.plan(model, batch, plan.passes, lambda groups: [
+            [part] for part in plan_row_passes(groups, batch.prompt_len, batch.response_len, max_token_len or None)])
     t_passes = time.perf_counter()
     with torch.no_grad():
-        for start, stop in passes:
+        for (start, stop), in plan.passes:
             part = batch.slice_rows(start, stop)
             ids, mask, pos = (t.to(device) for t in (part.input_ids, part.attention_mask, part.position_ids))
-            if choice is not None:
+            if plan.choice is not None:
                 out = response_logprobs(
                     model,
                     ids,
@@ -283,7 +263,7 @@ def forward_logprobs(
                     part.prompt_len,
                     temperature=temperature,
                     calculate_entropy=want_entropy,
-                    zorro=choice.use_zorro,
+                    zorro=plan.use_zorro,
                 )
                 left = (part.prompt_len, 0)  # [B, R] -> [B, P+R]: zeros in the prompt columns, as the vendor answers
                 lp = torch.nn.functional.pad(out.logprobs, left)
@@ -304,8 +284,8 @@ def forward_logprobs(
             lps.append(lp.float().cpu())
             if ent is not None:
                 ents.append(ent.float().cpu())
-    if rule is not None and tuner is not None:  # the copies to the host synchronised the device
-        tuner.record_call(rule, choice, time.perf_counter() - t_passes)
+    if planner is not None:  # the copies to the host synchronised the device
+        planner.record(plan, time.perf_counter() - t_passes)
     result = {LOGPROBS_KEY: torch.cat(lps)}
     if want_entropy:
         result[ENTROPY_KEY] = torch.cat(ents)
@@ -313,11 +293,9 @@ def forward_logprobs(
         "tokens_computed": float(tokens_computed),
         "unique_prompts": float(unique),
         "num_rows": float(rows),
-        "passes": float(len(passes)),
+        "passes": float(len(plan.passes)),
         "seconds": time.perf_counter() - t0,
     }
-    if choice is not None:
-        metrics.update(choice.metrics())
-        if tuner is not None:
-            metrics.update(tuner.metrics())
+    if planner is not None:
+        metrics.update(planner.metrics(plan))
     return result, metrics, LogprobAlignment.RESPONSE if zorro else LogprobAlignment.SHIFTED

@@ -26,8 +26,7 @@ from arctic_rl.server.engines.weights import copy_weights
 from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
-from arctic_rl.server.zorro.rule import ZorroChoiceLog
-from arctic_rl.server.zorro.tuner import ZorroTuner
+from arctic_rl.server.zorro.planner import ZorroPlanner
 
 __all__ = ["LogProbEngine"]
 
@@ -41,9 +40,8 @@ class LogProbEngine:
         self.config = config
         self.device = resolve_device(settings.device)
         self.memory = JobMemory(self.device)
-        self.zorro_min_saving = settings.zorro_min_saving
-        self.zorro_choices = ZorroChoiceLog("log_prob")
-        self.zorro_tuner = ZorroTuner("log_prob", "/forward", trials=settings.zorro_trials)
+        self.zorro_planner = ZorroPlanner("log_prob", "/forward", min_saving=settings.zorro_min_saving,
+                                          trials=settings.zorro_trials)
         self.knobs, _, unknown = parse_worker_knobs(config.ds_worker_config)
         if unknown:
             logger.info("log_prob job: unknown ds_worker_config keys ignored: %s", unknown)
@@ -70,9 +68,7 @@ class LogProbEngine:
                 zorro=bool(self.knobs.zorro_train_enable or batch.meta.zorro_train_enable),
                 temperature=batch.scoring_temperature(job_t),
                 max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
-                zorro_min_saving=self.zorro_min_saving,
-                choice_log=self.zorro_choices,
-                tuner=self.zorro_tuner,
+                planner=self.zorro_planner,
             )
 
     def memory_report(self) -> dict[str, int]:

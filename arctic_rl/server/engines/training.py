@@ -50,10 +50,9 @@ from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.flex import set_response_attention
-from arctic_rl.server.zorro.forward import group_prompts, zorro_unsupported_reason
 from arctic_rl.server.zorro.passes import merge_micro_batches
-from arctic_rl.server.zorro.rule import ZorroChoiceLog, choose_zorro, row_slices
-from arctic_rl.server.zorro.tuner import ZorroTuner
+from arctic_rl.server.zorro.planner import ZorroPlan, ZorroPlanner
+from arctic_rl.server.zorro.rule import ZorroChoiceLog, row_slices
 
 __all__ = ["TrainingEngine"]
 
@@ -70,10 +69,11 @@ class TrainingEngine:
         self.config = config
         self.job_dir = job_dir
         self.device = resolve_device(settings.device)
-        self.memory, self.zorro_min_saving = JobMemory(self.device), settings.zorro_min_saving
-        self.zorro_choices = ZorroChoiceLog("training")
-        self.zorro_tuners = {call: ZorroTuner("training", call, trials=settings.zorro_trials)
-                             for call in ("/forward", "/forward-backward")}
+        self.memory = JobMemory(self.device)
+        choices = ZorroChoiceLog("training")
+        self.zorro_planners = {call: ZorroPlanner("training", call, min_saving=settings.zorro_min_saving,
+                                                  trials=settings.zorro_trials, choices=choices)
+                               for call in ("/forward", "/forward-backward")}
         self.knobs, unused, unknown = parse_worker_knobs(config.ds_worker_config)
         if unused:
             logger.info("training job: ds_worker_config keys accepted but not used here: %s", unused)
@@ -208,26 +208,12 @@ class TrainingEngine:
         want_entropy = batch.wants_entropy or cfg.entropy_coeff != 0.0
         rows = batch.rows // self.gas
         micro_batches = row_slices(batch.rows, rows)
-        passes = [[micro] for micro in micro_batches]  # the plain passes: one per micro-batch
-        choice = rule = None
-        tuner = self.zorro_tuners["/forward-backward"]
+        plan = ZorroPlan(passes=[[micro] for micro in micro_batches])  # the plain passes: one per micro-batch
+        planner = self.zorro_planners["/forward-backward"]
         if self._zorro(batch):  # the pass: ZoRRO where deduplicating the prompts pays and is timed
-            _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
-                                      position_ids=batch.position_ids)
-            merged = self._zorro_passes(batch, groups, micro_batches)
-            rule = choose_zorro(
-                batch.input_ids,
-                batch.attention_mask,
-                batch.prompt_len,
-                min_saving=self.zorro_min_saving,
-                passes=[(group[0][0], group[-1][1]) for group in merged],
-                groups=groups,
-            )
-            self.zorro_choices.record("/forward-backward", rule)
-            choice = tuner.choose(rule)  # the faster pass in this job (zorro_tuner)
-            if choice.use_zorro:
-                passes = merged
-        zorro = choice is not None and choice.use_zorro
+            plan = planner.plan(self.model, batch, plan.passes, lambda groups: self._zorro_passes(
+                batch, groups, micro_batches))
+        passes, zorro = plan.passes, plan.use_zorro
         t0 = time.perf_counter()
         parts: list[tuple[dict[str, float], float]] = []
         tokens_computed = unique_prompts = 0
@@ -275,10 +261,10 @@ class TrainingEngine:
             unique_prompts += out.unique_prompts
             del loss, carry, out, micro_metrics  # this pass's outputs go before the next pass's forward
         self.pending = 1
-        if rule is not None and rule.use_zorro and tuner.timing:
+        if plan.rule is not None and plan.rule.use_zorro and planner.timing:
             if self.device.type == "cuda":  # the last backward's kernels belong to this call's time
                 torch.cuda.synchronize(self.device)
-            tuner.record_call(rule, choice, time.perf_counter() - t0)
+            planner.record(plan, time.perf_counter() - t0)
         metrics = combine_micro_metrics(parts, token_mean=token_mean, denom=cfg.loss_scale_tokens)
         metrics.update(
             tokens_computed=float(tokens_computed),
@@ -291,19 +277,14 @@ class TrainingEngine:
             gradient_accumulation_steps=float(self.gas),
             seconds=time.perf_counter() - t0,
         )
-        if choice is not None:
-            metrics.update(choice.metrics())
-            metrics.update(tuner.metrics())
+        metrics.update(planner.metrics(plan))
         return {"metrics": metrics, "avg_loss": metrics.get("loss")}
 
     def _zorro_passes(
         self, batch: ParsedBatch, groups: torch.Tensor, micro_batches: list[tuple[int, int]]
     ) -> list[list[tuple[int, int]]]:
         """The call's micro-batches grouped into ZoRRO passes of at most one plain micro-batch's tokens
-        (:mod:`arctic_rl.server.zorro.passes`; ``groups`` is the call's ``row_to_group``); one micro-batch
-        a pass where the model cannot run ZoRRO (its plain fallback must keep the client's micro-batch size)."""
-        if zorro_unsupported_reason(self.model) is not None:
-            return [[micro] for micro in micro_batches]
+        (:mod:`arctic_rl.server.zorro.passes`; ``groups`` is the call's ``row_to_group``)."""
         micro_rows = micro_batches[0][1] - micro_batches[0][0] if micro_batches else 0
         return merge_micro_batches(groups, micro_batches, batch.prompt_len, batch.response_len,
                                    budget=micro_rows * batch.total_len)
@@ -357,9 +338,7 @@ class TrainingEngine:
                     zorro=self._zorro(batch),
                     temperature=self._temperature(batch),
                     max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
-                    zorro_min_saving=self.zorro_min_saving,
-                    choice_log=self.zorro_choices,
-                    tuner=self.zorro_tuners["/forward"],
+                    planner=self.zorro_planners["/forward"],
                 )
         finally:
             self.engine.train()
