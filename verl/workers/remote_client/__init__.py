@@ -8,6 +8,6 @@
 * ``common/`` -- what both use and names no vendor: the verl fields an adapter reads
   (``verl_settings``); strict config mirrors and the rollout batching options are in ``verl.remote_backend``.
 
-Each vendor package registers its adapter in ``RemoteBackendRegistry`` when imported (see
-``verl.remote_backend.builtin``); importing this package imports no vendor.
+``verl.remote_backend.builtin`` registers each vendor's adapter (with ``register_backend``, the one way a
+backend is registered); importing this package imports no vendor and registers nothing.
 """

@@ -11,14 +11,15 @@ concept per module:
 * ``request`` -- one call to a job, as data; ``session`` -- what the roles call (``JobCalls``), through
   ``recovery.Recovery.call``, the one call path (``CallResult``, the pure ``decide``);
 * ``answers`` -- answers read through their models in ``arctic_rl.protocol``;
-* ``training`` -- ``update_actor`` and ``/step``; ``log_probs`` -- ``compute_(ref_)log_prob``;
+* ``training`` -- ``update_actor`` and ``/step``, and a recovery checkpoint when ``checkpoint_schedule`` says
+  one is due; ``log_probs`` -- ``compute_(ref_)log_prob``;
 * ``generation`` -- ``/generate``; ``checkpoints`` -- weight sync, save, load;
 * ``layout`` -- verl's nested batches <-> the server's ``[left-padded prompt | response]`` layout;
 * ``http`` -- session, time limits, retries, error mapping; ``wire`` -- protocol detection;
 * ``jobs`` -- health, job creation/destruction, handles;
 * ``recovery`` -- the retry rule every call goes through, by role: ``settle`` (was a lost call applied?),
-  ``restart`` (did the server restart?), ``restore`` (restore, rebuild, adopt), ``checkpoint_schedule``,
-  ``watcher``; ``journal`` -- the updates since the last checkpoint;
+  ``restart`` (did the server restart?), ``restore`` (restore, rebuild, adopt), ``watcher``; ``journal`` --
+  the updates since the last checkpoint;
 * ``metrics`` -- verl metric names and MFU; ``local_server`` -- a local reference server process;
 * ``worker`` -- ``ArcticRLActorRolloutRefWorker``, verl's forwarder worker under its documented name;
 * ``replica`` -- the ``arctic`` rollout replica and server (verl's sampling parameters -> the protocol's).
