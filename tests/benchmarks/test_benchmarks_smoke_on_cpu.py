@@ -38,6 +38,9 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "gpu_grpo_loop.py": (["--out", "{out}", "--cpu-smoke", "--zorro", "off", "--bare", "--steps", "1",
                           "--warmup", "0"], []),
     "load.py": (["--clients", "2", "--seconds", "3"], ["errors: 0;", "update_weights"]),
+    # the GPU runs themselves: tests/benchmarks/test_max_model_on_cpu.py runs its loop with stand-in scripts
+    "max_model.py": (["--dry-run", "--work", "{out}", "--sizes", "0.6b", "--env-file", ""],
+                     ["RUN_NAME=0.6b_arctic_base", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"]),
     "real_model_report.py": (["--smoke"], ["curves:"]),
     "step_overhead.py": (["--smoke"], ["Part A: GRPO step through ArcticRLClient", "client: DSSST1 encode",
                                        "Part B: rollout replica server", "concurrent vs sequential"]),
@@ -46,7 +49,8 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "zorro_gpu_passes.py": (["--cpu-smoke"], ["| 8 | fwd+bwd |", "max |ZoRRO - plain| log-prob"]),
 }
 #: scripts that are modules of another script, run through it
-RUN_BY = {"grpo_bare.py": "gpu_grpo_loop.py", "grpo_report.py": "gpu_grpo_loop.py"}
+RUN_BY = {"grpo_bare.py": "gpu_grpo_loop.py", "grpo_report.py": "gpu_grpo_loop.py",
+          "max_model_report.py": "max_model.py", "qwen3_random.py": "max_model.py"}
 
 
 def run_script(script: str, args: list[str], timeout: float = 300) -> str:
