@@ -18,16 +18,20 @@ the job's lock -- except ``/generate`` on the samplers, which batch continuously
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from arctic_rl.protocol import JobConfig, JobType
 from arctic_rl.server.settings import ServerSettings
 
+if TYPE_CHECKING:
+    from arctic_rl.server.engines.protocols import Engine
+
 __all__ = ["create_engine"]
 
 
-def create_engine(config: JobConfig, settings: ServerSettings, job_dir: Path | None) -> Any:
-    """Build the engine of ``config.job_type`` (slow: loads the model)."""
+def create_engine(config: JobConfig, settings: ServerSettings, job_dir: Path | None) -> Engine:
+    """Build the engine of ``config.job_type`` (slow: loads the model); what the server asks of each type is
+    in :mod:`.protocols`."""
     if config.job_type == JobType.TRAINING:
         from arctic_rl.server.engines.training import TrainingEngine
 

@@ -2,11 +2,13 @@
 
 It keeps the weights it was initialised with unless a ``/weight-sync`` names it as a target.
 ``forward`` is the same no-grad computation as the training engine's
-(:func:`~arctic_rl.server.engines.common.forward_logprobs`). No optimizer, no DeepSpeed.
+(:func:`~arctic_rl.server.engines.common.forward_logprobs`); ``text_logprobs`` answers the vendor's
+``/log-probs`` on raw texts. No optimizer, no DeepSpeed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,11 +20,13 @@ from arctic_rl.server.engines.common import (
     compute_dtype,
     forward_logprobs,
     load_model,
+    load_tokenizer,
     model_vocab_size,
     resolve_device,
 )
 from arctic_rl.server.engines.config import parse_worker_knobs
 from arctic_rl.server.engines.weights import copy_weights
+from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
@@ -70,6 +74,32 @@ class LogProbEngine:
                 max_token_len=batch.meta.max_token_len_per_gpu or self.knobs.max_token_len,
                 planner=self.zorro_planner,
             )
+
+    @functools.cached_property
+    def text_tokenizer(self) -> Any:
+        """The model's tokenizer padding on the right, for :meth:`text_logprobs` (built on first use)."""
+        tokenizer = load_tokenizer(self.config.model_name)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+        return tokenizer
+
+    def text_logprobs(self, texts: list[str]) -> torch.Tensor:
+        """``/log-probs``: per-token ``log p(token c+1 | <= c)`` of each text, ``[B, S-1]`` (rows right-padded,
+        padding 0)."""
+        enc = self.text_tokenizer(texts, return_tensors="pt", padding=True)
+        ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+        if ids.shape[1] < 2:
+            raise BadRequest("prompts: every text must have at least two tokens", field="prompts",
+                             received=int(ids.shape[1]))
+        context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        if context and ids.shape[1] > context:
+            raise BadRequest(f"prompts: {ids.shape[1]} tokens exceed the model's context of {context}",
+                             field="prompts", allowed=context, received=int(ids.shape[1]))
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return (lp * mask[:, 1:]).cpu()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes by part (:mod:`arctic_rl.server.memory`): the weights and the passes' buffers."""

@@ -43,6 +43,7 @@ from arctic_rl.protocol import (
     WeightNormRequest,
     WeightSyncRequest,
 )
+from arctic_rl.server.engines.protocols import BaseEngine
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.http import bodies
@@ -53,47 +54,21 @@ __all__ = ["SLEEP_TRAINING_MODES", "install_control_routes"]
 SLEEP_TRAINING_MODES = ("all", "non_lp", "lp_params")
 
 
-def _state_of(engine: Any, *, sleeping: bool, mode: str | None = None) -> dict[str, Any]:
-    device = str(getattr(engine, "device", "cpu"))
+def _state_of(engine: BaseEngine, *, sleeping: bool, mode: str | None = None) -> dict[str, Any]:
+    device = str(engine.device)
     status = {"status": "resident" if sleeping else "on_device", "device": device}
     if mode is not None:
         status["mode"] = mode
     return status
 
 
-def _empty_cache(engine: Any) -> dict[str, Any]:
+def _empty_cache(engine: BaseEngine) -> dict[str, Any]:
     gc.collect()
     gpu_mb = 0.0
-    if str(getattr(engine, "device", "cpu")).startswith("cuda") and torch.cuda.is_available():
+    if str(engine.device).startswith("cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
         gpu_mb = torch.cuda.memory_allocated() / 1e6
     return {"gpu_mb": gpu_mb}
-
-
-def _text_logprobs(engine: Any, texts: list[str]) -> torch.Tensor:
-    """Per-token ``log p(token c+1 | <= c)`` of each text, ``[B, S-1]`` (rows right-padded, padding 0)."""
-    from arctic_rl.server.engines.common import load_tokenizer
-
-    tokenizer = getattr(engine, "_text_tokenizer", None)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(engine.config.model_name)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "right"
-        engine._text_tokenizer = tokenizer
-    enc = tokenizer(texts, return_tensors="pt", padding=True)
-    ids, mask = enc["input_ids"].to(engine.device), enc["attention_mask"].to(engine.device)
-    if ids.shape[1] < 2:
-        raise BadRequest("prompts: every text must have at least two tokens", field="prompts",
-                         received=int(ids.shape[1]))
-    context = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
-    if context and ids.shape[1] > context:
-        raise BadRequest(f"prompts: {ids.shape[1]} tokens exceed the model's context of {context}", field="prompts",
-                         allowed=context, received=int(ids.shape[1]))
-    with torch.no_grad():
-        logits = engine.model(input_ids=ids, attention_mask=mask).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return (lp * mask[:, 1:]).cpu()
 
 
 class ControlService:
@@ -104,15 +79,15 @@ class ControlService:
 
     async def sleep_inference(self, job_id: int, level: int) -> dict[str, Any]:
         job = self.state.jobs.get(job_id, JobType.SAMPLING)
-        return {"job_id": job_id, "sampling": await self.state._on_job(job, job.engine.sleep, level)}
+        return {"job_id": job_id, "sampling": await self.state.run_on_job(job, job.engine.sleep, level)}
 
     async def wake_inference(self, job_id: int, tags: list[str] | None) -> dict[str, Any]:
         job = self.state.jobs.get(job_id, JobType.SAMPLING)
-        return {"job_id": job_id, "sampling": await self.state._on_job(job, job.engine.wake_up, tags)}
+        return {"job_id": job_id, "sampling": await self.state.run_on_job(job, job.engine.wake_up, tags)}
 
     async def reset_prefix_cache(self, job_id: int, request: ResetPrefixCacheRequest) -> dict[str, Any]:
         job = self.state.jobs.get(job_id, JobType.SAMPLING)
-        return {"job_id": job_id, "sampling": await self.state._on_job(job, job.engine.reset_prefix_cache)}
+        return {"job_id": job_id, "sampling": await self.state.run_on_job(job, job.engine.reset_prefix_cache)}
 
     async def operation(self, job_id: int, request: OperationRequest) -> dict[str, Any]:
         kind, payload = request.operation_type, request.payload or {}
@@ -138,13 +113,13 @@ class ControlService:
 
     async def empty_training_cache(self, job_id: int) -> dict[str, Any]:
         job = self.state.jobs.get(job_id, JobType.TRAINING)
-        return {"job_id": job_id, "workers": [await self.state._on_job(job, _empty_cache, job.engine)]}
+        return {"job_id": job_id, "workers": [await self.state.run_on_job(job, _empty_cache, job.engine)]}
 
     async def weight_norm(self, request: WeightNormRequest) -> dict[str, Any]:
         training = self.state.jobs.get(request.training_job_id, JobType.TRAINING)
         sampling = self.state.jobs.get(request.sampling_job_id, JobType.SAMPLING)
-        t = await self.state._on_job(training, weight_norm, training.engine.model)
-        s = await self.state._on_job(sampling, sampling.engine.weight_norm)  # vLLM's lives in its worker
+        t = await self.state.run_on_job(training, weight_norm, training.engine.model)
+        s = await self.state.run_on_job(sampling, sampling.engine.weight_norm)  # vLLM's lives in its worker
         return {"training_norm": t["norm"], "sampling_norm": s["norm"], "training_num_params": t["num_params"],
                 "sampling_num_params": s["num_params"]}
 
@@ -156,7 +131,7 @@ class ControlService:
                 raise BadRequest("completions: expected one per prompt", field="completions", allowed=len(texts),
                                  received=len(request.completions))
             texts = [p + c for p, c in zip(texts, request.completions)]
-        return {"job_id": job_id, "results": await self.state._on_job(job, _text_logprobs, job.engine, texts)}
+        return {"job_id": job_id, "results": await self.state.run_on_job(job, job.engine.text_logprobs, texts)}
 
 
 def _model(model, payload: dict, prefix: str):

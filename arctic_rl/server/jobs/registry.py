@@ -18,10 +18,13 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arctic_rl.protocol import JobConfig, JobType
 from arctic_rl.server.errors import BadRequest, Conflict, NotFound
+
+if TYPE_CHECKING:
+    from arctic_rl.server.engines.protocols import Engine
 
 __all__ = ["Job", "JobRegistry", "JobState"]
 
@@ -38,7 +41,7 @@ class Job:
     config: JobConfig
     job_dir: Path | None = None
     state: str = JobState.INITIALIZING
-    engine: Any = None
+    engine: Engine | None = None  # built after the job is reserved (arctic_rl.server.engines.protocols)
     created_at: float = field(default_factory=time.time)
     calls: int = 0
     last_call_at: float = field(default_factory=time.time)  # creation, or the end of the latest call
@@ -63,7 +66,7 @@ class Job:
             # driver was SIGKILLed leaves jobs that only grow idle: see remote_backend.server.reclaim_idle_jobs_s
             "idle_s": 0.0 if self.lock.locked() or self.generating > 0 else round(max(0.0, time.time() - self.last_call_at), 3),
         }
-        if self.engine is not None and hasattr(self.engine, "info"):
+        if self.engine is not None:
             info.update(self.engine.info())
         return info
 

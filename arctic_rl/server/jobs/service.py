@@ -27,9 +27,10 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -54,6 +55,8 @@ from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
 
 __all__ = ["FEATURES", "SERVER_NAME", "ServerState"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("arctic_rl.server")
 
@@ -109,7 +112,9 @@ class ServerState:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(_translate_errors, fn, *args))
 
-    async def _on_job(self, job: Job, fn, *args):
+    async def run_on_job(self, job: Job, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread under ``job``'s lock (calls on one job run one at a time, in arrival
+        order); a 400 if the job was destroyed while the call waited for the lock."""
         async with job.lock:
             if self.jobs.get(job.job_id, running=False) is not job:  # destroyed while we waited
                 raise BadRequest(f"job {job.job_id} was destroyed", field="job_id", received=job.job_id)
@@ -121,7 +126,7 @@ class ServerState:
 
     def shutdown(self) -> None:
         for job in self.jobs.all():
-            if job.engine is not None and hasattr(job.engine, "close"):
+            if job.engine is not None:
                 try:
                     job.engine.close()
                 except Exception:
@@ -208,7 +213,7 @@ class ServerState:
             return batch, job.engine.forward_backward(batch)
 
         t0 = time.perf_counter()
-        batch, out = await self._on_job(job, run)
+        batch, out = await self.run_on_job(job, run)
         m = out["metrics"]
         logger.info(
             "forward-backward job=%d loss_fn=%s rows=%d tokens=%d computed=%d loss=%.5g micro-batches=%d %.2fs",
@@ -232,7 +237,7 @@ class ServerState:
             return batch, job.engine.forward(batch)
 
         t0 = time.perf_counter()
-        batch, (tensors, metrics, alignment) = await self._on_job(job, run)
+        batch, (tensors, metrics, alignment) = await self.run_on_job(job, run)
         logger.info(
             "forward job=%d (%s) rows=%d tokens=%d alignment=%s %.2fs",
             job_id,
@@ -247,7 +252,7 @@ class ServerState:
     async def step(self, job_id: int, request: StepRequest) -> dict[str, Any]:
         job = self.jobs.get(job_id, JobType.TRAINING)
         t0 = time.perf_counter()
-        out = await self._on_job(job, job.engine.step, request.learning_rate)
+        out = await self.run_on_job(job, job.engine.step, request.learning_rate)
         m = out["metrics"]
         logger.info(
             "step job=%d global_step=%d grad_norm=%s lr=%.3g %.2fs",
@@ -285,7 +290,7 @@ class ServerState:
             return {**out, "pruned": [str(p) for p in pruned]}
 
         t0 = time.perf_counter()
-        out = await self._on_job(job, run)
+        out = await self.run_on_job(job, run)
         logger.info(
             "save job=%d -> %s (step %d) %.2fs", job_id, out["path"], out["global_step"], time.perf_counter() - t0
         )
@@ -296,7 +301,7 @@ class ServerState:
         base = self._base(job, request.path)
         target = ckpt.find_checkpoint(self.settings.checkpoint_root, base, request.step)
         t0 = time.perf_counter()
-        out = await self._on_job(job, job.engine.load, target)
+        out = await self.run_on_job(job, job.engine.load, target)
         logger.info(
             "load-checkpoint job=%d <- %s (step %d) %.2fs", job_id, target, out["global_step"], time.perf_counter() - t0
         )
@@ -347,10 +352,7 @@ class ServerState:
         job = self.jobs.get(job_id, JobType.SAMPLING)
         request, params = parse_generate_request(body)
         t0 = time.perf_counter()
-        if hasattr(job.engine, "submit_generate"):
-            results = await self._generate_continuous(job, request, params)
-        else:
-            results = await self._on_job(job, job.engine.generate, request, params)
+        results = await self._generate_continuous(job, request, params)
         logger.info(
             "generate job=%d prompts=%d n=%d tokens=%d %.3fs",
             job_id,
@@ -359,7 +361,7 @@ class ServerState:
             sum(r["generation_len"] for r in results),
             time.perf_counter() - t0,
         )
-        version = results[0]["weight_version"] if results else getattr(job.engine, "weight_version", None)
+        version = results[0]["weight_version"] if results else job.engine.weight_version
         return {"job_id": job_id, "results": results, "weight_version": version}
 
     async def _generate_continuous(self, job: Job, request: Any, params: Any) -> list[dict[str, Any]]:
