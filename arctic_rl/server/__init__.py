@@ -8,10 +8,64 @@ or one GPU. It is what CI and the end-to-end GRPO runs talk to, and what a user 
 runs on one box -- not a cluster engine and not Snowflake's code.
 
 Run it with ``python -m arctic_rl.server`` (see ``docs/SERVER.md``); build the ASGI app with
-:func:`create_app`. Modules: :mod:`.app` (routes), :mod:`.service` (what endpoints do),
-:mod:`.engines` (training / log_prob / sampling), :mod:`.validation`, :mod:`.checkpoint`,
-:mod:`.idempotency`, :mod:`.auth`, :mod:`.errors`, and the compute kernels :mod:`.logprobs`,
-:mod:`.zorro`, :mod:`.losses`. It never imports ``verl`` or ``ray``.
+:func:`create_app`. It never imports ``verl`` or ``ray``. Every module, by role
+(a CPU test, ``test_server_module_map_on_cpu.py``, fails when one is missing here):
+
+=====================================  ==========================================================================
+module                                 what it is
+=====================================  ==========================================================================
+**process**
+:mod:`.__main__`                       ``python -m arctic_rl.server``: the command line, then uvicorn
+:mod:`.settings`                       process-wide settings (what the command line decides)
+:mod:`.launcher`                       start and stop one server process on this machine (tests, the adapter)
+:mod:`.app`                            the FastAPI app: the protocol's v2 routes and the v1 ones
+:mod:`.errors`                         the HTTP error tree and the handlers that answer every failure in JSON
+:mod:`.memory`                         where a job's memory goes, by part, in bytes
+**http/** -- requests
+:mod:`.http.bodies`                    reading a body (JSON or DSSST1) under a size and time limit
+:mod:`.http.validation`                a ``/forward-backward`` or ``/forward`` body checked into a batch
+:mod:`.http.auth`                      the bearer-token middleware
+:mod:`.http.idempotency`               the request-id cache that replays a repeated call's answer
+:mod:`.http.connection`                the limit on how long a request head may take to arrive
+:mod:`.http.control`                   the vendor's v2 control routes (sleep/wake, ``/operation``, ``/log-probs``)
+**jobs/** -- what endpoints do
+:mod:`.jobs.registry`                  jobs: ids, types, states, the per-job lock
+:mod:`.jobs.service`                   :class:`~.jobs.service.ServerState`: what each endpoint does, on which job
+:mod:`.jobs.checkpoint`                where a training job's checkpoints live, and their names
+**engines/** -- one per job type
+:mod:`.engines.protocols`              what the server asks of a training, log-prob and sampling engine
+:mod:`.engines.training`               the DeepSpeed training engine (fwd/bwd, step, checkpoints)
+:mod:`.engines.training_state`         the training engine's checkpoint contents (DeepSpeed's, RNG states)
+:mod:`.engines.ds_glue`                DeepSpeed's import, the module it wraps, ZeRO-3 gathering
+:mod:`.engines.config`                 ``ds_worker_config`` knobs and the DeepSpeed config
+:mod:`.engines.micro_metrics`          one call's metrics from those of its micro-batches
+:mod:`.engines.logprob_engine`         the forward-only log-prob engine (the reference policy)
+:mod:`.engines.common`                 device, dtype, model loading, process group, no-grad log-probs of a batch
+:mod:`.engines.weights`                weight transfer between engines of one process (``/weight-sync``)
+:mod:`.engines.sampler_choice`         which sampler a server runs (``--sampler``)
+:mod:`.engines.sampling`               the ``transformers`` sampling engine
+:mod:`.engines.generation`             batched sampling with a KV cache (the reference sampler's loop)
+:mod:`.engines.fast_generation`        the ``transformers`` sampler's CUDA loop (static cache, compiled step)
+:mod:`.engines.hf_steps`               the ``transformers`` sampler's continuous batching
+:mod:`.engines.continuous`             continuous batching: one loop thread owns a generation engine
+:mod:`.engines.vllm_sampler`           the vLLM sampling engine, in process
+:mod:`.engines.vllm_steps`             vLLM's engine driven step by step
+:mod:`.engines.vllm_options`           the job's ``vllm_config`` checked, per-prompt seeds
+:mod:`.engines.vllm_answer`            ``/generate`` results built from vLLM's outputs
+**compute/** -- per-token numbers
+:mod:`.compute.token_logprobs`         per-token log-probs and entropy of a batch, plain or with ZoRRO
+:mod:`.compute.chunked_head`           the LM head run chunk by chunk (no whole logits)
+:mod:`.compute.losses`                 the policy losses and their metrics
+:mod:`.compute.rollout_correction`     importance weights and rejection masks for off-policy rollouts
+**zorro/** -- ZoRRO
+:mod:`.zorro.forward`                  the two-pass forward (prompts once, then responses), prompt grouping
+:mod:`.zorro.attention`                the attention wrapper that routes each layer through the running pass
+:mod:`.zorro.flex`                     the grouped response pass with FlexAttention
+:mod:`.zorro.passes`                   a call's rows grouped into passes under a token bound
+:mod:`.zorro.rule`                     the token rule: when ZoRRO's pass computes few enough tokens to pay
+:mod:`.zorro.tuner`                    which pass is faster for one job, timed on its own calls
+:mod:`.zorro.planner`                  the one pass choice (groups, rule, tuner) both call paths use
+=====================================  ==========================================================================
 """
 
 from __future__ import annotations
