@@ -34,12 +34,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # vLLM-shaped outputs and the engine around them
-
-from _helpers_vllm import Completion, Logprob, OutputsOf, RequestOutput, engine_around, vllm_stand_in_modules
+sys.path.insert(0, str(ROOT))  # the tests' helpers (tests.support) from a checkout
 
 from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines.sampling import vendor_logprobs
+from tests.support.vllm_stand_in import (
+    Completion,
+    Logprob,
+    OutputsOf,
+    RequestOutput,
+    engine_around,
+    vllm_stand_in_modules,
+)
 
 SHAPES = [(64, 128), (64, 512), (256, 128), (256, 512)]
 VOCAB = 151_936

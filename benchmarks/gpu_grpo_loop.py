@@ -45,7 +45,7 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 PHASES = ("generate", "batch", "old_log_prob", "update", "weight_sync")
 # the engine options of the sampling job, also used for the bare vLLM engine
@@ -109,7 +109,7 @@ def build_model(args: argparse.Namespace, root: Path) -> Path:
 
 def main_config(args: argparse.Namespace, model: Path, zorro: bool, workdir: Path) -> Any:
     """verl 0.9.1's PPO config with ``remote_backend=arctic`` set up for this benchmark."""
-    from _helpers_arctic import verl_main_config
+    from tests.support.arctic import verl_main_config
 
     return verl_main_config({
         "data": {"train_batch_size": args.prompts, "max_prompt_length": args.prompt_len,
@@ -143,9 +143,10 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
 def grpo_step(client: Any, args: argparse.Namespace, seed: int) -> dict[str, float]:
     """One GRPO step through the adapter; returns the seconds of each phase."""
     import torch
-    from _helpers_arctic import legacy_batch
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
+
+    from tests.support.arctic import legacy_batch
 
     t: dict[str, float] = {}
     prompts = step_prompts(args, seed)

@@ -4,7 +4,7 @@
     python benchmarks/load.py --clients 8 --seconds 15
 
 One real ``python -m arctic_rl.server`` subprocess (CPU, one torch thread, started like the tests
-start it: ``tests/server_process.py``) serves a tiny Qwen3. Here, on 127.0.0.1 only:
+start it: ``tests/support/server.py``) serves a tiny Qwen3. Here, on 127.0.0.1 only:
 
 * ``--clients`` threads, each with its own ``ArcticRLClient`` attached to the run's jobs (as verl's
   rollout replicas are), call ``generate`` in a loop (2 prompts x 4-8 new tokens, seeded);
@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' server launcher and verl-shaped batches
+sys.path.insert(0, str(ROOT))  # the tests' helpers (tests.support) from a checkout
 
 import requests
-from _helpers_reliability import client_config, train_batch
-from server_process import running_server, tiny_model_dir
+
+from arctic_rl.tiny_models import build_tiny_model
+from tests.support.reliability import client_config, train_batch
+from tests.support.server import running_server
 
 __all__ = ["percentile", "rss_mib", "run_load"]
 
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="arctic_load_") as tmp:
-        model = tiny_model_dir(Path(tmp) / "tiny")
+        model = build_tiny_model(Path(tmp) / "tiny")
         with running_server(Path(tmp) / "server") as srv:
             result = run_load(model, srv.url, srv.proc.pid, clients=args.clients, seconds=args.seconds)
     print(table(result))

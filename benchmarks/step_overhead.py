@@ -5,7 +5,7 @@
     python benchmarks/step_overhead.py --smoke    # a CPU check of the script (tiny sizes, seconds; run by the tests)
 
 One real ``python -m arctic_rl.server`` subprocess (CPU, one torch thread; started like the tests
-start it, ``tests/server_process.py``) serves a locally built Qwen3 (``--hidden``/``--layers``;
+start it, ``tests/support/server.py``) serves a locally built Qwen3 (``--hidden``/``--layers``;
 the default is small but not trivial on one CPU core). The adapter, ``ArcticRLClient``, runs here
 exactly as verl's forwarder worker runs it. Part A drives full GRPO training steps through the
 adapter -- ``compute_log_prob`` (old policy), ``compute_ref_log_prob``, ``update_actor`` (one
@@ -54,19 +54,20 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' server launcher and verl-shaped batches
+sys.path.insert(0, str(ROOT))  # the tests' helpers (tests.support) from a checkout
 
 import torch
 
 torch.set_num_threads(1)
 
-from _helpers_arctic import legacy_batch, verl_main_config
-from server_process import running_server, tiny_model_dir
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
 from arctic_rl import dssst1
 from arctic_rl.protocol import Paths
+from arctic_rl.tiny_models import build_tiny_model
+from tests.support.arctic import legacy_batch, verl_main_config
+from tests.support.server import running_server
 
 #: the Arctic adapter's package: its modules import the wire and layout functions by name
 CLIENT_PACKAGE = "verl.workers.remote_client.arctic"
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# load average at start: {loadavg()}  ({os.cpu_count()} cores)", flush=True)
     with tempfile.TemporaryDirectory(prefix="step_overhead_") as tmp:
-        model = tiny_model_dir(Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers,
+        model = build_tiny_model(Path(tmp) / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers,
                                num_heads=max(4, args.hidden // 64), num_kv_heads=max(2, args.hidden // 128),
                                max_position_embeddings=max(2 * (args.prompt + args.response), 128))
         with running_server(Path(tmp) / "srv") as srv:

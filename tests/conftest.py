@@ -6,8 +6,11 @@ stale the moment a file here is edited; the check below stops the session before
 runs against one.
 
 Fixtures shared across the folders: ``tiny_model_dir`` (a tiny Qwen3, one per session),
-``smollm2_model_dir`` (a real 135M-parameter model from a PyPI wheel, cached across sessions) and
-``reference_server`` (a reference server process, one per module).
+``smollm2_model_dir`` (a real 135M-parameter model from a PyPI wheel, cached across sessions),
+``reference_server`` (a reference server process, one per module), ``tinker_peer`` (the Tinker peer, one per
+session) and where the vendor's code is found (``vendor_src``, ``vendor_kit``, ``vendor_v1_src``). Plain helper
+functions and classes live in the package ``tests.support`` (the repository root is on ``sys.path`` through
+pytest's ``pythonpath`` option in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import pytest
 
 if TYPE_CHECKING:
     from arctic_rl.server.launcher import ServerProcess
+    from tests.support.tinker import TinkerPeer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
 # Material shared with the project: golden DSSST1 frames etc. (a sibling of the checkout).
 SHARED_DIR = pathlib.Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", REPO_ROOT.parent / "shared"))
 
@@ -37,9 +40,6 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
 # favour, arctic_rl/server/zorro/tuner.py); the rule's and the tuner's own tests pass their flags explicitly.
 os.environ.setdefault("ARCTIC_RL_ZORRO_MIN_SAVING", "0")
 os.environ.setdefault("ARCTIC_RL_ZORRO_TRIALS", "0")
-
-if str(TESTS_DIR) not in sys.path:  # test helper modules (server_process.py, ...) import by name
-    sys.path.insert(0, str(TESTS_DIR))
 
 # (import name, path of its package relative to a sys.path entry)
 _OUR_PACKAGES = (
@@ -161,7 +161,7 @@ def smollm2_model_dir() -> pathlib.Path:
     ``examples/arithmetic/make_model.py``, once per machine: the wheel (93 MB) and the model directory stay in the
     cache directory (``$VERL_REMOTE_BACKEND_CACHE``, else ``$XDG_CACHE_HOME/verl-remote-backend``) across
     sessions, and concurrent sessions or xdist workers wait for one build."""
-    from _helpers_modules import load_script
+    from tests.support.scripts import load_script
 
     make_model = load_script("examples/arithmetic/make_model.py")
     out = make_model.default_cache_dir() / "models" / f"smollm2-135m-instruct-{make_model.VERSION}-bf16-v{make_model.FORMAT}"
@@ -176,14 +176,44 @@ def reference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve
     """The reference server (``python -m arctic_rl.server``, CPU, one thread, no token), one per test module.
 
     Tests on it destroy the jobs they create (it holds one job per type at a time); a module's own fixture may
-    create jobs that its tests share. Servers with other options: ``server_process.running_server``.
+    create jobs that its tests share. Servers with other options: ``tests.support.server.running_server``.
     """
-    from server_process import running_server
+    from tests.support.server import running_server
 
     with running_server(tmp_path_factory.mktemp("reference_server")) as server:
         yield server
 
 
-# The Tinker peer (SkyRL's Tinker server on CPU): one per test session, shared by the peer tests and the
-# Tinker end-to-end run; see tests/_helpers_tinker.py.
-from _helpers_tinker import tinker_peer  # noqa: F401  (a fixture: pytest finds it by name here)
+@pytest.fixture(scope="session")
+def tinker_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerPeer]:
+    """The session's Tinker peer (SkyRL's Tinker server on CPU, tests/support/tinker.py), shared by the peer tests
+    and the Tinker end-to-end runs: started on first use, stopped at the end of the session; under pytest-xdist
+    one per worker that uses it."""
+    from tests.support.tinker import shared_peer
+
+    with shared_peer(tmp_path_factory.getbasetemp() / "tinker-peer") as peer:
+        yield peer
+
+
+@pytest.fixture(scope="session")
+def vendor_src() -> pathlib.Path:
+    """The directory holding the vendor's ``arctic_platform`` package (skips outside CI when missing)."""
+    from tests.support.vendor import find_vendor_src
+
+    return find_vendor_src()
+
+
+@pytest.fixture(scope="session")
+def vendor_kit(vendor_src: pathlib.Path) -> pathlib.Path:
+    """The folder of the vendor kit's ``run_vendor_server.py`` (and the ArcticInference stubs it needs)."""
+    from tests.support.vendor import find_vendor_kit
+
+    return find_vendor_kit()
+
+
+@pytest.fixture(scope="session")
+def vendor_v1_src(vendor_kit: pathlib.Path) -> pathlib.Path:
+    """The directory holding the vendor's v1 ``arctic_platform`` package (PyPI ``arctic-platform==0.1.2``)."""
+    from tests.support.vendor import find_vendor_v1_src
+
+    return find_vendor_v1_src()

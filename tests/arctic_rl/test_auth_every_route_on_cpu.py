@@ -17,11 +17,11 @@ import re
 
 import pytest
 import requests
-from server_process import running_server
 
 from arctic_rl.protocol import Paths
 from arctic_rl.server.app import create_app
 from arctic_rl.server.settings import ServerSettings
+from tests.support.server import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,8 @@ import time
 import pytest
 import requests
 import torch
-from server_process import decode, make_batch, post_frame
+
+from tests.support.server import decode, make_batch, post_frame
 
 pytestmark = pytest.mark.slow
 

@@ -214,7 +214,8 @@ def test_the_loop_runs_controls_between_calls_and_fails_calls_cleanly():
 @pytest.mark.slow
 def test_through_http_a_short_generate_returns_during_a_long_one(reference_server, tiny_model_dir):
     import requests
-    from server_process import decode, post_frame
+
+    from tests.support.server import decode, post_frame
 
     url = reference_server.url
     assert "continuous_batching" in requests.get(url + "/health", timeout=5).json()["features"]

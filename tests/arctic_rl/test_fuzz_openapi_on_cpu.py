@@ -18,7 +18,6 @@ from collections import Counter
 
 import pytest
 import requests
-from server_process import decode
 
 from arctic_rl.protocol import (
     DestroyRequest,
@@ -34,6 +33,7 @@ from arctic_rl.protocol import (
     WeightNormRequest,
     WeightSyncRequest,
 )
+from tests.support.server import decode
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")

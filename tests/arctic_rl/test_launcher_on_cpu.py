@@ -2,7 +2,7 @@
 
 Stand-in executables (a shell script in place of ``python``) play the server, so these run in
 milliseconds; the launcher starting, restarting and stopping the real server is exercised by every
-test that uses ``server_process.running_server`` or the adapter's ``LocalServer``.
+test that uses ``tests.support.server.running_server`` or the adapter's ``LocalServer``.
 """
 
 from __future__ import annotations

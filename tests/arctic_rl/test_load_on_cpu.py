@@ -9,8 +9,9 @@ a margin). The 60 s version with a table is ``python benchmarks/load.py``.
 from __future__ import annotations
 
 import pytest
-from _helpers_modules import load_script
-from server_process import running_server
+
+from tests.support.scripts import load_script
+from tests.support.server import running_server
 
 pytestmark = pytest.mark.slow
 

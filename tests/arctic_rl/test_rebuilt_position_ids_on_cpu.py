@@ -8,9 +8,9 @@ one is invisible in the log-probs that the other tests compare: this test reads 
 from __future__ import annotations
 
 import torch
-from server_process import make_batch
 
 from arctic_rl.server.http.validation import parse_batch_body
+from tests.support.server import make_batch
 
 PROMPTS = [[5, 6, 7], [8, 9], [4], [3, 2, 1]]
 RESPONSES = [[10, 11, 12], [13], [14, 15], [16, 17]]

@@ -33,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
-from server_process import REPO_ROOT, decode, free_port, good_body, post_frame, running_server
+
+from tests.support.server import REPO_ROOT, decode, free_port, good_body, post_frame, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ import time
 import pytest
 import requests
 import torch
-from server_process import decode, make_batch, post_frame
 
 from arctic_rl.protocol import sampled_logprobs
+from tests.support.server import decode, make_batch, post_frame
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,10 @@ import sys
 import pytest
 import requests
 import torch
-from server_process import REPO_ROOT, decode, free_port, good_body, make_batch, post_frame, running_server
 
 from arctic_rl import dssst1
 from arctic_rl.protocol import LOSS_NAMES, POST_PROCESSORS
+from tests.support.server import REPO_ROOT, decode, free_port, good_body, make_batch, post_frame, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from server_process import make_batch
 
 from arctic_rl.protocol import LOSS_NAMES, POST_PROCESSORS, REQUIRED_TRAIN_TENSORS, SamplingParams
 from arctic_rl.server.engines.config import build_training_ds_config, parse_worker_knobs
@@ -20,6 +19,7 @@ from arctic_rl.server.http.idempotency import CachedResponse, IdempotencyCache, 
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import checkpoint as ckpt
 from arctic_rl.server.settings import is_loopback_host
+from tests.support.server import make_batch
 
 # --------------------------------------------------------------------------- idempotency
 

@@ -4,7 +4,7 @@ The engine's ``generate`` turns ``llm.generate``'s outputs into the vendor's ans
 text, finish reason and, with ``logprobs``, the sampled token's log-prob and the per-position candidates as
 ``{str(token_id): {"logprob", "rank"}}``. vLLM's engine is not on this machine, so its outputs are given here
 as vLLM shapes them (``RequestOutput.outputs[i].token_ids / .logprobs / .finish_reason``, ``Logprob``
-objects, ``tests/_helpers_vllm.py``) by an object standing in for ``vllm.LLM``; what runs is the server's own code after
+objects, ``tests/support/vllm_stand_in.py``) by an object standing in for ``vllm.LLM``; what runs is the server's own code after
 ``llm.generate`` returns. The GPU tests (``test_vllm_sampler_gpu.py``) run the same path on real vLLM.
 """
 
@@ -14,11 +14,18 @@ import gc
 import sys
 
 import pytest
-from _helpers_vllm import Completion, Logprob, OutputsOf, RequestOutput, engine_around, vllm_stand_in_modules
 
 from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines.sampling import vendor_logprobs
 from arctic_rl.server.engines.vllm_answer import apply_stop_strings, token_logprobs
+from tests.support.vllm_stand_in import (
+    Completion,
+    Logprob,
+    OutputsOf,
+    RequestOutput,
+    engine_around,
+    vllm_stand_in_modules,
+)
 
 
 @pytest.fixture

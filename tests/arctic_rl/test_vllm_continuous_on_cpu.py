@@ -1,6 +1,6 @@
 """The vLLM sampler's continuous batching on a CPU machine (no vLLM here): the server's own engine code -- the loop
 thread, :class:`~arctic_rl.server.engines.vllm_steps.VllmStepCore`, the weight load and the answer -- around a
-stand-in engine with vLLM's ``LLMEngine`` interface (``tests/_helpers_vllm.py``: one token per step, the token is
+stand-in engine with vLLM's ``LLMEngine`` interface (``tests/support/vllm_stand_in.py``: one token per step, the token is
 the engine's weight version). The GPU test (``test_vllm_sampler_gpu.py``) runs the same code on real vLLM.
 
 * calls join the running requests: a 4-token call sent while a 60-token call runs is answered first, and the
@@ -19,11 +19,11 @@ import threading
 import time
 
 import pytest
-from _helpers_vllm import StepwiseLLM, engine_around, vllm_stand_in_modules
 
 from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines.continuous import LoopClosed
 from arctic_rl.server.errors import Conflict
+from tests.support.vllm_stand_in import StepwiseLLM, engine_around, vllm_stand_in_modules
 
 
 @pytest.fixture

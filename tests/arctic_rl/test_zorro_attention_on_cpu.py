@@ -4,7 +4,6 @@ the per-thread pass state, and the refusals. The numbers of the passes that use 
 
 import pytest
 import torch
-from _helpers_zorro import make_batch, make_model
 
 from arctic_rl.server.zorro.attention import (
     PassState,
@@ -15,6 +14,7 @@ from arctic_rl.server.zorro.attention import (
     running_pass,
 )
 from arctic_rl.server.zorro.forward import zorro_forward
+from tests.support.zorro import make_batch, make_model
 
 torch.set_num_threads(1)
 

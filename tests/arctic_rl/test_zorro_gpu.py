@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers_zorro import ARCHS, LAYOUTS, make_batch, make_model, rel_err
 
 from arctic_rl.server.compute.token_logprobs import response_logprobs
 from arctic_rl.server.engines.common import compile_model
 from arctic_rl.server.zorro import flex as zorro_flex
 from arctic_rl.server.zorro.flex import set_response_attention
+from tests.support.zorro import ARCHS, LAYOUTS, make_batch, make_model, rel_err
 
 pytestmark = pytest.mark.gpu
 RTOL = 1e-4  # fp32 on a GPU: different kernels, different summation orders

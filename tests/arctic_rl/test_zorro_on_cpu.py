@@ -13,7 +13,6 @@ import logging
 
 import pytest
 import torch
-from _helpers_zorro import ARCHS, ATTNS, LAYOUTS, RTOL, VOCAB, make_batch, make_model, rel_err
 
 from arctic_rl.protocol import LossConfig
 from arctic_rl.server.compute.losses import compute_loss
@@ -21,6 +20,7 @@ from arctic_rl.server.compute.token_logprobs import response_logprobs
 from arctic_rl.server.zorro import flex as zorro_flex
 from arctic_rl.server.zorro.flex import set_response_attention
 from arctic_rl.server.zorro.forward import ZorroUnsupportedError, group_prompts, zorro_forward, zorro_unsupported_reason
+from tests.support.zorro import ARCHS, ATTNS, LAYOUTS, RTOL, VOCAB, make_batch, make_model, rel_err
 
 torch.set_num_threads(1)
 

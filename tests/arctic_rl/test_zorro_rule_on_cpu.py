@@ -15,11 +15,11 @@ import contextlib
 import pytest
 import requests
 import torch
-from server_process import decode, make_batch, post_frame, running_server
 
 from arctic_rl.server.__main__ import parse_args
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
+from tests.support.server import decode, make_batch, post_frame, running_server
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,8 @@ import pathlib
 import zipfile
 
 import pytest
-from _helpers_modules import load_script
+
+from tests.support.scripts import load_script
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEVICE = REPO / "benchmarks" / "device"

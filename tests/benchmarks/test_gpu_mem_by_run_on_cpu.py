@@ -4,14 +4,14 @@ that reports those processes' pids, so the parsing and attribution run as on the
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _helpers_modules import load_script
+
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,8 +76,7 @@ def test_a_failing_nvidia_smi_writes_nothing(gmr, tmp_path, monkeypatch):
 
 
 def test_the_report_reads_what_it_writes(gmr, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    report = importlib.import_module("real_model_report")
+    report = load_script("benchmarks/real_model_report.py")
     run = tmp_path / "alpha"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1, "data": {"critic/score/mean": 0.25}}\n')

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from tests.support.scripts import load_script
 
-import real_model_report as rmr
+REPO = Path(__file__).resolve().parents[2]
+rmr = load_script("benchmarks/real_model_report.py")
 
 
 def _write(run_dir: Path, rewards: list[float], step_s: float) -> Path:

@@ -45,11 +45,11 @@ from typing import Any
 import pytest
 import requests
 import torch
-from _helpers_arctic import grpo_batch, update_batch, verl_main_config
-from _helpers_reliability import DropProxy
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
+from tests.support.arctic import grpo_batch, update_batch, verl_main_config
+from tests.support.reliability import DropProxy
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 

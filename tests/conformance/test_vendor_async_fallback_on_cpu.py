@@ -16,14 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import (
+
+from tests.support.e2e import (
     entry_point_command,
     entry_point_env,
     parse_console_metrics,
     run_in_own_session,
     tiny_grpo_overrides,
 )
-from _helpers_modules import load_script
+from tests.support.scripts import load_script
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

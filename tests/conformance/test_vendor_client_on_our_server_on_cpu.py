@@ -25,9 +25,7 @@ from pathlib import Path
 import pytest
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from server_process import decode
+from tests.support.server import decode
 
 pytestmark = pytest.mark.slow
 

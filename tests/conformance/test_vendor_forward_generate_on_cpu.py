@@ -22,20 +22,16 @@ of a ``/forward`` call attend across each other, so both clients ask for ``flash
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _helpers_arctic import grpo_batch, hf_response_logprobs, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
+from tests.support.arctic import grpo_batch, hf_response_logprobs, verl_main_config
 from verl.remote_backend.errors import RemoteJobNotFoundError
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
@@ -142,8 +138,7 @@ class TestZorroOff:
         as rows of coalesced ``/generate`` calls, one row per sample with ``n`` = 1 (our server gets one request
         per prompt with ``n``: ``tests/remote_backend/test_rollout_dispatch_on_cpu.py``), and the samples have the
         shape verl's GRPO step reads -- the same check as on our server."""
-        from _helpers_rollout import check_grpo_samples, dispatch_grpo_samples
-
+        from tests.support.rollout import check_grpo_samples, dispatch_grpo_samples
         from verl.remote_backend.workers.replica import backend_features
 
         assert not {"continuous_batching", "n_samples"} & backend_features(client)

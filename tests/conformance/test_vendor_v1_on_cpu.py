@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from _helpers_arctic import grpo_batch, hf_response_logprobs, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
+from tests.support.arctic import grpo_batch, hf_response_logprobs, verl_main_config
 from verl.remote_backend.errors import RemoteJobNotFoundError
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 

@@ -185,7 +185,6 @@ def main() -> int:
     ap.add_argument("--vendor-src", required=True)
     args = ap.parse_args()
     sys.path.insert(0, args.vendor_src)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     asyncio.run(run(args))
     return 0
 

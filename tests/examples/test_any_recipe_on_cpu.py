@@ -3,7 +3,7 @@ model comes back as a Hugging Face directory (``examples/common/export_hf.py``);
 what the entry point sets names every setting it forces.
 
 The command is read from README.md (the fenced block after ``<!-- any-recipe-command -->``) and run by bash with
-its variables pointing at a tiny task (``tests/_helpers_e2e.build_task``: ``a+b=`` prompts, a custom reward file, a
+its variables pointing at a tiny task (``tests.support.e2e.build_task``: ``a+b=`` prompts, a custom reward file, a
 tiny Qwen3 from ``arctic_rl/tiny_models.py``) and at the reference server. Overrides appended after it keep the CI run short (one
 step of 4 prompts x 4 samples, 10 response tokens) -- Hydra takes the last value of a key.
 """
@@ -92,7 +92,7 @@ def test_the_table_names_every_setting_the_entry_point_forces():
 
 @pytest.mark.slow  # one verl run (Ray, the adapter, the reference server's DeepSpeed job), then the export: ~2-4 min
 def test_the_readme_command_runs_against_the_reference_server_and_the_model_comes_back(reference_server, tmp_path):
-    from _helpers_e2e import build_task, entry_point_env
+    from tests.support.e2e import build_task, entry_point_env
 
     task = build_task(tmp_path / "task")  # a+b= prompts, a tiny Qwen3, a reward that varies between samples
     task["val"].rename(task["val"].with_name("test.parquet"))  # the README names GSM8K's files

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from _helpers_modules import load_script
+
+from tests.support.scripts import load_script
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TASK_DIR = REPO_ROOT / "examples" / "arithmetic"

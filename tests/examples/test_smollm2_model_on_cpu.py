@@ -18,7 +18,8 @@ import zipfile
 
 import pytest
 import requests
-from _helpers_modules import load_script
+
+from tests.support.scripts import load_script
 
 make_model = load_script("examples/arithmetic/make_model.py")
 
@@ -139,7 +140,7 @@ def test_tokenizer_has_smollm2s_chat_template_and_special_tokens(smollm2_model_d
 @pytest.fixture(scope="module")
 def smollm2_server(reference_server, smollm2_model_dir):
     """The module's reference server holding a sampling job and a log_prob job of SmolLM2 (destroyed after)."""
-    from server_process import decode
+    from tests.support.server import decode
 
     ids = {}
     for job_type in ("sampling", "log_prob"):
@@ -154,10 +155,10 @@ def smollm2_server(reference_server, smollm2_model_dir):
 @pytest.mark.slow  # a real server process with the 135M model (about a minute on 2 cores)
 def test_generated_logprobs_equal_forward_logprobs_on_the_real_model(smollm2_server, smollm2_model_dir):
     import torch
-    from server_process import decode, make_batch, post_frame
     from transformers import AutoTokenizer
 
     from arctic_rl.protocol import sampled_logprobs
+    from tests.support.server import decode, make_batch, post_frame
 
     srv, jobs = smollm2_server, smollm2_server.smollm2_jobs
     tok = AutoTokenizer.from_pretrained(smollm2_model_dir)

@@ -207,8 +207,7 @@ def test_an_abstract_or_foreign_class_is_refused():
 
 @pytest.mark.slow
 def test_the_arctic_adapter_keeps_the_contract_on_the_reference_server(reference_server, tiny_model_dir):
-    from _helpers_reliability import client_config
-
+    from tests.support.reliability import client_config
     from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
     cfg = client_config(tiny_model_dir, reference_server.url)

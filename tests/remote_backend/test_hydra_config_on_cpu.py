@@ -207,7 +207,7 @@ def test_stock_main_ppo_plugin_route_composes():
 
 # ------------------------------------------------------------------ what the trainer accepts (plugin route)
 def _full_config(**overrides):
-    from _helpers_arctic import verl_main_config
+    from tests.support.arctic import verl_main_config
 
     return verl_main_config({"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {"rollout": {"name": "arctic"}}, **overrides})
 

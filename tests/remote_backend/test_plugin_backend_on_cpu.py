@@ -26,7 +26,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import (
+
+from tests.support.e2e import (
     build_task,
     entry_point_command,
     entry_point_env,
@@ -34,7 +35,7 @@ from _helpers_e2e import (
     run_in_own_session,
     tiny_grpo_overrides,
 )
-from server_process import running_server
+from tests.support.server import running_server
 
 pytestmark = pytest.mark.slow
 

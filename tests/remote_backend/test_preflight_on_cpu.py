@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import build_task, entry_point_env, tiny_grpo_overrides
 from omegaconf import DictConfig
 
+from tests.support.e2e import build_task, entry_point_env, tiny_grpo_overrides
 from verl.remote_backend.preflight import (
     PreflightError,
     check_server_reachable,

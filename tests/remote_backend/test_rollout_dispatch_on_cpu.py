@@ -7,7 +7,7 @@
 * Against a server without the feature (the vendor's), today's coalescer: batches of rows, one per sample.
 * (slow) The real adapter against our reference server: ``B`` prompts x ``n`` samples arrive as ``B`` ``/generate``
   calls, one prompt each with ``n``; the vendor's side of the same check is in
-  ``tests/conformance/test_vendor_forward_generate_on_cpu.py`` (both use ``tests/_helpers_rollout.py``).
+  ``tests/conformance/test_vendor_forward_generate_on_cpu.py`` (both use ``tests/support/rollout.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import asyncio
 import time
 
 import pytest
-from _helpers_rollout import check_grpo_samples, dispatch_grpo_samples
 
+from tests.support.rollout import check_grpo_samples, dispatch_grpo_samples
 from verl.remote_backend.workers.batching import RolloutBatching
 from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.replica import backend_features, rollout_dispatcher
@@ -142,9 +142,8 @@ def test_the_dispatcher_is_chosen_from_the_backends_features():
 
 @pytest.mark.slow
 def test_our_server_gets_one_request_per_prompt_with_n(tmp_path, tiny_model_dir, monkeypatch):
-    from _helpers_arctic import verl_main_config
-    from server_process import running_server
-
+    from tests.support.arctic import verl_main_config
+    from tests.support.server import running_server
     from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
     n, prompts = 3, [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]

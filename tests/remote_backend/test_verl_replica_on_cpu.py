@@ -262,9 +262,9 @@ def test_invalid_values_raise_naming_the_field():
 @pytest.mark.slow
 def test_server_actor_generates_token_ids_one_request_per_prompts_samples(tmp_path, tiny_model_dir):
     import ray
-    from _helpers_arctic import start_ray, verl_main_config
-    from server_process import running_server
 
+    from tests.support.arctic import start_ray, verl_main_config
+    from tests.support.server import running_server
     from verl.remote_backend.context import read_context
     from verl.remote_backend.lifecycle import BackendOwner
     from verl.workers.remote_client.arctic.replica import _RemoteServer

@@ -96,12 +96,12 @@ def test_checkpoint_step_from_marker_or_path(tmp_path):
 @pytest.mark.slow
 def test_worker_group_forwards_every_call_unchanged(tmp_path, tiny_model_dir):
     import ray
-    from _helpers_arctic import grpo_rows, legacy_batch, start_ray, verl_main_config
-    from server_process import running_server
     from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
+    from tests.support.arctic import grpo_rows, legacy_batch, start_ray, verl_main_config
+    from tests.support.server import running_server
     from verl.remote_backend.lifecycle import BackendOwner
     from verl.remote_backend.trainer import CpuResourcePoolManager
 

@@ -22,10 +22,10 @@ import asyncio
 
 import pytest
 import torch
-from _helpers_arctic import grpo_rows, legacy_batch, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
+from tests.support.arctic import grpo_rows, legacy_batch, verl_main_config
 from verl.remote_backend.context import read_context
 from verl.remote_backend.lifecycle import BackendOwner
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient

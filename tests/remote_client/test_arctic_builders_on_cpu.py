@@ -15,10 +15,10 @@ import re
 
 import pytest
 import yaml
-from _helpers_arctic import ARCTIC_YAML, verl_main_config
 
 import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
 from arctic_rl.protocol import DsWorkerConfig, JobConfig, LossConfig
+from tests.support.arctic import ARCTIC_YAML, verl_main_config
 from verl.remote_backend import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.workers.remote_client.arctic.arctic_config import ArcticConfig

@@ -20,9 +20,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from tests.support.arctic import grpo_batch, update_batch, verl_main_config
 
 import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
+from tests.support.arctic import grpo_batch, update_batch, verl_main_config
 from verl.remote_backend import RemoteBackendRegistry
 
 OURS = ("verl.workers.remote_client.", "verl.remote_backend.")

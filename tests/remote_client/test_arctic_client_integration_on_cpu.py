@@ -1,7 +1,7 @@
 """ArcticRLClient against the real reference server (``python -m arctic_rl.server`` subprocesses).
 
 No mocks: a tiny Qwen3 is served by the reference server on CPU; batches are verl-shaped
-(``_helpers_arctic``: verl's own ``left_right_2_no_padding``) with GRPO groups interleaved the way
+(``tests.support.arctic``: verl's own ``left_right_2_no_padding``) with GRPO groups interleaved the way
 verl's ``_balance_batch`` leaves them; log-probs are checked against the same model run locally
 with ``transformers`` and read back with verl's own ``no_padding_2_padding``.
 
@@ -22,8 +22,6 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from _helpers_arctic import grpo_batch, hf_response_logprobs, verl_main_config
-from server_process import running_server
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
@@ -31,6 +29,8 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
 from arctic_rl.protocol import GenerateResult
+from tests.support.arctic import grpo_batch, hf_response_logprobs, verl_main_config
+from tests.support.server import running_server
 from verl.remote_backend import RemoteBackendRegistry
 from verl.remote_backend.errors import (
     RemoteConnectionError,

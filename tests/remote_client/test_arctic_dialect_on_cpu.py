@@ -113,9 +113,8 @@ def test_answers_are_read_with_tolerant_models():
 def test_forward_backward_body_is_what_the_models_produce():
     """``{batch, meta, processing}``: meta from the builder, checked by ``BatchMeta`` without a key lost or
     added; processing a ``Processing`` as the reference server parses it."""
-    from _helpers_arctic import verl_main_config
-
     from arctic_rl.protocol import BatchMeta, Processing
+    from tests.support.arctic import verl_main_config
     from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
     from verl.workers.remote_client.arctic.builders import build_meta
     from verl.workers.remote_client.arctic.loss_config import build_loss_config

@@ -2,7 +2,7 @@
 
 Batches are built the way verl 0.9.1 builds them: a left/right-padded DataProto-style TensorDict
 (``tu.get_tensordict``) turned nested by verl's own ``left_right_2_no_padding`` (legacy trainer),
-or nested per-row fields (V1 trainer); see ``_helpers_arctic.py``. Results are read back with verl's own
+or nested per-row fields (V1 trainer); see ``tests/support/arctic.py``. Results are read back with verl's own
 ``no_padding_2_padding`` / ``response_from_nested``, so the test checks the contract verl relies on.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers_arctic import PAD, grpo_rows, legacy_batch, v1_batch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding, response_from_nested
 
+from tests.support.arctic import PAD, grpo_rows, legacy_batch, v1_batch
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 from verl.workers.remote_client.arctic.layout import (
     dense_batch,

@@ -15,10 +15,9 @@ import subprocess
 import sys
 
 import pytest
-from _helpers_arctic import verl_main_config
-from _helpers_vendor import vendor_kit, vendor_src  # noqa: F401  (fixtures)
 
 from arctic_rl.protocol import JobType
+from tests.support.arctic import verl_main_config
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.workers.remote_client.arctic.arctic_config import ArcticConfig
 from verl.workers.remote_client.arctic.builders import build_job_config, build_meta
@@ -93,7 +92,7 @@ print("RESULT " + json.dumps(out))
 
 
 @pytest.mark.slow
-def test_the_vendors_worker_takes_the_options_as_sent(vendor_kit, vendor_src):  # noqa: F811
+def test_the_vendors_worker_takes_the_options_as_sent(vendor_kit, vendor_src):
     """The vendor's ``DeepSpeedWorker`` passes ``ds_config``'s ZeRO section to DeepSpeed as is (offload included),
     keeps ``offload_param`` for its forward-only job, and turns ``enable_gradient_checkpointing`` into its
     model's patch (its own default is on: the adapter always sends the key)."""

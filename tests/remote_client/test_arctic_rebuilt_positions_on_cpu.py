@@ -8,8 +8,7 @@ reads the positions themselves, on rows of different padding.
 
 from __future__ import annotations
 
-from _helpers_arctic import PAD, v1_batch
-
+from tests.support.arctic import PAD, v1_batch
 from verl.workers.remote_client.arctic.layout import dense_batch, plan_layout
 
 PROMPTS = [[5, 6, 7], [8, 9], [4], [3, 2, 1, 9]]

@@ -2,7 +2,7 @@
 
 In the asynchronous mode (``trainer.v1.remote_backend.async_mode=true``) the rollout server's client generates
 while the worker's client trains, on the same server. Through a dropping proxy
-(``_helpers_reliability.DropProxy``) in front of the reference server, treated as the vendor's (no replay
+(``tests.support.reliability.DropProxy``) in front of the reference server, treated as the vendor's (no replay
 cache): the worker's client runs an update (``/forward-backward`` + ``/step``) while the rollout's client
 generates, and the proxy drops the first ``/generate`` answer. The generate is re-sent with the same
 ``X-Request-Id`` and answers what it answers undisturbed; the update beside it is neither re-sent, settled
@@ -16,8 +16,8 @@ import threading
 import time
 
 import pytest
-from _helpers_reliability import DropProxy, client_config, train_batch
 
+from tests.support.reliability import DropProxy, client_config, train_batch
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
 pytestmark = pytest.mark.slow

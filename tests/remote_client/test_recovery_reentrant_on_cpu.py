@@ -2,7 +2,7 @@
 
 The vendor's servers (v2: the Arctic-Platform snapshot of the shared kit; v1: PyPI ``arctic-platform``
 0.1.2) neither replay ``X-Request-Id``s nor expose counters, and hold one job per type. A dropping
-proxy (``_helpers_reliability.DropProxy``) in front of them forwards a chosen request, lets the server
+proxy (``tests.support.reliability.DropProxy``) in front of them forwards a chosen request, lets the server
 apply it and drops its answer, so the adapter cannot know whether the call was applied and rebuilds
 the training job from the journal (a fresh job replaying every acknowledged call). The faults hit each
 position of an update -- its first and second ``/forward-backward``, its ``/step`` -- and the rebuild's
@@ -27,16 +27,13 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 import torch
-from _helpers_reliability import DropProxy, client_config, final_logprobs, train_batch
-from _helpers_vendor import (  # the vendor servers' launchers and where their code is found
+
+from tests.support.reliability import DropProxy, client_config, final_logprobs, train_batch
+from tests.support.vendor import (  # the vendor servers' launchers and where their code is found
     VendorServer,
     running_vendor_server,
     running_vendor_v1_server,
-    vendor_kit,  # noqa: F401 - fixture
-    vendor_src,  # noqa: F401 - fixture
-    vendor_v1_src,  # noqa: F401 - fixture
 )
-
 from verl.remote_backend.errors import RemoteBackendError
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.arctic.restore import MAX_ATTEMPTS

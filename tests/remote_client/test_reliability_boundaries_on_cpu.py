@@ -10,7 +10,7 @@
 
 The client treats the reference server as the vendor's (``retry.server_idempotency: off``): it never
 relies on the server's replay cache. Real server, real client; the proxy is
-``_helpers_reliability.DropProxy``.
+``tests.support.reliability.DropProxy``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import logging
 import pytest
 import requests
 import torch
-from _helpers_reliability import DropProxy, client_config, final_logprobs, train_batch
-from server_process import good_body, running_server
 
 from arctic_rl import dssst1
+from tests.support.reliability import DropProxy, client_config, final_logprobs, train_batch
+from tests.support.server import good_body, running_server
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 
 pytestmark = pytest.mark.slow

@@ -22,9 +22,9 @@ import logging
 import pytest
 import requests
 import torch
-from _helpers_reliability import DropProxy, Supervisor, client_config, final_logprobs, train_batch
-from server_process import running_server
 
+from tests.support.reliability import DropProxy, Supervisor, client_config, final_logprobs, train_batch
+from tests.support.server import running_server
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.arctic.journal import CheckpointRef, UpdateJournal
 

@@ -1,7 +1,7 @@
 """Unanswered calls are applied exactly once: dropped answers, dropped requests, with and without
 server-side idempotency (real reference server, real ArcticRLClient, a dropping TCP proxy).
 
-The proxy (``_helpers_reliability.DropProxy``) drops the *answer* of chosen ``/forward-backward`` and
+The proxy (``tests.support.reliability.DropProxy``) drops the *answer* of chosen ``/forward-backward`` and
 ``/step`` calls after the server applied them, or drops the *request* before the server saw it. The
 client cannot tell the two apart. The run's final weights -- read as ``/forward`` log-probs of a
 fixed batch -- must equal those of an undisturbed run bit for bit, and the server's step counter
@@ -24,10 +24,10 @@ import copy
 import pytest
 import requests
 import torch
-from _helpers_reliability import DropProxy, client_config, final_logprobs, train_batch
-from server_process import make_batch
 
 from arctic_rl import dssst1
+from tests.support.reliability import DropProxy, client_config, final_logprobs, train_batch
+from tests.support.server import make_batch
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.arctic.http import AmbiguousCallError
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers_arctic import grpo_rows, verl_main_config
 from verl.utils import tensordict_utils as tu
+
+from tests.support.arctic import grpo_rows, verl_main_config
 
 pytestmark = pytest.mark.slow  # verl's core_algos pulls in ray (~10 s)
 

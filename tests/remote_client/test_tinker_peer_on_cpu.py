@@ -1,6 +1,6 @@
 """The Tinker adapter against a real Tinker API server (SkyRL's, on CPU) through the official SDK.
 
-The peer is the session's ``tinker_peer`` (``tests/_helpers_tinker.py``; ~30 s cold, ~10 s with a
+The peer is the session's ``tinker_peer`` (``tests/support/tinker.py``; ~30 s cold, ~10 s with a
 warm JAX cache), shared with the Tinker end-to-end run. Every batch has 4 rows of <= 32 tokens and
 every sample call the same ``max_tokens`` (``PEER_SHAPES``), so each XLA program of the peer
 compiles once per session. Checks: sampling with per-token log-probs; reference log-probs equal the
@@ -15,10 +15,10 @@ import os
 
 import pytest
 import torch
-from _helpers_tinker import PEER_API_KEY, PEER_SHAPES
 from omegaconf import OmegaConf
 from verl.utils import tensordict_utils as tu
 
+from tests.support.tinker import PEER_API_KEY, PEER_SHAPES
 from verl.remote_backend.errors import RemoteBackendConfigError
 
 pytestmark = pytest.mark.slow
@@ -41,8 +41,8 @@ def peer(tinker_peer):
 
 
 def _main_config(url: str, model, ckpt_dir):
-    from _helpers_arctic import _verl_base
-    from _helpers_tinker import REPO
+    from tests.support.arctic import _verl_base
+    from tests.support.tinker import REPO
 
     tinker_yaml = OmegaConf.load(REPO / "verl/trainer/config/remote_backend/tinker.yaml")
     extra = {

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _helpers_tinker import REPO, skip_or_fail
 from omegaconf import OmegaConf
 
+from tests.support.tinker import REPO, skip_or_fail
 from verl.remote_backend.errors import (
     RemoteBackendConfigError,
     RemoteConnectionError,

@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from _helpers_e2e import (
+
+from tests.support.e2e import (
     build_task,
     entry_point_command,
     entry_point_env,
@@ -41,7 +42,7 @@ from _helpers_e2e import (
     run_in_own_session,
     tiny_grpo_overrides,
 )
-from server_process import running_server
+from tests.support.server import running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import (
+
+from tests.support.e2e import (
     build_task,
     entry_point_command,
     entry_point_env,

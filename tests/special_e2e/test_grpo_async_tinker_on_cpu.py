@@ -18,8 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import build_task, entry_point_command, entry_point_env, parse_console_metrics, run_in_own_session
-from _helpers_tinker import PEER_API_KEY, tinker_grpo_overrides
+
+from tests.support.e2e import (
+    build_task,
+    entry_point_command,
+    entry_point_env,
+    parse_console_metrics,
+    run_in_own_session,
+)
+from tests.support.tinker import PEER_API_KEY, tinker_grpo_overrides
 
 # the peer compiles one XLA program per new shape (sample, forward, forward_backward, compute_logprobs):
 # on two shared cores that alone takes minutes, so this test gets more than the suite's 900 s default

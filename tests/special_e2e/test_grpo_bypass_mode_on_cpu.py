@@ -21,7 +21,8 @@ import math
 import time
 
 import pytest
-from _helpers_e2e import (
+
+from tests.support.e2e import (
     build_task,
     entry_point_command,
     entry_point_env,

@@ -1,7 +1,7 @@
 """Two GRPO steps of stock verl 0.9.1 through ``remote_backend=tinker``, against a real Tinker server.
 
 The server is the session's ``tinker_peer`` (SkyRL's Tinker API server on CPU, see
-``tests/_helpers_tinker.py``), shared with the peer tests; it serves the same tiny Qwen3 as the
+``tests/support/tinker.py``), shared with the peer tests; it serves the same tiny Qwen3 as the
 ``a+b=`` task's model, and the run keeps to the peer's fixed shapes (4 rows of <= 32 tokens, 8 new
 tokens, LoRA rank 8), so programs it compiled for the peer tests are reused. verl talks to it only
 through the official SDK. The
@@ -22,8 +22,15 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers_e2e import build_task, entry_point_command, entry_point_env, parse_console_metrics, run_in_own_session
-from _helpers_tinker import PEER_API_KEY, tinker_grpo_overrides
+
+from tests.support.e2e import (
+    build_task,
+    entry_point_command,
+    entry_point_env,
+    parse_console_metrics,
+    run_in_own_session,
+)
+from tests.support.tinker import PEER_API_KEY, tinker_grpo_overrides
 
 # the peer compiles one XLA program per new shape (sample, forward, forward_backward, compute_logprobs):
 # on two shared cores that alone takes minutes, so this test gets more than the suite's 900 s default

@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from server_process import free_port, running_server
+
+from tests.support.server import free_port, running_server
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "examples" / "ray_cluster" / "README.md"

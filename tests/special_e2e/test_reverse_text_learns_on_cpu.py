@@ -23,8 +23,9 @@ import pathlib
 import sys
 
 import pytest
-from _helpers_e2e import run_in_own_session
-from _helpers_modules import load_script
+
+from tests.support.e2e import run_in_own_session
+from tests.support.scripts import load_script
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "examples" / "grpo" / "run_reverse_text_grpo_arl_local.sh"

@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from _helpers_arctic import grpo_batch, verl_main_config
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
+
+from tests.support.arctic import grpo_batch, verl_main_config
 
 N = 2  # rollout.n
 MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per optimizer step, 2 /forward-backward calls of 2 rows
@@ -189,7 +190,7 @@ class DropProxy:
 
 
 class Supervisor:
-    """Kill -9 a :class:`server_process.ServerProcess` and bring it back like a supervisor would."""
+    """Kill -9 a :class:`tests.support.server.ServerProcess` and bring it back like a supervisor would."""
 
     def __init__(self, server, delay_s: float = 0.5) -> None:
         self.server = server

@@ -2,16 +2,18 @@
 
 Examples and benchmarks are scripts, not packages: a test that calls their functions loads the one file
 under a module name of its own (``<folder>_<file>``, e.g. ``arithmetic_make_data``), without putting the
-script's folder on ``sys.path``.
+script's folder on ``sys.path``. The module is registered in ``sys.modules`` under that name while it runs
+(dataclasses and pickling look a class's module up there).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(relative: str | Path) -> ModuleType:
@@ -21,5 +23,10 @@ def load_script(relative: str | Path) -> ModuleType:
     if spec is None or spec.loader is None:
         raise ImportError(f"{path}: not a Python file that can be loaded")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(spec.name, None)
+        raise
     return module

@@ -1,7 +1,9 @@
 """The vendor's own Arctic RL servers (v2: Arctic-Platform; v1: PyPI ``arctic-platform==0.1.2``), served on CPU.
 
-Launchers and fixtures shared by the conformance tests (``tests/conformance/conftest.py`` exposes the
-fixtures there) and by other tests that run against the vendor (the re-entrant recovery tests).
+Where the vendor's code is found and launchers for its servers, shared by the conformance tests and by other
+tests that run against the vendor (the re-entrant recovery tests, the memory options). The fixtures built on
+them live in ``tests/conftest.py`` (``vendor_src``, ``vendor_kit``, ``vendor_v1_src``) and
+``tests/conformance/conftest.py`` (``vendor_server``, ``vendor_v1_server``).
 
 The vendor's code (Arctic-Platform, pinned and unmodified) is the contract that both our adapter and
 our reference server are judged by. ``run_vendor_server.py`` from the shared vendor kit serves it on
@@ -27,7 +29,7 @@ from pathlib import Path
 import pytest
 import requests
 
-_TESTS = Path(__file__).resolve().parent
+_TESTS = Path(__file__).resolve().parents[1]
 _SHARED = Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", _TESTS.parents[1] / "shared"))
 _KIT = _SHARED / "vendor"
 
@@ -46,8 +48,7 @@ def _missing(what: str) -> None:
                   "Snowflake-AI-Research/Arctic-Platform at commit 586438082833d9f599bf8567cd1c1405b144dc6e)")
 
 
-@pytest.fixture(scope="session")
-def vendor_src() -> Path:
+def find_vendor_src() -> Path:
     """The directory holding the vendor's ``arctic_platform`` package."""
     src = Path(os.environ.get("ARCTIC_PLATFORM_SRC", _KIT / "arctic-platform"))
     if not (src / "arctic_platform" / "common" / "http_server.py").is_file():
@@ -55,8 +56,7 @@ def vendor_src() -> Path:
     return src
 
 
-@pytest.fixture(scope="session")
-def vendor_kit(vendor_src: Path) -> Path:
+def find_vendor_kit() -> Path:
     """The folder of ``run_vendor_server.py`` (and the ArcticInference stubs it needs)."""
     if not (_KIT / "run_vendor_server.py").is_file():
         _missing(f"no run_vendor_server.py in {_KIT}")
@@ -131,20 +131,13 @@ def running_vendor_server(vendor_kit: Path, vendor_src: Path, workdir: Path, *,
         yield server
 
 
-@pytest.fixture(scope="module")
-def vendor_server(vendor_kit: Path, vendor_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VendorServer]:
-    """One vendor server per test module; tests destroy the jobs they create (one per type at a time)."""
-    with running_vendor_server(vendor_kit, vendor_src, tmp_path_factory.mktemp("vendor")) as server:
-        yield server
-
 
 # ------------------------------------------------------------------------------------- vendor v1
 
 _V1_INSTALL = Path(sys.prefix) / "arctic-platform-v1"
 
 
-@pytest.fixture(scope="session")
-def vendor_v1_src(vendor_kit: Path) -> Path:
+def find_vendor_v1_src() -> Path:
     """The directory holding the vendor's v1 ``arctic_platform`` package (PyPI ``arctic-platform==0.1.2``).
 
     ``scripts/install.sh --test`` installs it, without its dependencies, into ``<venv>/arctic-platform-v1``;
@@ -170,10 +163,3 @@ def running_vendor_v1_server(vendor_kit: Path, v1_src: Path, workdir: Path) -> I
     with _serving(cmd, workdir, "vendor-v1-server") as server:
         yield server
 
-
-@pytest.fixture(scope="module")
-def vendor_v1_server(vendor_kit: Path, vendor_v1_src: Path,
-                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[VendorServer]:
-    """One vendor v1 server per test module; tests destroy the jobs they create (one per type at a time)."""
-    with running_vendor_v1_server(vendor_kit, vendor_v1_src, tmp_path_factory.mktemp("vendor_v1")) as server:
-        yield server

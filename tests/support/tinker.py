@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", REPO.parent / "shared"))
 KIT = SHARED / "peers" / "tinker"
 #: any key of the hosted service's shape: the peer checks nothing, the SDK wants the prefix
@@ -79,7 +79,7 @@ def _free_port() -> int:
 
 def build_peer_model(root: Path) -> Path:
     """The tiny Qwen3 under ``root/peer/tiny-qwen3`` (three or more ``/`` and no ``:``: the SDK's
-    ``get_tokenizer`` rewrites two-slash names). The same weights as ``_helpers_e2e.build_task``'s model."""
+    ``get_tokenizer`` rewrites two-slash names). The same weights as ``tests.support.e2e.build_task``'s model."""
     from arctic_rl.tiny_models import build_tiny_model
 
     out = root / "peer" / "tiny-qwen3"
@@ -160,13 +160,6 @@ def shared_peer(root: Path) -> Iterator[TinkerPeer]:
                     current["users"] -= 1
                     record.write_text(json.dumps(current))
 
-
-@pytest.fixture(scope="session")
-def tinker_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerPeer]:
-    """The session's Tinker peer (started on first use, stopped at the end of the session; under
-    pytest-xdist one per worker that uses it)."""
-    with shared_peer(tmp_path_factory.getbasetemp() / "tinker-peer") as peer:
-        yield peer
 
 
 def tinker_grpo_overrides(task: dict, out, url: str) -> list[str]:

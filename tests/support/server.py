@@ -3,7 +3,7 @@
 The process is the product's own launcher, :class:`arctic_rl.server.launcher.ServerProcess` (the one
 ``LocalServer`` uses); :func:`running_server` only fixes the test layout::
 
-    from server_process import running_server
+    from tests.support.server import running_server
 
     with running_server(tmp_path, token=None, extra_args=()) as srv:
         requests.get(srv.url + "/health", headers=srv.headers)
@@ -13,7 +13,7 @@ The process is the product's own launcher, :class:`arctic_rl.server.launcher.Ser
 ``python -m arctic_rl.server`` runs on a free 127.0.0.1 port, on CPU with one thread, with
 ``--checkpoint-root <tmp_path>/checkpoints`` and its log in ``<tmp_path>``; the context waits for
 ``/health`` and stops the process (only that one) on exit. Tests that need a tiny model use the
-``tiny_model_dir`` fixture (tests/conftest.py); :func:`tiny_model_dir` here serves the benchmarks.
+``tiny_model_dir`` fixture (tests/conftest.py); scripts call ``arctic_rl.tiny_models.build_tiny_model``.
 """
 
 from __future__ import annotations
@@ -36,20 +36,9 @@ __all__ = [
     "make_batch",
     "post_frame",
     "running_server",
-    "tiny_model_dir",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, seed: int = 0, **config_kwargs) -> Path:
-    """A tiny model + char tokenizer under ``path`` (built once; reused if already there)."""
-    from arctic_rl.tiny_models import build_tiny_model
-
-    out = Path(path)
-    if (out / "config.json").is_file():
-        return out
-    return build_tiny_model(out, arch, seed=seed, **config_kwargs)
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-ARCTIC_YAML = Path(__file__).resolve().parents[1] / "verl/trainer/config/remote_backend/arctic.yaml"
+ARCTIC_YAML = Path(__file__).resolve().parents[2] / "verl/trainer/config/remote_backend/arctic.yaml"
 
 
 @functools.lru_cache(maxsize=1)
