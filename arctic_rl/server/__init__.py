@@ -44,7 +44,8 @@ module                                 what it is
 :mod:`.engines.weights`                weight transfer between engines of one process (``/weight-sync``)
 :mod:`.engines.sampler_choice`         which sampler a server runs (``--sampler``)
 :mod:`.engines.sampling`               the ``transformers`` sampling engine
-:mod:`.engines.generation`             batched sampling with a KV cache (the reference sampler's loop)
+:mod:`.engines.prompts`                a ``/generate`` call's prompt ids, context and stop ids, checked
+:mod:`.engines.generation`             batched sampling with a KV cache; ``Decoding``, what both loops take
 :mod:`.engines.fast_generation`        the ``transformers`` sampler's CUDA loop (static cache, compiled step)
 :mod:`.engines.hf_steps`               the ``transformers`` sampler's continuous batching
 :mod:`.engines.continuous`             continuous batching: one loop thread owns a generation engine

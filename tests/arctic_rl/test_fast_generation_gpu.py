@@ -13,7 +13,7 @@ import torch
 
 from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
 from arctic_rl.server.engines import fast_generation
-from arctic_rl.server.engines.generation import generate_batch
+from arctic_rl.server.engines.generation import Decoding, generate_batch
 from arctic_rl.server.settings import ServerSettings
 
 pytestmark = pytest.mark.gpu
@@ -31,8 +31,8 @@ def test_cuda_loop_matches_the_step_loop(tmp_path):
     for rows, width in ((5, 12), (5, 12), (17, 70)):
         prompts = [[(7 * i + j) % 90 + 3 for j in range(width - i % 3)] for i in range(rows)]
         kw = {"stop_ids": {2}, "pad_id": 0, "decode": tok.decode, "top_logprobs": 3}
-        want = generate_batch(model, prompts, params, generator=torch.Generator("cuda"), **kw)
-        got = fast_generation.generate_batch_static(model, prompts, params, generator=torch.Generator("cuda"), **kw)
+        want = generate_batch(model, prompts, params, Decoding(torch.Generator("cuda"), **kw))
+        got = fast_generation.generate_batch_static(model, prompts, params, Decoding(torch.Generator("cuda"), **kw))
         assert [s.token_ids for s in got] == [s.token_ids for s in want]
         assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
         for g, w in zip(got, want, strict=True):

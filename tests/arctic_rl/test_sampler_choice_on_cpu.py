@@ -20,7 +20,7 @@ import torch
 from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
 from arctic_rl.server.engines import create_engine
 from arctic_rl.server.engines.fast_generation import generate_batch_static
-from arctic_rl.server.engines.generation import generate_batch
+from arctic_rl.server.engines.generation import Decoding, generate_batch
 from arctic_rl.server.engines.sampler_choice import SamplerUnavailable, resolve_sampler
 from arctic_rl.server.engines.sampling import SamplingEngine
 from arctic_rl.server.engines.vllm_sampler import (
@@ -100,12 +100,12 @@ def test_static_loop_matches_the_step_loop_greedy(tiny_model_dir, tmp_path):
     engine = _engine(tiny_model_dir, tmp_path)
     prompts = [list(engine.tokenizer("hello world")["input_ids"]), [5, 6, 7], list(range(10, 80))]
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
-    free = generate_batch(engine.model, prompts[:1], params, generator=torch.Generator(), stop_ids=set(),
-                          pad_id=engine.pad_id, decode=engine.tokenizer.decode)
+    free = generate_batch(engine.model, prompts[:1], params,
+                          Decoding(torch.Generator(), set(), engine.pad_id, engine.tokenizer.decode))
     stop = {free[0].token_ids[5]}  # row 0 stops by the 6th token
     kw = {"stop_ids": stop | engine.eos_ids, "pad_id": engine.pad_id, "decode": engine.tokenizer.decode, "top_logprobs": 2}
-    want = generate_batch(engine.model, prompts, params, generator=torch.Generator(), **kw)
-    got = generate_batch_static(engine.model, prompts, params, generator=torch.Generator(), compile_step=False, **kw)
+    want = generate_batch(engine.model, prompts, params, Decoding(torch.Generator(), **kw))
+    got = generate_batch_static(engine.model, prompts, params, Decoding(torch.Generator(), **kw), compile_step=False)
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
     assert want[0].finish_reason == "stop" and len(want[0].token_ids) <= 6
@@ -124,8 +124,8 @@ def test_cpu_sampler_keeps_the_step_loop(tiny_model_dir, tmp_path):
     prompt = list(engine.tokenizer("abc")["input_ids"])
     results = engine.generate(GenerateRequest(prompts=[prompt]), params)
     gen = torch.Generator().manual_seed(7)
-    want = generate_batch(engine.model, [prompt, prompt], params, generator=gen, stop_ids=engine.eos_ids,
-                          pad_id=engine.pad_id, decode=engine.tokenizer.decode, top_logprobs=1)
+    want = generate_batch(engine.model, [prompt, prompt], params,
+                          Decoding(gen, engine.eos_ids, engine.pad_id, engine.tokenizer.decode, top_logprobs=1))
     assert [r["token_ids"] for r in results] == [s.token_ids for s in want]
     got_lps = [[entry[str(t)]["logprob"] for t, entry in zip(r["token_ids"], r["logprobs"])] for r in results]
     assert got_lps == [s.logprobs for s in want]

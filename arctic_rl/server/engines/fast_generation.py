@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from arctic_rl.protocol import SamplingParams
-from arctic_rl.server.engines.generation import Sample, sample_next
+from arctic_rl.server.engines.generation import Decoding, Sample, sample_next
 
 __all__ = ["CACHE_BUCKET", "CHECK_EVERY", "WIDTH_BUCKET", "can_run_static", "generate_batch_static"]
 
@@ -96,19 +96,11 @@ def _decode_step(model: torch.nn.Module, compile_step: bool):
 
 
 @torch.no_grad()
-def generate_batch_static(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    *,
-    generator: torch.Generator,
-    stop_ids: set[int],
-    pad_id: int,
-    decode,
-    top_logprobs: int | None = None,
-    compile_step: bool = True,
-) -> list[Sample]:
+def generate_batch_static(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams,
+                          decoding: Decoding, *, compile_step: bool = True) -> list[Sample]:
     """One continuation per prompt, the loop on the device (see the module docstring)."""
+    generator, stop_ids, pad_id, decode = decoding.generator, decoding.stop_ids, decoding.pad_id, decoding.decode
+    top_logprobs = decoding.top_logprobs
     if not can_run_static(params):
         raise ValueError("generate_batch_static: stop strings need the step-by-step loop (generate_batch)")
     device = next(model.parameters()).device

@@ -22,13 +22,14 @@ What is not here: request parsing, chunking a big request, n samples (:mod:`.sam
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from arctic_rl.protocol import SamplingParams
 
-__all__ = ["Sample", "generate_batch", "sample_next", "stop_cut", "token_candidates"]
+__all__ = ["Decoding", "Sample", "generate_batch", "sample_next", "stop_cut", "token_candidates"]
 
 
 @dataclass
@@ -40,6 +41,19 @@ class Sample:
     #: per generated token ``{token_id: (logprob, rank)}``: the sampled token and the top-k (vLLM's rule);
     #: empty unless :func:`generate_batch` was asked for ``top_logprobs``
     candidates: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How one call's rows are decoded, whichever loop runs them (:func:`generate_batch`, or the CUDA loop of
+    :mod:`.fast_generation`): the call's seeded generator, its stop ids, the padding id, the detokenizer
+    (``decode(ids) -> str``) and, asked for log-probs, how many top candidates to record per token."""
+
+    generator: torch.Generator
+    stop_ids: set[int]
+    pad_id: int
+    decode: Callable[[list[int]], str]
+    top_logprobs: int | None = None
 
 
 def token_candidates(
@@ -100,19 +114,12 @@ def stop_cut(text: str, stops: list[str]) -> int | None:
 
 
 @torch.no_grad()
-def generate_batch(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    *,
-    generator: torch.Generator,
-    stop_ids: set[int],
-    pad_id: int,
-    decode,
-    top_logprobs: int | None = None,
-) -> list[Sample]:
-    """Sample one continuation per prompt (see the module docstring). ``decode(ids) -> str``.
-    ``top_logprobs=k`` also records each token's candidates (:func:`token_candidates`)."""
+def generate_batch(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams,
+                   decoding: Decoding) -> list[Sample]:
+    """Sample one continuation per prompt (see the module docstring); ``decoding.top_logprobs=k`` also records
+    each token's candidates (:func:`token_candidates`)."""
+    generator, stop_ids, pad_id, decode = decoding.generator, decoding.stop_ids, decoding.pad_id, decoding.decode
+    top_logprobs = decoding.top_logprobs
     from transformers import DynamicCache
 
     device = next(model.parameters()).device

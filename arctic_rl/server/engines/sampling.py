@@ -33,8 +33,9 @@ from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingPara
 from arctic_rl.server.engines.common import compute_dtype, load_model, load_tokenizer, model_vocab_size, resolve_device
 from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending
 from arctic_rl.server.engines.fast_generation import can_run_static, generate_batch_static
-from arctic_rl.server.engines.generation import generate_batch
+from arctic_rl.server.engines.generation import Decoding, generate_batch
 from arctic_rl.server.engines.hf_steps import HfCall, HfStepCore
+from arctic_rl.server.engines.prompts import check_context, prompt_token_ids, stop_token_ids
 from arctic_rl.server.engines.weights import copy_weights, weight_norm
 from arctic_rl.server.errors import BadRequest, from_validation_error
 from arctic_rl.server.settings import ServerSettings
@@ -157,52 +158,13 @@ class SamplingEngine:
         if vllm_config:
             logger.info("sampling job: vllm_config is read for max_num_seqs only (transformers sampler)")
 
-    # ------------------------------------------------------------------ prompts
-
-    def _prompt_ids(self, prompts: list) -> list[list[int]]:
-        ids: list[list[int]] = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                tokens = list(self.tokenizer(prompt)["input_ids"])
-            else:
-                tokens = [int(t) for t in prompt]
-                bad = [t for t in tokens if t < 0 or t >= self.vocab_size]
-                if bad:
-                    raise BadRequest(
-                        f"prompts[{i}]: token ids must lie in [0, {self.vocab_size})",
-                        field=f"prompts.{i}",
-                        allowed=f"[0, {self.vocab_size})",
-                        received=bad[0],
-                    )
-            if not tokens:
-                raise BadRequest(f"prompts[{i}]: empty prompt", field=f"prompts.{i}", received=prompt)
-            ids.append(tokens)
-        return ids
-
     # ------------------------------------------------------------------ generate
 
     def _prepare(self, request: GenerateRequest, params: SamplingParams):
-        """A call's token-id prompts, stop ids, seeded generator, decoder and top-k (400 naming a bad field)."""
-        prompts = self._prompt_ids(list(request.prompts))
-        longest = max(len(p) for p in prompts)
-        if self.max_positions and longest + params.max_tokens > self.max_positions:
-            raise BadRequest(
-                f"sampling_params.max_tokens: prompt length {longest} + max_tokens {params.max_tokens} exceeds "
-                f"the model's context of {self.max_positions}",
-                field="sampling_params.max_tokens",
-                allowed=max(1, self.max_positions - longest),
-                received=params.max_tokens,
-            )
-        bad_stop = [t for t in params.stop_token_ids or [] if t < 0 or t >= self.vocab_size]
-        if bad_stop:
-            raise BadRequest(
-                f"sampling_params.stop_token_ids: ids must lie in [0, {self.vocab_size})",
-                field="sampling_params.stop_token_ids",
-                received=bad_stop[0],
-            )
-        stop_ids = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            stop_ids |= self.eos_ids
+        """A call's token-id prompts and how its rows are decoded (400 naming a bad field)."""
+        prompts = prompt_token_ids(self.tokenizer, list(request.prompts), self.vocab_size)
+        check_context(prompts, params, self.max_positions, "the model's context")
+        stop_ids = stop_token_ids(params, self.vocab_size, self.eos_ids)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(int(seed))
@@ -212,7 +174,7 @@ class SamplingEngine:
 
         # vLLM: the sampled token + the top `logprobs`; the compact shape keeps the sampled token's value only
         top_k = (0 if params.sampled_logprobs_only else int(params.logprobs)) if params.wants_logprobs else None
-        return prompts, stop_ids, generator, decode, top_k
+        return prompts, Decoding(generator, stop_ids, self.pad_id, decode, top_k)
 
     def _result(self, sample, prompt_len: int, pi: int, si: int, params: SamplingParams, version: int) -> dict:
         return sample_result(
@@ -240,7 +202,7 @@ class SamplingEngine:
     def submit_generate(self, request: GenerateRequest, params: SamplingParams) -> Pending:
         """Queue a ``/generate`` call into the running batch (:mod:`.hf_steps`); it is answered when its own rows
         end, whatever else runs."""
-        prompts, stop_ids, generator, decode, top_k = self._prepare(request, params)
+        prompts, d = self._prepare(request, params)
 
         def build(call: Call, samples: list) -> list[dict[str, Any]]:
             n = params.n
@@ -248,30 +210,21 @@ class SamplingEngine:
                     for i, s in enumerate(samples)]
 
         loop = self._loop()
-        return Pending(loop, loop.submit(HfCall(prompts, params, generator, stop_ids, decode, top_k)), build)
+        return Pending(loop, loop.submit(HfCall(prompts, params, d.generator, d.stop_ids, d.decode, d.top_logprobs)), build)
 
     # ------------------------------------------------------------------ one call at a time (in-process callers)
 
     def generate(self, request: GenerateRequest, params: SamplingParams) -> list[dict[str, Any]]:
         """One call on its own, in chunks of ``batch_size`` rows (on CUDA the compiled loop of
         :mod:`.fast_generation`); the server's ``/generate`` takes :meth:`submit_generate` instead."""
-        prompts, stop_ids, generator, decode, top_k = self._prepare(request, params)
+        prompts, decoding = self._prepare(request, params)
         rows = [(pi, si) for pi in range(len(prompts)) for si in range(params.n)]
         results: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start : start + self.batch_size]
             loop = generate_batch_static if self.device.type == "cuda" and can_run_static(params) else generate_batch
-            samples = loop(
-                self.model,
-                [prompts[pi] for pi, _ in chunk],
-                params,
-                generator=generator,
-                stop_ids=stop_ids,
-                pad_id=self.pad_id,
-                decode=decode,
-                top_logprobs=top_k,
-            )
+            samples = loop(self.model, [prompts[pi] for pi, _ in chunk], params, decoding)
             for (pi, si), sample in zip(chunk, samples, strict=True):
                 results.append(self._result(sample, len(prompts[pi]), pi, si, params, self.weight_version))
         logger.debug("generated %d samples in %.2fs", len(results), time.perf_counter() - t0)

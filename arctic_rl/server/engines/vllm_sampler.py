@@ -56,6 +56,7 @@ from arctic_rl.server.engines.common import (
     resolve_device,
 )
 from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending
+from arctic_rl.server.engines.prompts import check_context, prompt_token_ids, stop_token_ids
 from arctic_rl.server.engines.vllm_answer import answer_from_outputs
 from arctic_rl.server.engines.vllm_options import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -153,44 +154,12 @@ class VllmSamplingEngine:
             self.options,
         )
 
-    # ------------------------------------------------------------------ prompts
-
-    def _prompt_ids(self, prompts: list) -> list[list[int]]:
-        ids: list[list[int]] = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                tokens = list(self.tokenizer(prompt)["input_ids"])
-            else:
-                tokens = [int(t) for t in prompt]
-                bad = [t for t in tokens if t < 0 or t >= self.vocab_size]
-                if bad:
-                    raise BadRequest(f"prompts[{i}]: token ids must lie in [0, {self.vocab_size})",
-                                     field=f"prompts.{i}", allowed=f"[0, {self.vocab_size})", received=bad[0])
-            if not tokens:
-                raise BadRequest(f"prompts[{i}]: empty prompt", field=f"prompts.{i}", received=prompt)
-            ids.append(tokens)
-        return ids
-
     def _vllm_params(self, params: SamplingParams, prompts: list[list[int]]):
         """One ``vllm.SamplingParams`` per prompt (their seeds: :func:`prompt_seeds`)."""
         from vllm import SamplingParams as VllmParams
 
-        longest = max(len(p) for p in prompts)
-        if longest + params.max_tokens > self.max_model_len:
-            raise BadRequest(
-                f"sampling_params.max_tokens: prompt length {longest} + max_tokens {params.max_tokens} exceeds "
-                f"the engine's max_model_len of {self.max_model_len}",
-                field="sampling_params.max_tokens",
-                allowed=max(1, self.max_model_len - longest),
-                received=params.max_tokens,
-            )
-        bad_stop = [t for t in params.stop_token_ids or [] if t < 0 or t >= self.vocab_size]
-        if bad_stop:
-            raise BadRequest(f"sampling_params.stop_token_ids: ids must lie in [0, {self.vocab_size})",
-                             field="sampling_params.stop_token_ids", received=bad_stop[0])
-        stop_ids = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            stop_ids |= self.eos_ids
+        check_context(prompts, params, self.max_model_len, "the engine's max_model_len")
+        stop_ids = stop_token_ids(params, self.vocab_size, self.eos_ids)
         n_top = int(params.logprobs) if params.wants_logprobs else None  # the sampled token + the top `logprobs`
         if n_top is not None and not 0 <= n_top <= MAX_LOGPROBS:
             raise BadRequest("sampling_params.logprobs: how many top tokens to report per generated token",
@@ -250,7 +219,7 @@ class VllmSamplingEngine:
     def submit_generate(self, request: GenerateRequest, params: SamplingParams) -> Pending:
         """Validate a ``/generate`` call and queue it into the running batch; the answer is built by
         :meth:`Pending.finish` once its sequences are done (see :mod:`.continuous`)."""
-        prompts = self._prompt_ids(list(request.prompts))
+        prompts = prompt_token_ids(self.tokenizer, list(request.prompts), self.vocab_size)
         vllm_params = self._vllm_params(params, prompts)
         self._check_awake()
 
