@@ -7,7 +7,7 @@ arithmetic recipe at 64 prompts x 8 samples, prompts up to 512 tokens and respon
 default: the table reports the last step's ``timing_s/step``, since the first one carries the training job's
 compiles), with ``MODEL_DIR`` the random model. Prompts (``--prompts long``): the few-shot style with 7 worked
 examples, 493-495 tokens with the SmolLM2 tokenizer the models carry; a random model rarely samples its eos, so
-the responses run to 512 tokens (``--prompts short``: the ~40-token questions, left-padded to 512 by verl).
+the responses run to 512 tokens (``--prompts short``: the 40-46-token questions, left-padded to 512 by verl).
 
 Settings escalate on OOM, one level at a time (``--levels``, in order; cumulative):
 
@@ -33,9 +33,13 @@ Detached on the GPU machine, after ``benchmarks/device/unpack.sh`` (README there
 
 The runner copies the repository to ``WORK/repo`` first and runs from there, sourcing ``--env-file`` (default
 ``/tmp/site/env.sh`` when it exists) in that copy, so a later command's working tree does not change a run
-under way. ``WORK/results/NAME/`` per run (``max_model_report``'s docstring lists the files), ``WORK/report.md``
+under way (so poll without sourcing env.sh again: it would link the live checkout's packages into the site the
+running job imports from; ``--report`` needs only the standard library). ``WORK/results/NAME/`` per run (``max_model_report``'s docstring lists the files), ``WORK/report.md``
 at the end; a file ``WORK/STOP`` stops it before the next run. ``--dry-run`` prints the commands; ``--report
-DIR...`` prints the table of one or more work folders (machines come and go: merge their results).
+DIR...`` prints the table of one or more work folders (machines come and go: merge their results). A lent
+machine is held 30 minutes at most and everything on it goes with it, so split the sizes over machines
+(``--sizes 0.6b,1.7b``; ``--sizes 4b``; ``--sizes 8b --levels gc,offload,offload3`` to start 8B where 4B
+ended), copying ``WORK/results`` back from each before it goes.
 """
 
 from __future__ import annotations
@@ -367,6 +371,9 @@ class Runner:
                         failed[side] = f"{size}: {result['outcome']} at {result['level']}"
                 if not self.a.keep_models:
                     shutil.rmtree(self.model_dir(size), ignore_errors=True)
+        except BaseException as e:  # the reason in the status file too (the console may be gone)
+            self.status(f"stopped: {type(e).__name__}: {e}")
+            raise
         finally:
             table = report.render(report.load_results([self.work]))
             (self.work / "report.md").write_text(table + "\n")
@@ -412,6 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             p.error(f"{name}: {bad or 'nothing'} not among {', '.join(allowed)}")
+    a.sizes = sorted(dict.fromkeys(a.sizes), key=list(qwen3_random.SIZES).index)  # smallest first
     return a
 
 
