@@ -34,6 +34,7 @@ module                                 what it is
 :mod:`.jobs.checkpoint`                where a training job's checkpoints live, and their names
 **engines/** -- one per job type
 :mod:`.engines.protocols`              what the server asks of a training, log-prob and sampling engine
+:mod:`.engines.batch`                  the validated batch an engine computes on (``ParsedBatch``)
 :mod:`.engines.training`               the DeepSpeed training engine (fwd/bwd, step, checkpoints)
 :mod:`.engines.training_state`         the training engine's checkpoint contents (DeepSpeed's, RNG states)
 :mod:`.engines.ds_glue`                DeepSpeed's import, the module it wraps, ZeRO-3 gathering

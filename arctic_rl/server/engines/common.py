@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from arctic_rl.protocol import ENTROPY_KEY, LOGPROBS_KEY, LogprobAlignment
+from arctic_rl.server.engines.batch import ParsedBatch
 from arctic_rl.server.errors import BadRequest
-from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.zorro.passes import plan_row_passes
 from arctic_rl.server.zorro.planner import ZorroPlan, ZorroPlanner
 from arctic_rl.server.zorro.rule import row_slices

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from arctic_rl.protocol import JobConfig, JobType, LogprobAlignment
+from arctic_rl.server.engines.batch import ParsedBatch
 from arctic_rl.server.engines.common import (
     compute_dtype,
     forward_logprobs,
@@ -27,7 +28,6 @@ from arctic_rl.server.engines.common import (
 from arctic_rl.server.engines.config import parse_worker_knobs
 from arctic_rl.server.engines.weights import copy_weights
 from arctic_rl.server.errors import BadRequest
-from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.planner import ZorroPlanner

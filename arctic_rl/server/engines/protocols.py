@@ -26,8 +26,8 @@ import torch
 from arctic_rl.protocol import GenerateRequest, JobConfig, LogprobAlignment, SamplingParams
 
 if TYPE_CHECKING:
+    from arctic_rl.server.engines.batch import ParsedBatch
     from arctic_rl.server.engines.continuous import Pending
-    from arctic_rl.server.http.validation import ParsedBatch
 
 __all__ = ["BaseEngine", "Engine", "LogProbEngine", "SamplingEngine", "TrainingEngine"]
 

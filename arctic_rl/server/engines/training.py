@@ -32,6 +32,7 @@ import torch
 
 from arctic_rl.protocol import JobConfig, JobType, LogprobAlignment
 from arctic_rl.server.compute.token_logprobs import set_compiled_token_stats
+from arctic_rl.server.engines.batch import ParsedBatch
 from arctic_rl.server.engines.common import (
     compile_model,
     ensure_process_group,
@@ -46,7 +47,6 @@ from arctic_rl.server.engines.ds_glue import Carry, PolicyModule, gathered_state
 from arctic_rl.server.engines.micro_metrics import combine_micro_metrics
 from arctic_rl.server.engines.training_state import load_training, save_training
 from arctic_rl.server.errors import BadRequest
-from arctic_rl.server.http.validation import ParsedBatch
 from arctic_rl.server.memory import JobMemory, job_memory
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.flex import set_response_attention

@@ -78,7 +78,7 @@ class ZorroPlanner:
         plain: list[Pass],
         merge: Callable[[torch.Tensor], list[Pass]],
     ) -> ZorroPlan:
-        """The passes of ``batch`` (a :class:`~arctic_rl.server.http.validation.ParsedBatch`) that asked for
+        """The passes of ``batch`` (a :class:`~arctic_rl.server.engines.batch.ParsedBatch`) that asked for
         ZoRRO: ``plain`` or ``merge(row_to_group)``, ZoRRO's, as the rule and the timings say."""
         _, groups = group_prompts(batch.input_ids, batch.attention_mask, batch.prompt_len,
                                   position_ids=batch.position_ids)
