@@ -13,7 +13,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from tests.support.scripts import REPO_ROOT as REPO
+
 VENDOR_PACKAGE = "verl.workers.remote_client"
 VENDORS = ("arctic", "tinker")
 
