@@ -197,3 +197,25 @@ def test_report_reads_a_results_folder(mm, tmp_path, capsys):
     assert "**oom**" in rows[1] and "136.7" in rows[1]  # 140,000 MiB
     assert "**fit**" in rows[2] and "| 96.0 | 63.5 | 70.2 (2) | 321 |" in rows[2]
     assert "- largest size that fit, stock: 8b" in out and "- largest size that fit, arctic: none" in out
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_recipe_takes_a_finished_model_dir_with_model_build_never(tmp_path, with_config):
+    """``MODEL_BUILD=never`` (what the runs set): arithmetic.sh's prepare step uses MODEL_DIR as it is -- no
+    SmolLM2 build into it -- and refuses, naming it, a directory without config.json."""
+    import subprocess
+
+    model, data = tmp_path / "model", tmp_path / "data"
+    model.mkdir()
+    data.mkdir()
+    (data / "train.parquet").write_text("")
+    (data / "val.parquet").write_text("")
+    if with_config:
+        (model / "config.json").write_text("{}")
+    script = (f'source "{REPO}/examples/common/arithmetic.sh"; MODEL_BUILD=never MODEL_DIR="{model}" '
+              f'DATA_DIR="{data}"; arithmetic_prepare; echo prepared')
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    if with_config:
+        assert done.returncode == 0 and done.stdout.strip() == "prepared", done.stderr
+    else:
+        assert done.returncode == 2 and f"MODEL_DIR={model} holds no config.json" in done.stderr
