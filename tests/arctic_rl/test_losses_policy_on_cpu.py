@@ -1,6 +1,6 @@
 """The reference server's ``verl_gspo`` and ``verl_bypass_mode`` losses by hand, and their config's validation.
 
-Parity with verl 0.9.1's own functions, case by case, is ``tests/remote_client/test_rollout_correction_on_cpu.py``
+Parity with verl 0.9.1's own functions, case by case, is ``tests/remote_client/arctic/test_rollout_correction_on_cpu.py``
 (slow: it imports verl); these fast checks pin the arithmetic on rows small enough to follow.
 """
 

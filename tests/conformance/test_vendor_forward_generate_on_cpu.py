@@ -136,7 +136,7 @@ class TestZorroOff:
     def test_the_samples_of_a_prompt_go_one_row_per_sample(self, client, monkeypatch):
         """The vendor keeps one output per prompt and lists no features: verl's ``B x n`` one-sample calls reach it
         as rows of coalesced ``/generate`` calls, one row per sample with ``n`` = 1 (our server gets one request
-        per prompt with ``n``: ``tests/remote_backend/test_rollout_dispatch_on_cpu.py``), and the samples have the
+        per prompt with ``n``: ``tests/remote_backend/workers/test_rollout_dispatch_on_cpu.py``), and the samples have the
         shape verl's GRPO step reads -- the same check as on our server."""
         from tests.support.rollout import check_grpo_samples, dispatch_grpo_samples
         from verl.remote_backend.workers.replica import backend_features

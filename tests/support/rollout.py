@@ -1,6 +1,6 @@
 """verl's one-sample rollout calls sent through the rollout server's dispatcher to a real ``ArcticRLClient``, and
 what verl's GRPO step reads from the samples; shared by the test against our server
-(``tests/remote_backend/test_rollout_dispatch_on_cpu.py``) and the one against the vendor's
+(``tests/remote_backend/workers/test_rollout_dispatch_on_cpu.py``) and the one against the vendor's
 (``tests/conformance/test_vendor_forward_generate_on_cpu.py``)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ and the per-call ``meta`` of forward/backward bodies.
 
 Every function here is a pure function of :class:`..common.verl_settings.VerlSettings` (what verl's config
 says) and :class:`.arctic_config.ArcticConfig` (``config.remote_backend``); the golden-dict tests
-in ``tests/remote_client/test_arctic_builders_on_cpu.py`` pin their output.
+in ``tests/remote_client/arctic/test_builders_on_cpu.py`` pin their output.
 
 Batch accounting (DeepSpeed counts gradient accumulation in micro-backwards)::
 

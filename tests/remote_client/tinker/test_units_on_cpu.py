@@ -39,7 +39,7 @@ from verl.workers.remote_client.tinker.sdk import (
     untested_sdk_line,
 )
 
-YAML = Path(__file__).resolve().parents[2] / "verl/trainer/config/remote_backend/tinker.yaml"
+YAML = Path(__file__).resolve().parents[3] / "verl/trainer/config/remote_backend/tinker.yaml"
 
 
 def _nested(rows: list[list[float]], dtype=torch.float32) -> torch.Tensor:

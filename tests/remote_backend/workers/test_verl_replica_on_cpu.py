@@ -1,6 +1,6 @@
 """The ``arctic`` rollout replica: request coalescing (servers without ``continuous_batching``), sampling-parameter
 mapping, and (slow) the real server actor in Ray talking to the reference Arctic RL server through ArcticRLClient
-(which batches continuously: the samples of a prompt go as one request, ``tests/remote_backend/
+(which batches continuously: the samples of a prompt go as one request, ``tests/remote_backend/workers/
 test_rollout_dispatch_on_cpu.py``)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A tiny scripted HTTP server runs in a thread (stdlib ``http.server``): each test
 answers it needs -- error bodies in the shapes servers really send, 503 bursts, dropped
 connections, slow answers -- and inspects what the client sent. This is for the transport only;
 the adapter's behaviour against the real reference server is tested in
-``test_arctic_client_integration_on_cpu.py``.
+``test_client_integration_on_cpu.py``.
 """
 
 from __future__ import annotations
