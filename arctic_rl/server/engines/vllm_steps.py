@@ -12,7 +12,7 @@ cross-process transfer. The synchronous ``LLMEngine`` with ``VLLM_ENABLE_V1_MULT
 core -- and the model -- in the server process: ``collective_rpc`` still copies the training job's live tensors
 device to device. The loop thread gives it the async engine's behaviour (requests join while others run, each
 answered when its own sequences end). Plain Python over vLLM's objects: no vLLM import, so the CPU tests drive it
-with a stand-in engine (``tests/_helpers_vllm.py``).
+with a stand-in engine (``tests/support/vllm_stand_in.py``).
 """
 
 from __future__ import annotations
