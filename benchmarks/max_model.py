@@ -20,7 +20,8 @@ Settings escalate on OOM, one level at a time (``--levels``, in order; cumulativ
 
 A size starts at the level the side's previous size needed (``--no-carry-level``: at the first); a side
 whose size fits at no level skips its larger sizes (``--no-skip-larger``). OOM is read from the logs
-(:data:`max_model_report.OOM_PATTERNS`); peak GPU memory from ``nvidia-smi`` every second, as
+(:data:`max_model_report.OOM_PATTERNS`; a run still alive ``--oom-grace`` seconds after such a line is stopped
+then, not at its timeout: a Ray job may hang once a worker is gone); peak GPU memory from ``nvidia-smi`` every second, as
 ``benchmarks/device/grpo_runs.sh`` samples it, and the training process's own peak from the metrics.
 
 Detached on the GPU machine, after ``benchmarks/device/unpack.sh`` (README there), from the repo root::
@@ -91,6 +92,8 @@ COMMON_OVERRIDES = ["trainer.save_freq=-1"]
 #: arctic runs: calls of a large model with offload may take minutes
 ARCTIC_OVERRIDES = [f"remote_backend.timeouts.{k}=1800" for k in ("forward_backward_s", "forward_s", "step_s",
                                                                   "generate_s", "initialize_s")]
+#: default seconds per run: start-up, 2 steps and the first step's compiles, with room (offload is slow)
+RUN_TIMEOUT_S = {"tiny": 600, "0.6b": 900, "1.7b": 1200, "4b": 1500, "8b": 2100, "14b": 2700}
 FEWSHOT_EXAMPLES = 7  # 493-495 prompt tokens with the SmolLM2 tokenizer: the most that stays under 512
 
 
@@ -100,6 +103,9 @@ def now() -> str:
 
 class Runner:
     """One benchmark: its options, its work folder, and the runs one after another."""
+
+    #: seconds between two looks at a running run's logs
+    poll_s = 10.0
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.a = args
@@ -266,17 +272,15 @@ class Runner:
                 smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used,memory.total",
                                         "--format=csv,noheader,nounits", "-lms", "1000"], stdout=f,
                                        stderr=subprocess.DEVNULL)
-        start, timed_out = time.monotonic(), False
+        start = time.monotonic()
         with open(folder / "console.txt", "w") as console:
             self.child = subprocess.Popen(argv, cwd=self.repo, env={**os.environ, **env}, stdout=console,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            try:
-                rc = self.child.wait(timeout=self.a.run_timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                rc = self.stop_child()
+            rc, timed_out, stopped = self.wait_child(folder, Path(record["run_dir"]), self.timeout_s(size))
             self.child = None
         wall = time.monotonic() - start
+        if stopped:
+            record["stopped_after_oom"] = stopped
         if smi is not None:
             smi.terminate()
             smi.wait()
@@ -289,6 +293,28 @@ class Runner:
                     f"steps={result['steps']} step_s={result['step_time_s']} peak_gib={result['peak_gpu_gib']}")
         self.cleanup_gpu()
         return result
+
+    def timeout_s(self, size: str) -> float:
+        return self.a.run_timeout if self.a.run_timeout is not None else RUN_TIMEOUT_S.get(size, 1800)
+
+    def wait_child(self, folder: Path, run_dir: Path, timeout: float) -> tuple[int, bool, str | None]:
+        """Wait for the run: ``(exit status, timed out, the OOM line it was stopped after)``. A run whose console
+        or run.log says memory ran out and that is still alive ``--oom-grace`` seconds later (a Ray job can
+        hang after a worker's OOM) is stopped then, not at the timeout."""
+        assert self.child is not None
+        deadline, oom_at, oom = time.monotonic() + timeout, 0.0, None
+        while True:
+            try:
+                return self.child.wait(timeout=min(self.poll_s, max(0.1, deadline - time.monotonic()))), False, None
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() >= deadline:
+                return self.stop_child(), True, None
+            if oom is None:
+                oom = report.oom_evidence([folder / "console.txt", run_dir / "run.log"])
+                oom_at = time.monotonic()
+            elif time.monotonic() - oom_at > self.a.oom_grace:
+                return self.stop_child(), False, oom
 
     def stop_child(self) -> int:
         child = self.child
@@ -403,7 +429,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", choices=("long", "short"), default="long")
     p.add_argument("--gpu-util", type=float, default=None, help="vLLM's share of the GPU at every level")
     p.add_argument("--override", action="append", default=[], help="a Hydra override added to every run (repeatable)")
-    p.add_argument("--run-timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--run-timeout", type=float, default=None,
+                   help=f"seconds per run (default by size: {', '.join(f'{k} {v}' for k, v in RUN_TIMEOUT_S.items())})")
+    p.add_argument("--oom-grace", type=float, default=90,
+                   help="seconds a run may go on after its logs say memory ran out, before it is stopped")
     p.add_argument("--python", default="python3", help="the interpreter of the builds and the scripts (PYTHON)")
     p.add_argument("--tokenizer-from", default=None,
                    help="a model directory with the tokenizer (default: SmolLM2 built in WORK/smollm2_135m_instruct)")

@@ -118,7 +118,8 @@ run_dir="$OUT_DIR/runs/$RUN_NAME"; mkdir -p "$run_dir"
 if [ "${SLEEP:-0}" = 1 ]; then sleep 60; fi
 case " $* " in
   *enable_gradient_checkpointing=True*) ;;
-  *) echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9.27 GiB" >> "$run_dir/run.log"; exit 1 ;;
+  *) echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9.27 GiB" >> "$run_dir/run.log"
+     sleep 60; exit 1 ;;  # hangs after the OOM, as a Ray job may: stopped after --oom-grace
 esac
 for k in $(seq 1 "$STEPS"); do
   echo "{\\"step\\": $k, \\"data\\": {\\"timing_s/step\\": 1$k.5, \\"$MEM_KEY\\": 2$k.0}}" >> "$run_dir/metrics.jsonl"
@@ -139,17 +140,20 @@ def test_loop_escalates_on_oom_carries_the_level_and_skips_after_a_failure(mm, t
         scripts[side] = str(path)
     monkeypatch.setattr(mm, "SCRIPTS", scripts)
     monkeypatch.setattr(mm.Runner, "build", lambda self, size: True)  # the builder is tested above
+    monkeypatch.setattr(mm.Runner, "poll_s", 0.2)
     work = tmp_path / "work"
     (work / "data_short").mkdir(parents=True)  # the data as make_data.py leaves it (its run takes seconds)
     (work / "data_short" / "data_info.json").write_text(json.dumps({"prompt_tokens_max": 61}))
     args = mm.parse_args(["--work", str(work), "--sizes", "tiny,0.6b", "--no-snapshot", "--env-file", "",
-                          "--tokenizer-from", str(tiny_model_dir), "--prompts", "short", "--run-timeout", "3",
+                          "--tokenizer-from", str(tiny_model_dir), "--prompts", "short", "--run-timeout", "3", "--oom-grace", "0.5",
                           "--python", sys.executable])
     mm.Runner(args).run()
     results = {p.parent.name: json.loads(p.read_text()) for p in (work / "results").glob("*/result.json")}
     assert {k: v["outcome"] for k, v in results.items()} == {
         "tiny_arctic_base": "oom", "tiny_arctic_gc": "fit", "0.6b_arctic_gc": "fit", "tiny_stock_base": "timeout"}
     assert "CUDA out of memory" in results["tiny_arctic_base"]["evidence"]
+    assert "CUDA out of memory" in results["tiny_arctic_base"]["stopped_after_oom"]
+    assert results["tiny_arctic_base"]["wall_s"] < 3 and not results["tiny_arctic_base"]["timed_out"]
     fit = results["0.6b_arctic_gc"]
     assert fit["step_times_s"] == [11.5, 12.5] and fit["step_time_s"] == 12.5 and fit["process_peak_gib"] == 22.0
     assert fit["overrides"][-1] == "actor_rollout_ref.model.enable_gradient_checkpointing=True"
