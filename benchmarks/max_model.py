@@ -428,7 +428,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=None, help="rows per micro-batch (default: the recipe's, 16)")
     p.add_argument("--prompts", choices=("long", "short"), default="long")
     p.add_argument("--gpu-util", type=float, default=None, help="vLLM's share of the GPU at every level")
-    p.add_argument("--override", action="append", default=[], help="a Hydra override added to every run (repeatable)")
+    p.add_argument("--override", action="append", default=[], help="a Hydra override added to every run of both sides (repeatable; a key both configs have)")
     p.add_argument("--run-timeout", type=float, default=None,
                    help=f"seconds per run (default by size: {', '.join(f'{k} {v}' for k, v in RUN_TIMEOUT_S.items())})")
     p.add_argument("--oom-grace", type=float, default=90,
