@@ -85,19 +85,19 @@ def pytest_configure(config: pytest.Config) -> None:
 # modules (``--dist loadscope``) in collection order; starting the long ones first keeps one worker
 # from being left with a long module after the other has run out of work.
 _LONG_MODULES_FIRST = (
-    "special_e2e/test_reverse_text_learns_on_cpu.py",
-    "special_e2e/test_ray_cluster_job_on_cpu.py",
+    "special_e2e/test_reverse_text_learns.py",
+    "special_e2e/test_ray_cluster_job.py",
     "conformance/test_vendor_grpo_e2e_on_cpu.py",
-    "special_e2e/test_fault_restart_grpo_on_cpu.py",
-    "special_e2e/test_grpo_async_resume_on_cpu.py",
+    "special_e2e/test_fault_restart_grpo.py",
+    "special_e2e/test_grpo_async_resume.py",
     "examples/test_run_dirs_on_cpu.py",
     "examples/test_any_recipe_on_cpu.py",
-    "special_e2e/test_grpo_async_on_cpu.py",
-    "special_e2e/test_grpo_bypass_mode_on_cpu.py",
-    "special_e2e/test_grpo_two_steps_on_cpu.py",
+    "special_e2e/test_grpo_async.py",
+    "special_e2e/test_grpo_bypass_mode.py",
+    "special_e2e/test_grpo_two_steps.py",
     "conformance/test_vendor_async_fallback_on_cpu.py",
-    "special_e2e/test_grpo_two_steps_tinker_on_cpu.py",
-    "special_e2e/test_grpo_async_tinker_on_cpu.py",
+    "special_e2e/test_grpo_two_steps_tinker.py",
+    "special_e2e/test_grpo_async_tinker.py",
     "remote_backend/test_plugin_backend_on_cpu.py",
     "benchmarks/test_benchmarks_smoke_on_cpu.py",
 )

@@ -5,8 +5,8 @@
   created, with an error naming the key; Tinker's adapter says it can;
 * the config the entry point composes carries the switch off and the one-step staleness bound.
 
-The runs of the mode itself: tests/special_e2e/test_grpo_async_on_cpu.py (our server, async),
-tests/special_e2e/test_grpo_async_tinker_on_cpu.py (Tinker, async) and
+The runs of the mode itself: tests/special_e2e/test_grpo_async.py (our server, async),
+tests/special_e2e/test_grpo_async_tinker.py (Tinker, async) and
 tests/conformance/test_vendor_async_fallback_on_cpu.py (the vendor's server, the fall-back to sync).
 """
 

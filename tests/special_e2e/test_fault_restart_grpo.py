@@ -17,7 +17,7 @@ pointing at a reference server this test started (a real ``python -m arctic_rl.s
 * ``test_ctrl_c_destroys_the_jobs_and_the_next_run_starts``: SIGINT to the driver's process group
   mid-run; the server's ``/status`` then lists no job, and another run on the same server completes.
 
-Run by hand: ``pytest -m e2e tests/special_e2e/test_fault_restart_grpo_on_cpu.py -s``.
+Run by hand: ``pytest -m e2e tests/special_e2e/test_fault_restart_grpo.py -s``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ reference log-probs (``no_lora_adapter``), which the adapter serves from a base-
 
 Run by hand::
 
-    pytest -m e2e tests/special_e2e/test_grpo_two_steps_tinker_on_cpu.py -s
+    pytest -m e2e tests/special_e2e/test_grpo_two_steps_tinker.py -s
 """
 
 from __future__ import annotations

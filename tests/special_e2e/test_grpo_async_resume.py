@@ -5,11 +5,11 @@ TransferQueue with the checkpoint: the batch prefetched during step 1 (sent with
 and its tags. Run 2: the same command with ``trainer.total_training_steps=2``: verl resumes at step 2
 (``resume_mode=auto``), the reference server restores the training job and the sampler gets version 1, and
 step 2 trains the restored batch -- one version old, as in an uninterrupted run
-(tests/special_e2e/test_grpo_async_on_cpu.py: step 2's ``trajectory_staleness_worst`` is 1).
+(tests/special_e2e/test_grpo_async.py: step 2's ``trajectory_staleness_worst`` is 1).
 
 Run by hand::
 
-    pytest -m e2e tests/special_e2e/test_grpo_async_resume_on_cpu.py -s
+    pytest -m e2e tests/special_e2e/test_grpo_async_resume.py -s
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ a char-level Qwen3 built on the spot. The run is parsed from verl's console logg
 
 Run by hand (prints the command it runs)::
 
-    pytest -m e2e tests/special_e2e/test_grpo_two_steps_on_cpu.py -s
+    pytest -m e2e tests/special_e2e/test_grpo_two_steps.py -s
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Two asynchronous GRPO steps through ``remote_backend=tinker`` against a real Tinker server (the session's peer).
 
-The recipe of tests/special_e2e/test_grpo_two_steps_tinker_on_cpu.py (SkyRL's Tinker API server on CPU, the
+The recipe of tests/special_e2e/test_grpo_two_steps_tinker.py (SkyRL's Tinker API server on CPU, the
 peer's fixed shapes, a KL penalty in the reward) with ``trainer.v1.remote_backend.async_mode=true``: Tinker's
 adapter says its sampling client answers while its training client computes (separate SDK clients, futures), so
 the run is asynchronous -- step 2 trains the batch sampled before step 1's update (one version old) and hardly
@@ -8,7 +8,7 @@ waits for generation.
 
 Run by hand::
 
-    pytest -m e2e tests/special_e2e/test_grpo_async_tinker_on_cpu.py -s
+    pytest -m e2e tests/special_e2e/test_grpo_async_tinker.py -s
 """
 
 from __future__ import annotations

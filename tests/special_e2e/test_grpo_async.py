@@ -13,7 +13,7 @@ tests/conformance/test_vendor_async_fallback_on_cpu.py (the vendor's /health lis
 
 Run by hand::
 
-    pytest -m e2e tests/special_e2e/test_grpo_async_on_cpu.py -s
+    pytest -m e2e tests/special_e2e/test_grpo_async.py -s
 """
 
 from __future__ import annotations

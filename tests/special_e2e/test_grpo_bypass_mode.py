@@ -12,7 +12,7 @@ run here keeps the CI's time.)
 
 Run by hand (prints the command it runs)::
 
-    pytest -m e2e tests/special_e2e/test_grpo_bypass_mode_on_cpu.py -s
+    pytest -m e2e tests/special_e2e/test_grpo_bypass_mode.py -s
 """
 
 from __future__ import annotations
