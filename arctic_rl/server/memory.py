@@ -215,23 +215,12 @@ def vllm_worker_parts(worker: Any) -> dict[str, int]:
 
 
 def job_memory(engine: Any) -> dict[str, int]:
-    """A job's report: its engine's ``memory_report()``; for the vLLM sampler (an engine with an in-process
-    ``llm``), its worker's weights and KV cache plus the device figures; else the weights of the model the
-    engine holds (the transformers sampler); else nothing. Never raises (a report must not fail a call)."""
+    """A job's report: its engine's ``memory_report()`` (the engines' Protocol,
+    :mod:`arctic_rl.server.engines.protocols`), or nothing if that fails: a report must not fail a call."""
     try:
-        if hasattr(engine, "memory_report"):
-            return dict(engine.memory_report())
-        llm = getattr(engine, "llm", None)
-        if llm is not None and hasattr(llm, "collective_rpc"):
-            parts = dict(llm.collective_rpc(vllm_worker_parts)[0])
-            parts.update(device_report(getattr(engine, "device", None)))
-            return parts
-        model = getattr(engine, "model", None)
-        if isinstance(model, torch.nn.Module):
-            return JobMemory(next(model.parameters()).device).report(model)
+        return dict(engine.memory_report())
     except Exception:  # noqa: BLE001 -- a report must never fail a call or /status
         return {}
-    return {}
 
 
 def memory_metrics(jobs: Iterable[Any]) -> dict[str, float]:

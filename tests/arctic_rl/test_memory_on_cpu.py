@@ -114,13 +114,22 @@ def test_log_prob_report_is_its_weights_and_metric_names(model_dir, tmp_path, ca
 
 def test_sampler_reports_weights_and_kv_cache():
     """The vLLM sampler's parts come from its worker's model runner (reached through ``collective_rpc``): the
-    model's parameters and the KV cache tensors; the transformers sampler's, from the model it holds."""
+    model's parameters and the KV cache tensors."""
     model = torch.nn.Linear(8, 4)
     runner = SimpleNamespace(model=model, kv_caches=[torch.zeros(2, 3, 5), torch.zeros(2, 3, 5, dtype=torch.float16)])
     assert vllm_worker_parts(SimpleNamespace(model_runner=runner)) == {"weights": (32 + 4) * 4,
                                                                       "kv_cache": 30 * 4 + 30 * 2}
-    assert job_memory(SimpleNamespace(model=model)) == {"weights": 36 * 4}
-    assert job_memory(SimpleNamespace()) == {}
+
+
+def test_a_jobs_report_is_its_engines_and_never_fails_the_call():
+    model = torch.nn.Linear(8, 4)
+    engine = SimpleNamespace(memory_report=lambda: JobMemory(torch.device("cpu")).report(model))
+    assert job_memory(engine) == {"weights": 36 * 4}
+
+    def broken() -> dict[str, int]:
+        raise RuntimeError("the worker is gone")
+
+    assert job_memory(SimpleNamespace(memory_report=broken)) == {}
 
 
 def test_tensor_bytes_counts_each_storage_once():

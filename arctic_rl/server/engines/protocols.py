@@ -12,8 +12,8 @@ protocol                    satisfied by
                             :class:`~arctic_rl.server.engines.vllm_sampler.VllmSamplingEngine`
 ==========================  ==============================================================================
 
-Every engine has a device, a job config, ``info()`` (its part of ``GET /job/{id}``) and ``close()`` (free
-what it holds; the server calls it once, on ``/destroy`` or at shutdown). :data:`Engine` is any of the three.
+Every engine has a device, a job config, ``info()`` (its part of ``GET /job/{id}``), ``memory_report()`` and
+``close()`` (free what it holds; the server calls it once, on ``/destroy`` or at shutdown). :data:`Engine` is any of the three.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class BaseEngine(Protocol):
 
     def close(self) -> None:
         """Free the model and what else the engine holds; the engine is not used afterwards."""
+        ...
+
+    def memory_report(self) -> dict[str, int]:
+        """The job's memory by part, in bytes (:mod:`arctic_rl.server.memory`)."""
         ...
 
 

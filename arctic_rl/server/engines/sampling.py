@@ -38,6 +38,7 @@ from arctic_rl.server.engines.hf_steps import HfCall, HfStepCore
 from arctic_rl.server.engines.prompts import check_context, prompt_token_ids, stop_token_ids
 from arctic_rl.server.engines.weights import copy_weights, weight_norm
 from arctic_rl.server.errors import BadRequest, from_validation_error
+from arctic_rl.server.memory import JobMemory
 from arctic_rl.server.settings import ServerSettings
 
 __all__ = ["SamplingEngine", "parse_generate_request", "result_logprobs", "result_text", "sample_result",
@@ -278,6 +279,10 @@ class SamplingEngine:
             "continuous_batching": True,
             "generate_in_flight": self._loop().in_flight() if "_generation_loop" in self.__dict__ else 0,
         }
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes by part (:mod:`arctic_rl.server.memory`): the weights of the model it holds."""
+        return JobMemory(self.device).report(self.model)
 
     def close(self) -> None:
         loop = self.__dict__.pop("_generation_loop", None)

@@ -68,6 +68,7 @@ from arctic_rl.server.engines.vllm_options import (
 from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
+from arctic_rl.server.memory import device_report, vllm_worker_parts
 from arctic_rl.server.settings import ServerSettings
 
 __all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "MAX_LOGPROBS", "VLLM_OPTIONS", "VllmSamplingEngine", "engine_options",
@@ -327,6 +328,11 @@ class VllmSamplingEngine:
             raise Conflict("the vLLM sampler's weights are asleep; call /wake-inference first", field="job_id",
                            allowed="an awake sampling job", received="asleep")
         return self._control(lambda: self.llm.collective_rpc(_model_weight_norm)[0])
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes by part (:mod:`arctic_rl.server.memory`): the worker's weights and KV cache (reached through
+        ``collective_rpc``), plus the device's figures."""
+        return {**self.llm.collective_rpc(vllm_worker_parts)[0], **device_report(self.device)}
 
     def info(self) -> dict[str, Any]:
         return {
