@@ -243,7 +243,7 @@ class TrainingEngine:
             out, micro_metrics = carry.value
             if not bool(torch.isfinite(loss.detach())):
                 if index:  # gradients of earlier passes are accumulated: drop them
-                    self._discard_gradients()
+                    self.discard_gradients()
                 raise BadRequest(
                     f"loss is not finite ({float(loss.detach())}); the mini-batch was not applied",
                     field="loss",
@@ -289,7 +289,8 @@ class TrainingEngine:
         return merge_micro_batches(groups, micro_batches, batch.prompt_len, batch.response_len,
                                    budget=micro_rows * batch.total_len)
 
-    def _discard_gradients(self) -> None:
+    def discard_gradients(self) -> None:
+        """Drop the gradients accumulated since the last step (a failed pass, or a checkpoint load)."""
         self.engine.zero_grad()
         if hasattr(self.engine.optimizer, "zero_grad"):
             self.engine.optimizer.zero_grad()

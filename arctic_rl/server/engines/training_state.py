@@ -43,7 +43,7 @@ def load_training(trainer: Any, ckpt: Path) -> dict[str, Any]:
     """Restore what :func:`save_training` wrote; the next step is the one the saved run would have taken."""
     if trainer.pending:
         logger.warning("load: discarding the gradients of a /forward-backward not closed by /step")
-        trainer._discard_gradients()
+        trainer.discard_gradients()
         trainer.pending = 0
     path, _ = trainer.engine.load_checkpoint(
         str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True, load_lr_scheduler_states=True
