@@ -72,6 +72,8 @@ def _stale_copies() -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6; see _LONG_MODULES_FIRST below
+        config.option.loadscopereorder = False
     problems = _stale_copies()
     if problems:
         raise pytest.UsageError(
@@ -82,8 +84,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # Modules that run for minutes, longest first. CI runs the suite on two xdist workers that take whole
-# modules (``--dist loadscope``) in collection order; starting the long ones first keeps one worker
-# from being left with a long module after the other has run out of work.
+# modules (``--dist loadscope``); starting the long ones first keeps one worker from being left with a long
+# module after the other has run out of work. pytest-xdist's LoadScope scheduler hands modules out in
+# collection order only without its default reordering (since 3.6 it sorts modules by their number of tests,
+# most first, which put these modules of 1-3 tests last): pytest_configure above turns that reordering off.
+# tests/test_test_names_on_cpu.py checks that every entry names a module of the tree.
 _LONG_MODULES_FIRST = (
     "special_e2e/test_reverse_text_learns.py",
     "special_e2e/test_ray_cluster_job.py",

@@ -43,3 +43,9 @@ def test_every_other_test_module_ends_in_on_cpu_or_gpu():
 
 def test_the_support_package_holds_no_test_module():
     assert list((TESTS / "support").rglob("test_*.py")) == []
+
+
+def test_the_long_modules_listed_first_exist():
+    from tests.conftest import _LONG_MODULES_FIRST
+
+    assert [m for m in _LONG_MODULES_FIRST if not (TESTS / m).is_file()] == []
