@@ -89,10 +89,11 @@ class StepCore(Protocol):
         """One engine step over everything admitted; the calls it finished, each with its raw output."""
 
     def abort(self, call: Call) -> None:
-        """Drop ``call``'s sequences from the running batch.
+        """Drop ``call``'s sequences from the running batch."""
 
-        A core may also define ``has_room(call, admitting) -> bool``: whether ``call`` fits beside the running
-        batch and the calls being admitted with it (a call that does not waits, in order; an idle core takes any)."""
+    def has_room(self, call: Call, admitting: list[Call]) -> bool:
+        """Whether ``call`` fits beside the running batch and the calls being admitted with it (a call that does
+        not waits, in order; an idle core takes any)."""
 
 
 @dataclass(eq=False)
@@ -197,9 +198,8 @@ class ContinuousLoop:
         while not self._closed and not self._queue and not self._active:
             self._cond.wait()
         admit: list[Call] = []
-        room = getattr(self.core, "has_room", None)
         while self._queue and isinstance(self._queue[0], Call):
-            if room is not None and (self._active or admit) and not room(self._queue[0], admit):
+            if (self._active or admit) and not self.core.has_room(self._queue[0], admit):
                 break  # the batch is full: the call waits (in order) for running ones to end
             admit.append(self._queue.popleft())
         head = self._queue[0] if self._queue else None
