@@ -21,7 +21,7 @@ route                       here
 ==========================  =================================================================================
 
 Unknown jobs are 404, jobs of the wrong type 400 (as at the vendor). What is not here: training,
-generation or the weight copy itself (:mod:`.service`, :mod:`.engines`).
+generation or the weight copy itself (:mod:`arctic_rl.server.jobs.service`, :mod:`arctic_rl.server.engines`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What each endpoint does, on top of the job registry (the HTTP layer, :mod:`.app`, stays thin).
+"""What each endpoint does, on top of the job registry (the HTTP layer, :mod:`arctic_rl.server.app`, stays thin).
 
 :class:`ServerState` owns the jobs, the idempotency cache and a small thread pool. Every compute
 call takes the job's lock and runs in a worker thread, so the event loop -- and ``/health`` --
@@ -14,7 +14,7 @@ Decisions documented here (and in ``docs/SERVER.md``):
   written to ``<base>/checkpoint-<step>`` (``step`` defaults to the global step) and
   ``<base>/latest`` points at it.
 * ``/weight-sync``'s query ``job_id`` must be its ``source_sub_job_id`` (the training job).
-* ``/generate`` on a sampler that batches continuously (both of ours; :mod:`.engines.continuous`) takes no job
+* ``/generate`` on a sampler that batches continuously (both of ours; :mod:`arctic_rl.server.engines.continuous`) takes no job
   lock: calls run side by side in the sampler's running batch, each answered when its own sequences end, with the
   ``weight_version`` it ran on. A weight sync, sleep, wake or prefix-cache reset holds the job lock and waits, in
   the engine, for the calls in flight; calls that arrive meanwhile wait for it.
