@@ -19,7 +19,7 @@ import torch
 from arctic_rl.server.__main__ import parse_args
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.rule import DEFAULT_MIN_SAVING, ZorroChoiceLog, choose_zorro, row_slices
-from tests.support.server import decode, make_batch, post_frame, running_server
+from tests.support.server import check_server_flag, decode, make_batch, post_frame, running_server
 
 torch.set_num_threads(1)
 
@@ -84,14 +84,8 @@ def test_bad_thresholds_are_refused_naming_the_setting(monkeypatch):
     with pytest.raises(ValueError, match="zorro_min_saving: expected a share between 0 and 1"):
         ServerSettings(zorro_min_saving=1.5)
     assert ServerSettings().zorro_min_saving == DEFAULT_MIN_SAVING
-    with pytest.raises(SystemExit):
-        parse_args(["--zorro-min-saving", "-0.1"])
-    monkeypatch.setenv("ARCTIC_RL_ZORRO_MIN_SAVING", "0.7")
-    assert parse_args([]).zorro_min_saving == 0.7
-    assert parse_args(["--zorro-min-saving", "0.2"]).zorro_min_saving == 0.2
-    monkeypatch.setenv("ARCTIC_RL_ZORRO_MIN_SAVING", "lots")
-    with pytest.raises(SystemExit):
-        parse_args([])
+    check_server_flag(monkeypatch, "--zorro-min-saving", "ARCTIC_RL_ZORRO_MIN_SAVING", bad="-0.1", good=("0.2", 0.2),
+                      from_env=("0.7", 0.7), bad_env="lots")
 
 
 # ---------------------------------------------------------------------------------------------------------------

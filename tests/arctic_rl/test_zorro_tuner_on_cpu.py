@@ -14,6 +14,7 @@ from arctic_rl.server.__main__ import parse_args
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.rule import ZorroChoice
 from arctic_rl.server.zorro.tuner import DEFAULT_TRIALS, ZorroTuner
+from tests.support.server import check_server_flag
 
 
 def _run(tuner: ZorroTuner, calls: int, seconds: dict[bool, float], warm: set[bool] | None = None) -> list[bool]:
@@ -105,14 +106,8 @@ def test_bad_settings_are_refused_naming_them(monkeypatch):
     with pytest.raises(ValueError, match=r"zorro_trials: expected an integer >= 0 .*got 1.5"):
         ServerSettings(zorro_trials=1.5)
     assert ServerSettings().zorro_trials == DEFAULT_TRIALS
-    with pytest.raises(SystemExit):
-        parse_args(["--zorro-trials", "-1"])
-    monkeypatch.setenv("ARCTIC_RL_ZORRO_TRIALS", "5")
-    assert parse_args([]).zorro_trials == 5
-    assert parse_args(["--zorro-trials", "0"]).zorro_trials == 0
-    monkeypatch.setenv("ARCTIC_RL_ZORRO_TRIALS", "some")
-    with pytest.raises(SystemExit):
-        parse_args([])
+    check_server_flag(monkeypatch, "--zorro-trials", "ARCTIC_RL_ZORRO_TRIALS", bad="-1", good=("0", 0),
+                      from_env=("5", 5), bad_env="some")
 
 
 def test_the_adapter_passes_its_trials_to_a_local_server():

@@ -13,55 +13,20 @@ Run by hand::
 
 from __future__ import annotations
 
-import math
-import time
-from pathlib import Path
-
 import pytest
 
-from tests.support.e2e import (
-    build_task,
-    entry_point_command,
-    entry_point_env,
-    parse_console_metrics,
-    run_in_own_session,
-)
-from tests.support.tinker import PEER_API_KEY, tinker_grpo_overrides
+from tests.support.tinker import check_tinker_grpo, run_tinker_grpo
 
 # the peer compiles one XLA program per new shape (sample, forward, forward_backward, compute_logprobs):
 # on two shared cores that alone takes minutes, so this test gets more than the suite's 900 s default
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
-def grpo_command(task: dict[str, Path], out: Path, url: str) -> list[str]:
-    return entry_point_command([*tinker_grpo_overrides(task, out, url), "trainer.v1.remote_backend.async_mode=true"])
-
-
 def test_two_async_grpo_steps_through_tinker(tmp_path, tinker_peer):
-    # the task's model and the peer's are the same tiny Qwen3; the service only trains the one it serves
-    task = {**build_task(tmp_path / "task"), "model": tinker_peer.model}
-    cmd = grpo_command(task, tmp_path / "run", tinker_peer.url)
-    print("running:", " ".join(cmd), flush=True)
-    t0 = time.monotonic()
-    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(TINKER_API_KEY=PEER_API_KEY),
-                                            timeout=2100)
-    (tmp_path / "run.log").write_text(output)
-    print(f"wall time {time.monotonic() - t0:.0f} s, log {tmp_path / 'run.log'}", flush=True)
-    assert returncode == 0, output[-6000:]
-    steps = parse_console_metrics(output)
-    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
-    for step, metrics in steps.items():
-        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr", "actor/entropy",
-                    "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update_actor"):
-            assert key in metrics, f"step {step}: {key} not logged"
-            assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
-        assert metrics["actor/lr"] == pytest.approx(1e-3)
-        assert 0 < metrics["response_length/mean"] <= 8
-        assert metrics["training/global_step"] == step
+    steps, output = run_tinker_grpo(tmp_path, tinker_peer, "trainer.v1.remote_backend.async_mode=true")
+    check_tinker_grpo(steps, tmp_path)
     assert "asynchronous remote mode on (Tinker's sampling and training clients" in output
     assert all(metrics["training/off_policy/async_mode"] == 1.0 for metrics in steps.values())
     assert steps[1]["training/off_policy/trajectory_staleness_worst/max"] == 0
     assert steps[2]["training/off_policy/trajectory_staleness_worst/max"] == 1  # sampled before step 1's update
     assert steps[2]["training/off_policy/trajectory_staleness/max"] <= 1
-    index = tmp_path / "run" / "checkpoints" / "tinker_state_index.json"
-    assert index.exists() and '"2": "tinker://' in index.read_text(), "no Tinker checkpoint recorded for step 2"

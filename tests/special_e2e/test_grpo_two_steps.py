@@ -16,26 +16,17 @@ Run by hand (prints the command it runs)::
 
 from __future__ import annotations
 
-import math
 import re
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.e2e import (
-    build_task,
-    entry_point_command,
-    entry_point_env,
-    parse_console_metrics,
-    run_in_own_session,
-    tiny_grpo_overrides,
-)
+from tests.support.e2e import build_task, check_steps, run_recipe, tiny_grpo_overrides
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def grpo_command(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str]:
+def grpo_overrides(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str]:
     overrides = [
         *tiny_grpo_overrides(task, out, micro_batch=4),
         # settings of a stock GPU recipe the remote backend must take in its stride
@@ -50,29 +41,17 @@ def grpo_command(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str]:
     ]
     if zorro:  # checkpointed layers re-run without ZoRRO's shared prompt keys: ZoRRO needs it off
         overrides.append("actor_rollout_ref.model.enable_gradient_checkpointing=False")
-    return entry_point_command(overrides)
+    return overrides
 
 
 @pytest.mark.parametrize("zorro", [False, True], ids=["zorro_off", "zorro_on"])
 def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
     task = build_task(tmp_path / "task")
-    cmd = grpo_command(task, tmp_path / "run", zorro=zorro)
-    print("running:", " ".join(cmd), flush=True)
-    start = time.monotonic()
-    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(), timeout=1500)
-    wall = time.monotonic() - start
-    (tmp_path / "run.log").write_text(output)
-    print(f"wall time {wall:.0f} s, log {tmp_path / 'run.log'}", flush=True)
-    assert returncode == 0, output[-6000:]
-
-    steps = parse_console_metrics(output)
-    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    steps, output = run_recipe(grpo_overrides(task, tmp_path / "run", zorro=zorro), cwd=tmp_path, timeout=1500)
+    check_steps(steps, [1, 2], ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
+                                "actor/entropy", "actor/kl_loss", "perf/mfu/actor", "critic/score/mean",
+                                "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/ref"))
     for step, metrics in steps.items():
-        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
-                    "actor/entropy", "actor/kl_loss", "perf/mfu/actor", "critic/score/mean",
-                    "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/ref"):
-            assert key in metrics, f"step {step}: {key} not logged"
-            assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
         assert metrics["actor/lr"] == pytest.approx(1e-3)
         for phase in ("old_log_prob", "update_actor", "update_weights"):  # where each phase's time went
             server, adapter = metrics[f"timing_s/{phase}/server"], metrics[f"timing_s/{phase}/adapter"]
@@ -86,7 +65,6 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
             assert metrics["actor/grad_norm"] > 0  # a real backward pass on the server
         elif step == 1:  # every sample of every group scored the same, and the actor is still the reference:
             assert metrics["actor/grad_norm"] == 0  # GRPO and the KL loss have nothing to push
-        assert metrics["training/global_step"] == step
         # the adapter reports the tokens the server really computed: ZoRRO runs each GRPO group's
         # shared prompt once (fewer than the batch holds); the plain pass every row, padding included
         computed, total = metrics["actor/arctic/tokens_computed"], metrics["global_seqlen/mean"]

@@ -5,17 +5,21 @@ Qwen3 built on the spot, train/val parquet files in verl's RL format and a rewar
 (``reward.custom_reward_function``). :func:`tiny_grpo_overrides` is the shrunk stock GRPO recipe the
 runs share, :func:`entry_point_env` the environment they run in, :func:`run_in_own_session` runs a
 command and stops all it started on a timeout, and :func:`parse_console_metrics` reads the per-step
-lines of verl's console logger back.
+lines of verl's console logger back. :func:`run_recipe` puts these together (one verl run through the
+remote backend's entry point, its log kept, its metrics returned) and :func:`check_steps` checks what
+every run must have logged.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -135,3 +139,32 @@ def run_in_own_session(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], ti
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd[:4])} ... did not finish in {timeout} s:\n{output[-6000:]}")
+
+
+def run_recipe(overrides: Sequence[str], *, cwd: Path, timeout: float, name: str = "run",
+               env: dict[str, str] | None = None,
+               explain: Callable[[], str] | None = None) -> tuple[dict[int, dict[str, float]], str]:
+    """Run ``python -m verl.remote_backend.main_ppo <overrides>`` in ``cwd`` (its own session, :func:`entry_point_env`
+    plus ``env``), print the command and the wall time, keep the output in ``<cwd>/<name>.log`` and fail on a
+    non-zero exit with the output's tail (and ``explain()``: a server's log, ...). Returns the metrics of each
+    step (:func:`parse_console_metrics`) and the whole output."""
+    cmd = entry_point_command(overrides)
+    print(f"{name}: running:", " ".join(cmd), flush=True)
+    start = time.monotonic()
+    returncode, output = run_in_own_session(cmd, cwd=cwd, env=entry_point_env(**(env or {})), timeout=timeout)
+    log = cwd / f"{name}.log"
+    log.write_text(output)
+    print(f"{name}: exit {returncode}, wall time {time.monotonic() - start:.0f} s, log {log}", flush=True)
+    assert returncode == 0, output[-6000:] + (f"\n{explain()}" if explain else "")
+    return parse_console_metrics(output), output
+
+
+def check_steps(steps: dict[int, dict[str, float]], expected: Sequence[int], keys: Sequence[str] = ()) -> None:
+    """verl logged exactly the steps ``expected``, each under its own ``training/global_step`` and with every
+    metric of ``keys`` as a finite number."""
+    assert sorted(steps) == list(expected), f"steps logged: {sorted(steps)}"
+    for step, metrics in steps.items():
+        assert metrics["training/global_step"] == step
+        for key in keys:
+            assert key in metrics, f"step {step}: {key} not logged"
+            assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"

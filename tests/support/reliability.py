@@ -219,20 +219,23 @@ class Supervisor:
 # ------------------------------------------------------------------------------------------------ runs
 
 
-def client_config(model_dir, url: str, **remote):
-    """A verl main config for a tiny GRPO run of the adapter against ``url`` (fp32, fast retries)."""
+def client_config(model_dir, url: str | None, *, run_dir: str = "rel_run", kl_loss_coef: float | None = None,
+                  **remote):
+    """A verl main config for a tiny GRPO run of the adapter against ``url`` (fp32, fast retries; ``None``: a
+    local server). ``remote``: sections of ``remote_backend`` whose keys replace these; ``kl_loss_coef``: verl's
+    KL loss on, with that coefficient; ``run_dir``: ``trainer.default_local_dir``."""
     backend = {"server": {"url": url}, "train": {"deepspeed": {"bf16": False}, "seed": 7},
                "retry": {"backoff_initial_s": 0.05, "backoff_max_s": 0.5}}
     for section, values in remote.items():
         backend.setdefault(section, {}).update(values)
+    actor = {"ppo_mini_batch_size": MINI, "ppo_micro_batch_size_per_gpu": 2, "ppo_epochs": 1, "optim": {"lr": 5e-3},
+             "use_kl_loss": kl_loss_coef is not None, "shuffle": False}
+    if kl_loss_coef is not None:
+        actor["kl_loss_coef"] = kl_loss_coef
     return verl_main_config({
         "data": {"train_batch_size": 4, "max_prompt_length": 16, "max_response_length": 8},
-        "trainer": {"default_local_dir": "rel_run"},
-        "actor_rollout_ref": {
-            "rollout": {"n": N, "temperature": 1.0},
-            "actor": {"ppo_mini_batch_size": MINI, "ppo_micro_batch_size_per_gpu": 2, "ppo_epochs": 1,
-                      "optim": {"lr": 5e-3}, "use_kl_loss": False, "shuffle": False},
-        },
+        "trainer": {"default_local_dir": run_dir},
+        "actor_rollout_ref": {"rollout": {"n": N, "temperature": 1.0}, "actor": actor},
         "remote_backend": backend,
     }, model_path=str(model_dir))
 

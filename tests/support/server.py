@@ -23,6 +23,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
 import requests
 
 from arctic_rl.server.launcher import ServerProcess, free_port
@@ -30,6 +31,7 @@ from arctic_rl.server.launcher import ServerProcess, free_port
 __all__ = [
     "REPO_ROOT",
     "ServerProcess",
+    "check_server_flag",
     "decode",
     "free_port",
     "good_body",
@@ -131,3 +133,21 @@ def decode(response: requests.Response):
     if response.headers.get("content-type", "").startswith("application/octet-stream"):
         return dssst1.loads(response.content)
     return response.json()
+
+
+def check_server_flag(monkeypatch: pytest.MonkeyPatch, flag: str, env: str, *, bad: str, good: tuple[str, object],
+                      from_env: tuple[str, object], bad_env: str) -> None:
+    """``python -m arctic_rl.server``'s ``flag`` and the environment variable ``env`` behind it: a ``bad`` value of
+    the flag, or ``bad_env`` in the variable, is a usage error; the variable sets the value when the flag is not
+    given (``from_env``: text, value) and the flag wins over it (``good``: text, value)."""
+    from arctic_rl.server.__main__ import parse_args
+
+    field = flag.lstrip("-").replace("-", "_")
+    with pytest.raises(SystemExit):
+        parse_args([flag, bad])
+    monkeypatch.setenv(env, from_env[0])
+    assert getattr(parse_args([]), field) == from_env[1]
+    assert getattr(parse_args([flag, good[0]]), field) == good[1]
+    monkeypatch.setenv(env, bad_env)
+    with pytest.raises(SystemExit):
+        parse_args([])

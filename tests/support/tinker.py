@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.e2e import build_task, check_steps, run_recipe
+
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", REPO.parent / "shared"))
 KIT = SHARED / "peers" / "tinker"
@@ -195,3 +197,23 @@ def tinker_grpo_overrides(task: dict, out, url: str) -> list[str]:
         f"remote_backend.server.url={url}",
     ]
     return overrides
+
+
+def run_tinker_grpo(tmp_path: Path, peer: TinkerPeer, *extra: str) -> tuple[dict[int, dict[str, float]], str]:
+    """The two-step GRPO recipe (:func:`tinker_grpo_overrides`, plus ``extra``) through verl against ``peer``, in
+    ``tmp_path``; the task's model is the peer's (the same tiny Qwen3: the service only trains the one it serves).
+    Returns the metrics of each step and the run's output."""
+    task = {**build_task(tmp_path / "task"), "model": peer.model}
+    overrides = [*tinker_grpo_overrides(task, tmp_path / "run", peer.url), *extra]
+    return run_recipe(overrides, cwd=tmp_path, timeout=2100, env={"TINKER_API_KEY": PEER_API_KEY})
+
+
+def check_tinker_grpo(steps: dict[int, dict[str, float]], tmp_path: Path) -> None:
+    """What every run of :func:`run_tinker_grpo` logs: two steps of the recipe's update, a Tinker checkpoint at 2."""
+    check_steps(steps, [1, 2], ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr", "actor/entropy",
+                                "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update_actor"))
+    for metrics in steps.values():
+        assert metrics["actor/lr"] == pytest.approx(1e-3)
+        assert 0 < metrics["response_length/mean"] <= PEER_SHAPES["max_tokens"]
+    index = tmp_path / "run" / "checkpoints" / "tinker_state_index.json"
+    assert index.exists() and '"2": "tinker://' in index.read_text(), "no Tinker checkpoint recorded for step 2"

@@ -29,7 +29,8 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
 from arctic_rl.protocol import GenerateResult
-from tests.support.arctic import grpo_batch, hf_response_logprobs, verl_main_config
+from tests.support.arctic import grpo_batch, hf_response_logprobs
+from tests.support.reliability import MINI, N, client_config
 from tests.support.server import running_server
 from verl.remote_backend import RemoteBackendRegistry
 from verl.remote_backend.errors import (
@@ -42,9 +43,6 @@ from verl.workers.remote_client.arctic.arctic_config import LocalServerConfig
 from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
 from verl.workers.remote_client.arctic.local_server import start_local_server
 
-N = 2  # rollout.n
-MINI = 2  # ppo_mini_batch_size (prompts): 4 rows per optimizer step
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -53,20 +51,10 @@ def server(tmp_path_factory):
 
 
 def main_config(model_dir, url: str | None, **arctic):
-    remote = {"server": {"url": url}, "train": {"deepspeed": {"bf16": False}}, "retry": {"backoff_initial_s": 0.05}}
-    for section, values in arctic.items():
-        remote.setdefault(section, {}).update(values)
-    return verl_main_config({
-        "data": {"train_batch_size": 4, "max_prompt_length": 16, "max_response_length": 8},
-        "trainer": {"default_local_dir": "run1"},
-        "actor_rollout_ref": {
-            "rollout": {"n": N, "temperature": 1.0},
-            "actor": {"ppo_mini_batch_size": MINI, "ppo_micro_batch_size_per_gpu": 2, "ppo_epochs": 1,
-                      "optim": {"lr": 5e-3}, "use_kl_loss": True, "kl_loss_coef": 0.01, "shuffle": False},
-        },
-        "remote_backend": remote,
-    }, model_path=str(model_dir))
-
+    """The tiny run of ``client_config`` with verl's KL loss on, and the shipped job seed and retry ceiling."""
+    arctic.setdefault("train", {}).setdefault("seed", None)
+    arctic.setdefault("retry", {}).setdefault("backoff_max_s", 30)
+    return client_config(model_dir, url, run_dir="run1", kl_loss_coef=0.01, **arctic)
 
 
 def train_inputs(client, data):
