@@ -21,44 +21,19 @@ Run by hand (prints the command it runs)::
 
 from __future__ import annotations
 
-import math
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.support.e2e import (
-    entry_point_command,
-    entry_point_env,
-    parse_console_metrics,
-    run_in_own_session,
-    tiny_grpo_overrides,
-)
-from tests.support.scripts import load_script
+from tests.support.e2e import check_steps, run_recipe, tiny_grpo_overrides
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO_ROOT / "examples" / "reverse_text"
 RUN_TIMEOUT_S = 1500
 
 
-def _example_module(name: str):
-    return load_script(EXAMPLE / f"{name}.py")
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory) -> dict[str, Path]:
-    """The reverse-text task, small: the example's untrained model, 8 training and 4 validation prompts."""
-    root = tmp_path_factory.mktemp("reverse_text_vendor")
-    model = _example_module("make_model").make_model(root / "model", seed=0)
-    _example_module("make_data").write_dataset(root / "data", n_train=8, n_val=4, seed=0)
-    return {"model": Path(model), "train": root / "data" / "train.parquet", "val": root / "data" / "val.parquet",
-            "reward": EXAMPLE / "reward.py"}
-
-
-def grpo_command(task: dict[str, Path], out: Path, url: str, *, zorro: bool) -> list[str]:
+def grpo_overrides(task: dict[str, Path], out: Path, url: str, *, zorro: bool) -> list[str]:
     overrides = [
         # 2 prompts x n=2: one mini-batch of 4 rows per step, 2 micro-batches of 2 rows (GAS 2); a checkpoint
         # at the last step, so that the vendor's /save answers its global_step
@@ -73,33 +48,27 @@ def grpo_command(task: dict[str, Path], out: Path, url: str, *, zorro: bool) -> 
     ]
     if zorro:  # checkpointed layers re-run without ZoRRO's shared prompt keys: ZoRRO needs it off
         overrides.append("actor_rollout_ref.model.enable_gradient_checkpointing=False")
-    return entry_point_command(overrides)
+    return overrides
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 180)
 @pytest.mark.parametrize("zorro", [False, True], ids=["zorro_off", "zorro_on"])
-def test_two_grpo_steps_against_the_vendor_server(vendor_server, task, tmp_path, zorro):
+def test_two_grpo_steps_against_the_vendor_server(vendor_server, reverse_text_task, tmp_path, zorro):
     traced_before = len(vendor_server.trace_lines())
-    cmd = grpo_command(task, tmp_path / "run", vendor_server.url, zorro=zorro)
-    print("running:", " ".join(cmd), flush=True)
-    start = time.monotonic()  # the vendor server has no authentication: entry_point_env drops ARCTIC_RL_TOKEN
-    returncode, output = run_in_own_session(cmd, cwd=tmp_path, env=entry_point_env(), timeout=RUN_TIMEOUT_S)
-    wall = time.monotonic() - start
-    (tmp_path / "run.log").write_text(output)
-    print(f"wall time {wall:.0f} s, log {tmp_path / 'run.log'}", flush=True)
-    trace = vendor_server.trace_lines()[traced_before:]
-    assert returncode == 0, (f"{output[-6000:]}\n--- vendor exchanges: "
-                             f"{[(r['path'], r['status']) for r in trace][-20:]}\n--- vendor log:\n"
-                             f"{vendor_server.log_tail()}")
 
-    steps = parse_console_metrics(output)
-    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
-    for step, metrics in steps.items():
-        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
-                    "critic/score/mean", "response_length/mean", "timing_s/update_actor"):
-            assert key in metrics and math.isfinite(metrics[key]), f"step {step}: {key} not logged or not finite"
+    def vendor_side() -> str:
+        trace = vendor_server.trace_lines()[traced_before:]
+        return (f"--- vendor exchanges: {[(r['path'], r['status']) for r in trace][-20:]}\n"
+                f"--- vendor log:\n{vendor_server.log_tail()}")
+
+    # the vendor server has no authentication: the run's environment drops ARCTIC_RL_TOKEN
+    steps, _ = run_recipe(grpo_overrides(reverse_text_task, tmp_path / "run", vendor_server.url, zorro=zorro),
+                          cwd=tmp_path, timeout=RUN_TIMEOUT_S, explain=vendor_side)
+    trace = vendor_server.trace_lines()[traced_before:]
+    check_steps(steps, [1, 2], ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
+                                "critic/score/mean", "response_length/mean", "timing_s/update_actor"))
+    for metrics in steps.values():
         assert metrics["actor/lr"] == pytest.approx(1e-3)
-        assert metrics["training/global_step"] == step
     # before the first update the sampler's log-probs (the vendor's vLLM-style /generate answer) and the old
     # log-probs (/forward, ZoRRO layout when on) are the same policy's: they agree up to bf16 rounding
     assert steps[1]["training/rollout_probs_diff_max"] < 0.05, steps[1]["training/rollout_probs_diff_max"]
