@@ -14,7 +14,7 @@ start it: ``tests/support/server.py``) serves a tiny Qwen3. Here, on 127.0.0.1 o
   second.
 
 It reports per-kind counts, errors and latency percentiles, and the RSS at start, peak and end;
-``tests/arctic_rl/test_load_on_cpu.py`` runs a shorter version with assertions (no errors, ``/health``
+``tests/arctic_rl/server/test_load_on_cpu.py`` runs a shorter version with assertions (no errors, ``/health``
 responsive, RSS bounded). The machine is shared: figures are one run's, with the load average.
 """
 

@@ -9,7 +9,7 @@ runs on one box -- not a cluster engine and not Snowflake's code.
 
 Run it with ``python -m arctic_rl.server`` (see ``docs/SERVER.md``); build the ASGI app with
 :func:`create_app`. It never imports ``verl`` or ``ray``. Every module, by role
-(a CPU test, ``test_server_module_map_on_cpu.py``, fails when one is missing here):
+(a CPU test, ``test_module_map_on_cpu.py``, fails when one is missing here):
 
 =====================================  ==========================================================================
 module                                 what it is

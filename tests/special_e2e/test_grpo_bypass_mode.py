@@ -7,7 +7,7 @@ them: ``actor_rollout_ref.rollout.calculate_log_probs=true``) and
 ``actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode`` with its ``policy_loss.rollout_correction``
 (``loss_type=reinforce``, token-level IS weights truncated at 2: the loss furthest from verl's vanilla one). The
 reference server runs the update with its ``verl_bypass_mode`` loss; its log shows no old-log-prob ``/forward``.
-(``loss_type=ppo_clip`` on the server's real training pass: ``tests/arctic_rl/test_losses_model_on_cpu.py``; one
+(``loss_type=ppo_clip`` on the server's real training pass: ``tests/arctic_rl/server/compute/test_losses_model_on_cpu.py``; one
 run here keeps the CI's time.)
 
 Run by hand (prints the command it runs)::

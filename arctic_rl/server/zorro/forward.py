@@ -14,7 +14,7 @@ the same prompts. ZoRRO runs each unique prompt once and all of its responses ag
    own keys]`` under a ``[B, 1, R, P+R]`` mask built once from the batch's attention mask.
 
 This is mathematically the plain ``[B, P+R]`` pass (the prompt never attends to the response), so
-log-probs and gradients agree to float precision -- ``tests/arctic_rl/test_zorro_on_cpu.py`` checks that for
+log-probs and gradients agree to float precision -- ``tests/arctic_rl/server/zorro/test_forward_on_cpu.py`` checks that for
 Qwen3, Qwen2 and Llama with eager and sdpa attention. Unlike the vendor's version it patches no
 attention module and no model code: steps 2 and 4 go through ``transformers``' public attention
 registry (``AttentionInterface``). While :func:`zorro_forward` runs, the model's ``sdpa`` or

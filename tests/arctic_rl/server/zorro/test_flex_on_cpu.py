@@ -1,6 +1,6 @@
 """ZoRRO's FlexAttention response pass (``arctic_rl/server/zorro/flex.py``): the choice of pass and the
 one-off kernel probe. Its numbers against the plain pass are checked with the passes themselves
-(``test_zorro_on_cpu.py``; gradients on a GPU, ``test_zorro_gpu.py``)."""
+(``test_forward_on_cpu.py``; gradients on a GPU, ``test_zorro_gpu.py``)."""
 
 import pytest
 import torch

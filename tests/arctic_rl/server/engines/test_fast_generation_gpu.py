@@ -3,7 +3,7 @@
 Against the step-by-step loop on the same fp32 model: the same greedy tokens, log-probs and
 candidates, also on a second call of the same bucket (the compiled step and its cache are reused)
 and on a request of another bucket; and the server's ``SamplingEngine`` on CUDA takes this loop.
-Skipped without a CUDA device (``python -m pytest tests/arctic_rl/test_fast_generation_gpu.py``).
+Skipped without a CUDA device (``python -m pytest tests/arctic_rl/server/engines/test_fast_generation_gpu.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """ZoRRO's grouped FlexAttention response pass on a GPU: values *and gradients* equal the plain pass.
 
-FlexAttention has no CPU backward, so ``tests/arctic_rl/test_zorro_on_cpu.py`` can compare only the forward
+FlexAttention has no CPU backward, so ``tests/arctic_rl/server/zorro/test_forward_on_cpu.py`` can compare only the forward
 of this path; here the compiled kernels run forward and backward on CUDA (fp32, tiny models),
 alone and inside whole-layer ``torch.compile`` as the reference server runs them. Skipped without
-a CUDA device (run on a GPU box: ``python -m pytest tests/arctic_rl/test_zorro_gpu.py``).
+a CUDA device (run on a GPU box: ``python -m pytest tests/arctic_rl/server/zorro/test_zorro_gpu.py``).
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def flex_response_attention():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_flex_response_attention_equals_plain_pass(arch, attn, layout, flex_response_attention, monkeypatch):
     """The grouped response pass gives the plain pass's values (forward: FlexAttention has no CPU
-    backward; its gradients are compared on a GPU by ``tests/arctic_rl/test_zorro_gpu.py``)."""
+    backward; its gradients are compared on a GPU by ``tests/arctic_rl/server/zorro/test_zorro_gpu.py``)."""
     calls = []
     real = zorro_flex.grouped_attention
     monkeypatch.setattr(zorro_flex, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))

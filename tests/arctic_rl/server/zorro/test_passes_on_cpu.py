@@ -2,7 +2,7 @@
 
 Unit tests of the token count of a pass, the merging of a ``/forward-backward``'s micro-batches and the
 row passes of a ``/forward`` under a token bound; the end-to-end check (same loss, gradient and log-probs
-as the plain passes, through a real server) is in ``test_zorro_rule_on_cpu.py``.
+as the plain passes, through a real server) is in ``test_rule_on_cpu.py``.
 """
 
 from __future__ import annotations

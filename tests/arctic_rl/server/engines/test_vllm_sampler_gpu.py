@@ -11,7 +11,7 @@ generation waits for it (the running call answers with the old version, the call
 the new one and the trainer's log-probs). Skipped without a CUDA device or without ``vllm``. On a GPU box with
 vLLM 0.26 installed::
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m pytest -q -p no:randomly tests/arctic_rl/test_vllm_sampler_gpu.py
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m pytest -q -p no:randomly tests/arctic_rl/server/engines/test_vllm_sampler_gpu.py
 """
 
 from __future__ import annotations

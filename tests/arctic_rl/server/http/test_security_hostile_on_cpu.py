@@ -1,7 +1,7 @@
 """Hostile input against the reference server (a real process): every case gets its 4xx, the server
 stays healthy, and what it had already accepted is untouched.
 
-This extends ``test_server_robustness_on_cpu.py`` (malformed frames, missing tensors, one dotted loss
+This extends ``test_robustness_on_cpu.py`` (malformed frames, missing tensors, one dotted loss
 name, the evil ``torch.save``, auth, one 413) with the rest of the matrix: lying DSSST1 headers,
 pickle and zip bodies, wrong dtypes and shapes, NaN/inf in every place a number goes, negative and
 huge lengths, mismatched batch sizes, every kind of dotted path as a loss, checkpoint paths that

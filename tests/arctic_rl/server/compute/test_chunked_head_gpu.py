@@ -1,7 +1,7 @@
 """On a CUDA device: the chunked LM head's values and gradients in bf16, and the memory it saves, as the
 memory report (:mod:`arctic_rl.server.memory`) measures it. Skipped without CUDA.
 
-Run on a GPU box: ``python -m pytest -q tests/arctic_rl/test_chunked_head_gpu.py -s`` (prints the reports).
+Run on a GPU box: ``python -m pytest -q tests/arctic_rl/server/compute/test_chunked_head_gpu.py -s`` (prints the reports).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from arctic_rl.v1compat import torch_load_safe, torch_save_bytes
 torch.set_num_threads(1)
 
 # Shared project material lives next to the checkout (tests/conftest.py reads the same variable).
-SHARED = Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", Path(__file__).resolve().parents[3] / "shared"))
+SHARED = Path(os.environ.get("VERL_REMOTE_BACKEND_SHARED", Path(__file__).resolve().parents[4] / "shared"))
 GOLDEN = SHARED / "conformance" / "dssst1"
 FRAMES = ["fwd_bwd_request", "forward_response", "fwd_bwd_response", "dtypes", "nested", "with_metadata", "json_only"]
 N_CHUNKS = 5

@@ -30,8 +30,9 @@ from arctic_rl.server.engines.vllm_sampler import (
 )
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.settings import ServerSettings
+from tests.support.scripts import REPO_ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(REPO_ROOT)
 
 
 def test_auto_falls_back_to_transformers_on_cpu(tiny_model_dir, tmp_path, caplog):

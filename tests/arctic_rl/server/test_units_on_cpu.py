@@ -370,7 +370,7 @@ def test_app_import_pulls_in_neither_verl_nor_ray():
     import subprocess
 
     code = "import arctic_rl.server.app, sys; assert 'verl' not in sys.modules and 'ray' not in sys.modules"
-    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[2]))
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[3]))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 

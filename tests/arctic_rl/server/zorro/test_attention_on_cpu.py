@@ -1,6 +1,6 @@
 """ZoRRO's attention wrapper (``arctic_rl/server/zorro/attention.py``): routing a model through it and back,
 the per-thread pass state, and the refusals. The numbers of the passes that use it are checked in
-``test_zorro_on_cpu.py``."""
+``test_forward_on_cpu.py``."""
 
 import pytest
 import torch
