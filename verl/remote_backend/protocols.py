@@ -15,8 +15,9 @@ What verl's worker and rollout server call on data is written down here, each me
 Both are ``runtime_checkable`` so that the contract kit (:mod:`verl.remote_backend.contract`) and a
 worker at attach time can check that a registered backend offers them. A backend implements both *and*
 the lifecycle ABC. An optional capability is a Protocol of its own, checked with ``isinstance``:
-:class:`SamplerAdopter` (a sampler that lives client-side and follows the actor side's weight updates)
-and :class:`ReportsCallTimes` (a transport that reports its calls' seconds and the server's).
+:class:`SamplerAdopter` (a sampler that lives client-side and follows the actor side's weight updates),
+:class:`ReportsCallTimes` (a transport that reports its calls' seconds and the server's) and
+:class:`SamplerSleep` (a sampler that frees its memory between generation phases).
 
 TensorDict conventions (verl 0.9.1's engine workers): ``input_ids``/``position_ids`` are nested
 (prompt + response per row, no padding); ``compute_log_prob`` / ``compute_ref_log_prob`` return a
@@ -41,9 +42,11 @@ __all__ = [
     "ReportsCallTimes",
     "SampleResult",
     "SamplerAdopter",
+    "SamplerSleep",
     "SamplingParams",
     "adopter_of",
     "result_field",
+    "sleeper_of",
 ]
 
 #: key of ``update_weights()``'s result that the worker forwards to every rollout server, whose
@@ -112,6 +115,26 @@ class ReportsCallTimes(Protocol):
     def drain_call_times(self) -> Mapping[str, float]:
         """Since the last drain: ``calls``, ``wall_s``, ``server_s`` and ``server_reported`` (the calls whose
         answer carried the server's seconds); then start again."""
+
+
+@runtime_checkable
+class SamplerSleep(Protocol):
+    """Optional capability: the backend's sampler can free its memory while the actor side trains (verl's
+    sync mode sleeps its rollout after each generation phase, :mod:`verl.remote_backend.workers.sampler_sleep`).
+    The rollout server wakes it (all parts) before its next ``generate``; a weight sync in between must work on
+    a sleeping sampler (the backend wakes what the sync needs). Both calls are idempotent."""
+
+    def sleep_sampler(self, level: int) -> Mapping[str, Any]:
+        """Free the sampler's memory: level 1 frees the KV cache and keeps the weights (in host memory), level 2
+        may discard the weights (the next weight sync restores them)."""
+
+    def wake_sampler(self, tags: list[str] | None = None) -> Mapping[str, Any]:
+        """Restore the given parts (``weights``, ``kv_cache``; ``None`` = all)."""
+
+
+def sleeper_of(backend: object) -> SamplerSleep | None:
+    """``backend`` as a :class:`SamplerSleep`, or ``None`` when it does not declare the capability."""
+    return backend if isinstance(backend, SamplerSleep) else None
 
 
 def adopter_of(backend: object) -> SamplerAdopter | None:

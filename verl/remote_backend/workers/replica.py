@@ -23,8 +23,10 @@ verl's agent loop asks a rollout *replica* for a server Ray actor and calls its
   backend-neutral dict every sampler takes; a backend's server subclass may refine it
   (:meth:`RemoteRolloutServer.convert_sampling_params`).
 
-Memory management verbs (``sleep``, ``wake_up``, kv-cache) are no-ops: the remote sampler owns
-its memory. Only the hybrid mode (one replica per forwarder worker) is supported.
+``sleep`` (verl's sync trainer calls it after each generation phase) puts the backend's sampler to sleep
+when it declares :class:`~verl.remote_backend.protocols.SamplerSleep` and ``rollout.free_cache_engine`` is on;
+the next ``generate`` wakes it first (:mod:`.sampler_sleep`). ``wake_up`` and the kv-cache verbs are no-ops.
+Only the hybrid mode (one replica per forwarder worker) is supported.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from verl.remote_backend.timings import BusyClock, CallTotals
 from verl.remote_backend.workers.batching import RolloutBatching
 from verl.remote_backend.workers.coalescer import BatchFn, RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.sample_groups import GroupFn, SampleGrouper
+from verl.remote_backend.workers.sampler_sleep import SamplerNap, sleep_settings
 from verl.remote_backend.workers.worker import attach_rollout_server
 
 __all__ = ["CONTINUOUS_BATCHING", "N_SAMPLES", "RemoteRolloutReplica", "RemoteRolloutServer", "backend_features",
@@ -174,6 +177,8 @@ class RemoteRolloutServer:
         self.batches = 0
         self.samples = 0
         self._busy = BusyClock()  # the time the backend had at least one of this server's calls
+        enabled, why = sleep_settings(main)
+        self.nap = SamplerNap(backend, enabled=enabled, why=why)
 
     async def ready(self) -> bool:
         """Answer once the actor is constructed (and attached)."""
@@ -239,6 +244,7 @@ class RemoteRolloutServer:
         prompt = [int(t) for t in prompt_ids]
         params = self.convert_sampling_params(sampling_params, len(prompt))
         sent_at_version = self.global_steps  # a weight sync may land before the answer (asynchronous mode)
+        await self.nap.ensure_awake()
         try:
             result = await self._coalescer_for_loop().submit(prompt, params)
         except RequestAborted:
@@ -281,10 +287,11 @@ class RemoteRolloutServer:
         self._admit.set()
 
     async def wake_up(self, *args: Any, **kwargs: Any) -> None:
-        return None  # the remote sampler keeps its weights and cache resident
+        return None  # the next generate wakes the sampler (the weight sync restores what it needs itself)
 
     async def sleep(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        """After a generation phase (sync mode): the sampler sleeps where enabled and supported."""
+        await self.nap.sleep()
 
     async def clear_kv_cache(self) -> None:
         return None
@@ -311,9 +318,10 @@ class RemoteRolloutServer:
         """Since the last collect: ``gen/backend_busy``, the seconds during which the backend had at least one of
         this server's calls (overlapping calls counted once), ``gen/backend_calls``, and where the backend reports
         its calls' times (:class:`~verl.remote_backend.protocols.ReportsCallTimes`) ``gen/http_sum`` and
-        ``gen/server_sum``: the calls' wall and server seconds added up (above the busy time when calls overlap)."""
+        ``gen/server_sum``: the calls' wall and server seconds added up (above the busy time when calls overlap);
+        where the sampler sleeps between phases, ``gen/sampler_sleep`` and ``gen/sampler_wake`` (seconds)."""
         busy_s, calls = self._busy.collect()
-        out = {"gen/backend_busy": busy_s, "gen/backend_calls": float(calls)}
+        out = {"gen/backend_busy": busy_s, "gen/backend_calls": float(calls), **self.nap.collect()}
         if isinstance(self._backend, ReportsCallTimes):
             totals = CallTotals.from_mapping(self._backend.drain_call_times())
             out["gen/http_sum"] = totals.wall_s

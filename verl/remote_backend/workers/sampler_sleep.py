@@ -1,0 +1,118 @@
+"""The sampler's sleep between generation phases (verl's sync mode), for the generic rollout server.
+
+Stock verl frees its vLLM rollout's memory after every generation phase: the sync V1 trainer calls
+``checkpoint_manager.sleep_replicas()`` in ``on_sample_end`` -- each replica server's ``sleep()`` -- and
+vLLM's server sleeps when ``actor_rollout_ref.rollout.free_cache_engine`` is true (verl's default). The
+weight sync then restores the weights and the next generation the KV cache. Through a remote backend the
+same knob decides: :class:`SamplerNap` (one per rollout server)
+
+* on ``sleep()`` calls the backend's ``sleep_sampler(level)`` when the backend declares
+  :class:`~verl.remote_backend.protocols.SamplerSleep` and sleeping is enabled (:func:`sleep_settings`);
+* before the next ``generate`` wakes it (all parts), once, under an asyncio lock, so that the calls of a
+  generation phase wait for one wake rather than each sending their own.
+
+Enabled when ``free_cache_engine`` is true and the run is not asynchronous
+(``trainer.v1.remote_backend.async_mode``: there the sampler generates while the actor side trains, and
+nothing sleeps). The level is 1 (KV cache freed, weights kept in host memory): verl 0.9.1 has no key for it
+(its vLLM server picks 1 or 2 itself). A backend without the capability: ``sleep()`` stays a no-op (logged
+once at info level). The seconds spent are reported with the generation timings (``gen/sampler_sleep``,
+``gen/sampler_wake``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from verl.remote_backend.logs import module_logger
+from verl.remote_backend.protocols import sleeper_of
+from verl.remote_backend.strict_config import select
+
+__all__ = ["FREE_CACHE_KEY", "SLEEP_LEVEL", "SamplerNap", "sleep_settings"]
+
+logger = module_logger(__name__)
+
+#: verl's key (default true) that decides whether the rollout frees its memory after generation
+FREE_CACHE_KEY = "actor_rollout_ref.rollout.free_cache_engine"
+#: the level asked of the backend: KV cache freed, weights kept (restored by the next weight sync either way)
+SLEEP_LEVEL = 1
+
+
+def sleep_settings(main_config: Any) -> tuple[bool, str]:
+    """``(enabled, why)``: whether the rollout server sleeps the sampler between generation phases."""
+    from verl.remote_backend.async_trainer import ASYNC_KEY  # the trainer imports the workers
+
+    if not bool(select(main_config, FREE_CACHE_KEY, True)):
+        return False, f"{FREE_CACHE_KEY}=false"
+    if select(main_config, ASYNC_KEY, False) is True:
+        return False, "the asynchronous mode keeps the sampler generating while the actor side trains"
+    return True, f"{FREE_CACHE_KEY}=true, sync mode"
+
+
+class SamplerNap:
+    """Sleep/wake of one rollout server's backend sampler (see the module docstring)."""
+
+    def __init__(self, backend: object, *, enabled: bool, why: str = "", level: int = SLEEP_LEVEL) -> None:
+        self._sleeper = sleeper_of(backend)
+        self._backend_name = type(backend).__name__
+        self.enabled = bool(enabled)
+        self.why = why
+        self.level = int(level)
+        self.asleep = False
+        self.sleeps = 0
+        self.wakes = 0
+        self._lock: asyncio.Lock | None = None
+        self._told = False
+        self._seconds = {"sleep": 0.0, "wake": 0.0}
+
+    def _lock_for_loop(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def _tell_once(self, message: str, *args: Any) -> None:
+        if not self._told:
+            self._told = True
+            logger.info(message, *args)
+
+    async def sleep(self) -> dict[str, Any]:
+        """verl's ``sleep()``: put the sampler to sleep when enabled and the backend can; else nothing."""
+        if not self.enabled:
+            self._tell_once("rollout server: the sampler is not put to sleep between phases (%s)", self.why)
+            return {}
+        if self._sleeper is None:
+            self._tell_once("rollout server: backend %s does not declare SamplerSleep; its sampler stays resident "
+                            "between generation phases", self._backend_name)
+            return {}
+        async with self._lock_for_loop():
+            if self.asleep:
+                return {}
+            start = time.monotonic()
+            out = await asyncio.to_thread(self._sleeper.sleep_sampler, self.level)
+            self._seconds["sleep"] += time.monotonic() - start
+            self.asleep = True
+            self.sleeps += 1
+            logger.debug("rollout server: sampler asleep (level %d) in %.2f s", self.level, time.monotonic() - start)
+            return dict(out or {})
+
+    async def ensure_awake(self) -> None:
+        """Before a ``generate``: wake the sampler (all parts) if this server put it to sleep."""
+        if not self.asleep:
+            return
+        async with self._lock_for_loop():
+            if not self.asleep or self._sleeper is None:
+                return
+            start = time.monotonic()
+            await asyncio.to_thread(self._sleeper.wake_sampler, None)
+            self._seconds["wake"] += time.monotonic() - start
+            self.asleep = False
+            self.wakes += 1
+
+    def collect(self) -> dict[str, float]:
+        """Seconds spent sleeping and waking the sampler since the last collect (empty when it never sleeps)."""
+        if not (self.enabled and self._sleeper is not None):
+            return {}
+        out = {"gen/sampler_sleep": self._seconds["sleep"], "gen/sampler_wake": self._seconds["wake"]}
+        self._seconds = {"sleep": 0.0, "wake": 0.0}
+        return out
