@@ -118,3 +118,6 @@ class Features:
     #: the sampling job answers /generate while a call of the training job computes (separate locks, threads and
     #: engines; no sleep between them): a client may generate the next batch while this one trains
     CONCURRENT_JOBS = "concurrent_jobs"
+    #: /sleep-inference frees the sampler's memory and /wake-inference restores it; waking an awake part is a
+    #: no-op and a weight sync wakes the weights it loads into, so a client may sleep the sampler between phases
+    SAMPLER_SLEEP = "sampler_sleep"

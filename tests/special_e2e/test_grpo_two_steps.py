@@ -44,6 +44,23 @@ def grpo_overrides(task: dict[str, Path], out: Path, *, zorro: bool) -> list[str
     return overrides
 
 
+def check_sampler_sleeps(server_log: str) -> None:
+    """verl's sync mode (``rollout.free_cache_engine``, its default) sleeps the sampler after each generation
+    phase; the rollout server wakes it (all parts) before the next phase's first ``/generate``, and the weight
+    sync in between wakes its weights."""
+    asleep, sleeps, wakes, weight_wakes = False, 0, 0, 0
+    for line in server_log.splitlines():
+        if "sleep-inference job=" in line:
+            asleep, sleeps = True, sleeps + 1
+        elif "wake-inference job=" in line and "tags=all" in line:
+            asleep, wakes = False, wakes + 1
+        elif "wake-inference job=" in line and "tags=weights" in line:
+            weight_wakes += 1
+        elif "generate job=" in line:
+            assert not asleep, "a /generate reached the sampler while it slept"
+    assert sleeps >= 2 and wakes >= 2 and weight_wakes >= 2, (sleeps, wakes, weight_wakes)
+
+
 @pytest.mark.parametrize("zorro", [False, True], ids=["zorro_off", "zorro_on"])
 def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
     task = build_task(tmp_path / "task")
@@ -60,6 +77,8 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
         # generation: the time the server had at least one of the step's /generate calls, within verl's phase
         assert 0 < metrics["timing_s/gen/backend_busy"] <= metrics["timing_s/gen"]
         assert metrics["perf/remote_backend/gen_calls"] >= 1 and metrics["timing_s/gen/server_sum"] > 0
+        # the sampler slept after the phase and woke before it (verl's free_cache_engine, sync mode)
+        assert metrics["timing_s/gen/sampler_sleep"] > 0 and metrics["timing_s/gen/sampler_wake"] > 0
         assert 0 < metrics["response_length/mean"] <= 8
         if metrics["critic/advantages/max"] > metrics["critic/advantages/min"]:
             assert metrics["actor/grad_norm"] > 0  # a real backward pass on the server
@@ -77,4 +96,5 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
     assert "loss_fn=verl_grpo" in server_log and "step job=" in server_log
     if zorro:
         assert "ZoRRO requested but not possible" not in server_log
+    check_sampler_sleeps(server_log)
     assert re.search(r"\[remote_backend\] step 2/2 \| reward -?\d", output), "no progress line"

@@ -27,6 +27,7 @@ generation or the weight copy itself (:mod:`arctic_rl.server.jobs.service`, :mod
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Any
 
 import torch
@@ -52,6 +53,8 @@ from arctic_rl.server.jobs.service import ServerState
 __all__ = ["SLEEP_TRAINING_MODES", "install_control_routes"]
 
 SLEEP_TRAINING_MODES = ("all", "non_lp", "lp_params")
+
+logger = logging.getLogger("arctic_rl.server")
 
 
 def _state_of(engine: BaseEngine, *, sleeping: bool, mode: str | None = None) -> dict[str, Any]:
@@ -79,11 +82,15 @@ class ControlService:
 
     async def sleep_inference(self, job_id: int, level: int) -> dict[str, Any]:
         job = self.state.jobs.get(job_id, JobType.SAMPLING)
-        return {"job_id": job_id, "sampling": await self.state.run_on_job(job, job.engine.sleep, level)}
+        out = await self.state.run_on_job(job, job.engine.sleep, level)
+        logger.info("sleep-inference job=%d level=%d", job_id, level)
+        return {"job_id": job_id, "sampling": out}
 
     async def wake_inference(self, job_id: int, tags: list[str] | None) -> dict[str, Any]:
         job = self.state.jobs.get(job_id, JobType.SAMPLING)
-        return {"job_id": job_id, "sampling": await self.state.run_on_job(job, job.engine.wake_up, tags)}
+        out = await self.state.run_on_job(job, job.engine.wake_up, tags)
+        logger.info("wake-inference job=%d tags=%s", job_id, "all" if tags is None else ",".join(tags))
+        return {"job_id": job_id, "sampling": out}
 
     async def reset_prefix_cache(self, job_id: int, request: ResetPrefixCacheRequest) -> dict[str, Any]:
         job = self.state.jobs.get(job_id, JobType.SAMPLING)

@@ -72,6 +72,7 @@ FEATURES = (
     Features.CONTINUOUS_BATCHING,
     Features.RESPONSE_LOGPROBS,
     Features.CONCURRENT_JOBS,
+    Features.SAMPLER_SLEEP,
 )
 
 

@@ -22,7 +22,8 @@ Compute methods take and return ``TensorDict``s exactly like verl 0.9.1's
 The client is the session: it creates, re-attaches to and destroys the jobs, and holds the run's
 :class:`~.state.RunState` (job ids, step, instance id, owned jobs) that its roles share:
 :class:`~.training.Trainer` (``update_actor`` and ``/step``), :class:`~.log_probs.LogProbs`,
-:class:`~.generation.Sampler` and :class:`~.checkpoints.Checkpoints` (weight sync, save, load).
+:class:`~.generation.Sampler`, :class:`~.checkpoints.Checkpoints` (weight sync, save, load) and
+:class:`~.sampler_memory.SamplerMemory` (the sampler's sleep and wake between generation phases).
 The v1/v2 differences are one :class:`~.dialect.Dialect` object; bodies are built from the models of
 :mod:`arctic_rl.protocol`. The job configs come from :mod:`.builders`, HTTP is :mod:`.http`, and what
 happens when the server fails -- unanswered calls, restarts, the journal of updates since the last
@@ -69,6 +70,7 @@ from .log_probs import LogProbs
 from .loss_config import build_loss_config, check_loss_support
 from .metrics import FlopsEstimator
 from .recovery import Recovery
+from .sampler_memory import SamplerMemory
 from .session import JobCalls, ModelTokens
 from .state import RunState
 from .training import Trainer
@@ -125,6 +127,7 @@ class ArcticRLClient(RemoteBackend):
         self._log_probs = LogProbs(calls, state, verl=verl, arctic=arctic, flops=flops, tokens=self._tokens)
         self._sampler = Sampler(calls, state, tokens=self._tokens,
                                 seeds=SeedDeriver(verl.rollout_seed) if verl.rollout_full_determinism else None)
+        self._memory = SamplerMemory(calls, state, sleep_between_phases=verl.rollout_sleeps_between_phases)
         self._atexit = functools.partial(_destroy_at_exit, weakref.ref(self))
         atexit.register(self._atexit)
 
@@ -333,11 +336,20 @@ class ArcticRLClient(RemoteBackend):
         """One ``/generate`` call; results in prompt order, ``n`` samples of a prompt adjacent."""
         return self._sampler.generate(prompts, sampling_params)
 
+    def sleep_sampler(self, level: int) -> dict:
+        """Free the sampler's memory between generation phases (``/sleep-inference``; :mod:`.sampler_memory`)."""
+        return self._memory.sleep(level)
+
+    def wake_sampler(self, tags: list[str] | None = None) -> dict:
+        """Restore the sampler's memory (``/wake-inference``; ``None``: all parts)."""
+        return self._memory.wake(tags)
+
     # ------------------------------------------------------------------------------ weights, checkpoints
 
     def update_weights(self) -> dict:
         """Push the training job's weights to the sampler (and to the log_prob job if configured), then
         drop the sampler's prefix cache where the server has ``/reset-prefix-cache``."""
+        self._memory.before_weight_sync()
         return self._checkpoints.update_weights()
 
     def save_checkpoint(self, step: int | None = None, *, path: str | None = None, export_hf: bool = False,

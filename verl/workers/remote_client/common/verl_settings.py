@@ -18,6 +18,7 @@ from typing import Any
 
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.strict_config import select
+from verl.remote_backend.workers.sampler_sleep import sleep_settings
 
 __all__ = ["KL_TYPE_ALIASES", "OptimSettings", "VerlSettings"]
 
@@ -81,6 +82,8 @@ class VerlSettings:
     rollout_temperature: float = 1.0
     rollout_seed: int = 42
     rollout_full_determinism: bool = False
+    #: the rollout server sleeps the sampler after each generation phase (``rollout.free_cache_engine``, sync mode)
+    rollout_sleeps_between_phases: bool = False
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1
@@ -146,6 +149,7 @@ class VerlSettings:
             rollout_temperature=float(select(cfg, f"{arr}.rollout.temperature", 1.0)),
             rollout_seed=int(select(cfg, f"{arr}.rollout.seed", 42) or 0),
             rollout_full_determinism=bool(select(cfg, f"{arr}.rollout.full_determinism", False)),
+            rollout_sleeps_between_phases=sleep_settings(cfg)[0],
             max_prompt_length=int(select(cfg, "data.max_prompt_length", 512)),
             max_response_length=int(select(cfg, "data.max_response_length", 512)),
             train_batch_size=int(select(cfg, "data.train_batch_size", 1)),
