@@ -53,6 +53,13 @@ async def _phase(server: RemoteRolloutServer, prompts: int = 3) -> None:
     await asyncio.gather(*[server.generate(f"r{i}", [1, 2, i], {"temperature": 1.0}) for i in range(prompts)])
 
 
+async def _phase_sleep_phase(server: RemoteRolloutServer) -> None:
+    """A generation phase, verl's ``sleep()`` after it, and the next phase."""
+    await _phase(server)
+    await server.sleep()
+    await _phase(server)
+
+
 def test_sleep_after_a_phase_and_one_wake_before_the_next(monkeypatch):
     backend = _Sleepy()
     assert isinstance(backend, SamplerSleep) and not isinstance(_Plain(), SamplerSleep)
@@ -82,12 +89,7 @@ def test_a_backend_without_the_capability_is_never_slept(monkeypatch, caplog):
     backend = _Plain()
     server = _server(monkeypatch, backend, _main_config())
 
-    async def main():
-        await _phase(server)
-        await server.sleep()
-        await _phase(server)
-
-    asyncio.run(main())
+    asyncio.run(_phase_sleep_phase(server))
     assert {c[0] for c in backend.calls} == {"generate"}
     assert "gen/sampler_sleep" not in server.collect_generation_timings()
 
@@ -101,12 +103,7 @@ def test_off_with_free_cache_engine_false_or_in_async_mode(monkeypatch, main):
     backend = _Sleepy()
     server = _server(monkeypatch, backend, main)
 
-    async def main_():
-        await _phase(server)
-        await server.sleep()
-        await _phase(server)
-
-    asyncio.run(main_())
+    asyncio.run(_phase_sleep_phase(server))
     assert {c[0] for c in backend.calls} == {"generate"}
 
 
