@@ -15,6 +15,11 @@ times both passes and keeps the faster:
    ``trials + 1`` times. The first call of each pass is a warm-up and is not timed (``torch.compile``,
    allocator and kernel caches); the others are, as seconds per token of the plain pass
    (``B * (P+R)``), so calls with other response widths compare.
+   The measuring is bounded: at most ``max_trial_calls`` calls (default ``2 * (trials + 1)``, what the
+   alternation needs) are chosen while measuring -- counted when chosen, so calls that fail or are not timed
+   count too. A job that reaches the cap settles on the samples it has (the faster median; ZoRRO, the token
+   rule's verdict, when a pass has none). So the slower pass runs at most ``trials + 1`` of a job's first calls,
+   and one call in ``recheck_every`` after that; ``max_trial_calls=0`` skips the measuring (ZoRRO's pass).
 2. *Settled*: every call takes the pass with the lower median. Every ``recheck_every``-th call
    after that re-times the other pass once (its oldest sample is replaced), so a job whose shapes
    drift (responses lengthen or shorten as it learns) follows the faster pass.
@@ -37,7 +42,7 @@ from dataclasses import dataclass, field
 
 from arctic_rl.server.zorro.rule import ZorroChoice
 
-__all__ = ["DEFAULT_RECHECK_EVERY", "DEFAULT_TRIALS", "ZorroTuner"]
+__all__ = ["DEFAULT_RECHECK_EVERY", "DEFAULT_TRIALS", "ZorroTuner", "default_max_trial_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_TRIALS = 2
 #: once settled, every this many calls re-time the other pass once
 DEFAULT_RECHECK_EVERY = 25
+
+
+def default_max_trial_calls(trials: int) -> int:
+    """Calls a tuner of ``trials`` measures at most: each pass's untimed warm-up call and ``trials`` timed ones."""
+    return 2 * (trials + 1) if trials > 0 else 0
 
 
 @dataclass
@@ -60,13 +70,20 @@ class ZorroTuner:
     """Times ZoRRO's pass against the plain pass on one job's calls and picks the faster (module docstring)."""
 
     def __init__(
-        self, job: str, call: str, *, trials: int = DEFAULT_TRIALS, recheck_every: int = DEFAULT_RECHECK_EVERY
+        self, job: str, call: str, *, trials: int = DEFAULT_TRIALS, recheck_every: int = DEFAULT_RECHECK_EVERY,
+        max_trial_calls: int | None = None,
     ) -> None:
         if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
             raise ValueError(f"trials: expected an integer >= 0 (0 = no timing, ZoRRO whenever it pays), got {trials!r}")
         if isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 2:
             raise ValueError(f"recheck_every: expected an integer >= 2, got {recheck_every!r}")
+        if max_trial_calls is None:
+            max_trial_calls = default_max_trial_calls(trials)
+        if isinstance(max_trial_calls, bool) or not isinstance(max_trial_calls, int) or max_trial_calls < 0:
+            raise ValueError(f"max_trial_calls: expected an integer >= 0, got {max_trial_calls!r}")
         self.job, self.call = job, call
+        self.max_trial_calls = max_trial_calls
+        self.trial_calls = 0  # calls chosen while measuring (never more than max_trial_calls)
         self.trials, self.recheck_every = trials, recheck_every
         self._times = {True: _PassTimes(samples=deque(maxlen=max(trials, 1))),
                        False: _PassTimes(samples=deque(maxlen=max(trials, 1)))}
@@ -92,8 +109,9 @@ class ZorroTuner:
 
     @property
     def measuring(self) -> bool:
-        """Whether a pass still lacks its warm-up or timed calls."""
-        return self.trials > 0 and any(t.runs < self.trials + 1 for t in self._times.values())
+        """Whether a pass still lacks its warm-up or timed calls and the measuring calls are not all spent."""
+        return (self.trials > 0 and self.trial_calls < self.max_trial_calls
+                and any(t.runs < self.trials + 1 for t in self._times.values()))
 
     def use_zorro(self) -> bool:
         """The pass for a call the token rule sends to ZoRRO: True = ZoRRO's, False = the plain pass."""
@@ -101,6 +119,7 @@ class ZorroTuner:
             return True
         zorro, plain = self._times[True], self._times[False]
         if self.measuring:
+            self.trial_calls += 1
             return zorro.runs <= plain.runs  # alternate, ZoRRO first
         faster = self._faster()
         self._since_recheck += 1
@@ -121,11 +140,13 @@ class ZorroTuner:
             faster = self._faster()
             if faster is not self._verdict:
                 self._verdict = faster
+                medians = [self._times[used].median() for used in (True, False)]
                 logger.info(
-                    "%s job, %s: timed %s faster (ZoRRO %.3g s vs plain %.3g s per 1k plain-pass tokens, "
-                    "medians of %d calls each); ZoRRO requests take it",
+                    "%s job, %s: timed %s faster (ZoRRO %s vs plain %s s per 1k plain-pass tokens, medians of "
+                    "%d and %d calls, %d measuring calls); ZoRRO requests take it",
                     self.job, self.call, "ZoRRO's pass" if faster else "the plain pass",
-                    1e3 * self._times[True].median(), 1e3 * self._times[False].median(), self.trials,
+                    *("-" if m is None else f"{1e3 * m:.3g}" for m in medians),
+                    len(self._times[True].samples), len(self._times[False].samples), self.trial_calls,
                 )
 
     def time_ratio(self) -> float | None:

@@ -2,7 +2,7 @@
 
 Unit tests of :class:`arctic_rl.server.zorro.tuner.ZorroTuner` with given times (the order of the passes
 while measuring, untimed warm-ups, the verdict either way, re-timing the other pass, ``trials=0``, bad
-settings), and the settings that turn it on (``--zorro-trials``, ``$ARCTIC_RL_ZORRO_TRIALS``, the adapter's
+settings, the bound on measuring calls), and the settings that turn it on (``--zorro-trials``, ``$ARCTIC_RL_ZORRO_TRIALS``, the adapter's
 ``server.local.zorro_trials``). ``test_rule_on_cpu.py`` runs it inside a real server.
 """
 
@@ -13,7 +13,7 @@ import pytest
 from arctic_rl.server.__main__ import parse_args
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.rule import ZorroChoice
-from arctic_rl.server.zorro.tuner import DEFAULT_TRIALS, ZorroTuner
+from arctic_rl.server.zorro.tuner import DEFAULT_TRIALS, ZorroTuner, default_max_trial_calls
 from tests.support.server import check_server_flag
 
 
@@ -90,6 +90,36 @@ def test_only_calls_the_token_rule_sends_to_zorro_are_chosen_and_timed():
         picked.append(chosen.use_zorro)
     assert picked == [True, False, True, False]
     assert tuner.time_ratio() == pytest.approx(0.5) and tuner.choose(rule).use_zorro
+
+
+@pytest.mark.parametrize("trials", [1, 2, 5])
+def test_measuring_takes_at_most_max_trial_calls_and_the_slower_pass_trials_plus_one(trials):
+    """The bound behind a job's first steps: the measuring ends after ``2 * (trials + 1)`` calls, the slower pass
+    (3x here) runs ``trials + 1`` of them, then once per ``recheck_every`` calls."""
+    tuner = ZorroTuner("training", "/forward-backward", trials=trials, recheck_every=10)
+    assert tuner.max_trial_calls == default_max_trial_calls(trials) == 2 * (trials + 1)
+    taken = _run(tuner, 2 * (trials + 1) + 20, {True: 3.0, False: 1.0})
+    measuring, settled = taken[: 2 * (trials + 1)], taken[2 * (trials + 1):]
+    assert measuring.count(True) == trials + 1 and tuner.trial_calls == 2 * (trials + 1) and not tuner.measuring
+    assert settled.count(True) == 2 and settled[9] is True and settled[19] is True  # the rechecks only
+
+
+def test_calls_that_are_never_timed_still_spend_the_measuring_calls():
+    """Counted when chosen: calls that fail (never recorded) cannot keep a job measuring; it settles on what it
+    has -- the faster median, or ZoRRO (the token rule's verdict) when a pass has no timed sample."""
+    tuner = ZorroTuner("training", "/forward-backward", trials=2, max_trial_calls=3)
+    assert [tuner.use_zorro() for _ in range(3)] == [True, True, True]  # nothing recorded: ZoRRO's turn each time
+    assert tuner.trial_calls == 3 and not tuner.measuring
+    assert [tuner.use_zorro() for _ in range(5)] == [True] * 5 and tuner.trial_calls == 3
+    tuner = ZorroTuner("training", "/forward-backward", trials=2, max_trial_calls=4)
+    assert _run(tuner, 4, {True: 3.0, False: 1.0}) == [True, False, True, False]  # one timed sample each
+    assert not tuner.measuring and tuner.time_ratio() == pytest.approx(3.0)
+    assert tuner.use_zorro() is False
+    tuner = ZorroTuner("log_prob", "/forward", trials=2, max_trial_calls=0)
+    assert not tuner.measuring and tuner.use_zorro() is True and tuner.trial_calls == 0
+    with pytest.raises(ValueError, match="max_trial_calls: expected an integer >= 0"):
+        ZorroTuner("training", "/forward", max_trial_calls=-1)
+    assert default_max_trial_calls(0) == 0
 
 
 def test_zero_trials_takes_zorro_always():
