@@ -23,7 +23,10 @@ both jobs and keeps them resident, so nothing is aborted, put to sleep or woken 
 
 A backend must say that its sampling job answers while its training job computes (see
 :func:`concurrency_of`). A backend that says it cannot gets verl's sync semantics, with one log
-line saying why; a backend that cannot say is refused with an error naming the key.
+line saying why; a backend that cannot say is refused with an error naming the key. The trainer
+writes the mode it runs into the config (:data:`ACTIVE_KEY`, read by :func:`async_running`) before
+verl creates its worker and rollout servers, so what they do between phases (the sampler's sleep,
+:mod:`verl.remote_backend.workers.sampler_sleep`) follows the mode actually run, not the request.
 """
 
 from __future__ import annotations
@@ -34,15 +37,18 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.utils.debug import marked_timer
 
 from verl.remote_backend.base import RemoteBackendRegistry
-from verl.remote_backend.context import attach_backend, ensure_backends_registered, read_context
+from verl.remote_backend.context import attach_backend, ensure_backends_registered, install_context, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.logs import module_logger
+from verl.remote_backend.strict_config import select
 
 __all__ = [
+    "ACTIVE_KEY",
     "ASYNC_KEY",
     "CONCURRENT_JOBS_FEATURE",
     "AsyncModeMixin",
     "async_requested",
+    "async_running",
     "check_async_declared",
     "concurrency_of",
     "lag_metrics",
@@ -52,6 +58,8 @@ logger = module_logger(__name__)
 
 #: the one switch of the asynchronous mode
 ASYNC_KEY = "trainer.v1.remote_backend.async_mode"
+#: written by the trainer once it has decided: whether the run is asynchronous (false after a fall-back to sync)
+ACTIVE_KEY = "trainer.v1.remote_backend.async_active"
 #: batches handed to the backend before step 1 (the prefetch window)
 WARMUP_KEY = "trainer.v1.remote_backend.num_warmup_batches"
 #: the feature a server lists in its capabilities when its sampling job answers while its training job runs
@@ -70,6 +78,15 @@ def async_requested(config: DictConfig) -> bool:
         raise RemoteBackendConfigError(ASYNC_KEY, "the asynchronous mode is switched on or off", allowed="true, false",
                                        received=value)
     return value
+
+
+def async_running(config: Any) -> bool:
+    """Whether the run is asynchronous: the trainer's decision (:data:`ACTIVE_KEY`) once taken, else the request
+    (:data:`ASYNC_KEY`). ``config`` is verl's main config or a plain nested mapping (a backend's config snapshot)."""
+    decided = select(config, ACTIVE_KEY, None)
+    if decided is not None:
+        return bool(decided)
+    return select(config, ASYNC_KEY, False) is True
 
 
 def concurrency_of(backend: Any) -> tuple[bool | None, str]:
@@ -153,8 +170,10 @@ class AsyncModeMixin:
         if not ok:
             logger.warning("%s=true but %s: falling back to verl's sync mode (generation and training take turns)",
                            ASYNC_KEY, why)
+            self._record_mode()
             return
         self.async_active = True
+        self._record_mode()
         self.trainer_mode = VERL_ASYNC_MODE
         with open_dict(self.config):
             self.config.trainer.v1.trainer_mode = VERL_ASYNC_MODE
@@ -162,6 +181,13 @@ class AsyncModeMixin:
         logger.info("asynchronous remote mode on (%s): the backend generates the next batch while this one trains; "
                     "staleness bound %s (%s)", why, self.config.trainer.v1.sampler.max_off_policy_threshold,
                     self.config.trainer.v1.sampler.max_off_policy_strategy)
+
+    def _record_mode(self) -> None:
+        """Write the mode decided into the config and the backend context that verl's worker and rollout
+        servers, created after this, read (the context's snapshot was taken before the decision)."""
+        OmegaConf.update(self.config, ACTIVE_KEY, self.async_active, force_add=True)
+        context = read_context(self.config)
+        install_context(self.config, name=context.name, handle=context.handle)
 
     # ------------------------------------------------------------------ verl's hooks
     def on_train_begin(self) -> None:

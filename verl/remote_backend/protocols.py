@@ -126,7 +126,8 @@ class SamplerSleep(Protocol):
 
     def sleep_sampler(self, level: int) -> Mapping[str, Any]:
         """Free the sampler's memory: level 1 frees the KV cache and keeps the weights (in host memory), level 2
-        may discard the weights (the next weight sync restores them)."""
+        may discard the weights (the next weight sync restores them). ``{"skipped": True}``: nothing slept (the
+        backend's server keeps its sampler resident); the rollout server then stops asking."""
 
     def wake_sampler(self, tags: list[str] | None = None) -> Mapping[str, Any]:
         """Restore the given parts (``weights``, ``kv_cache``; ``None`` = all)."""

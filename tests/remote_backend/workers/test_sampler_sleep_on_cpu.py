@@ -1,18 +1,23 @@
 """The rollout server's sampler sleep (``verl.remote_backend.workers.sampler_sleep``): verl's ``sleep()`` after a
 generation phase puts a backend declaring ``SamplerSleep`` to sleep, the next ``generate`` wakes it once (all
 parts) before its call goes out; a backend without the capability, ``free_cache_engine=false`` or the
-asynchronous mode: no call."""
+asynchronous mode: no call. The mode is the one the trainer runs: a run that asked for the asynchronous mode and
+fell back to sync sleeps its sampler. A backend whose server keeps the sampler resident (its sleep answers
+``skipped``) reports no sleep timings."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from omegaconf import OmegaConf
 
+from verl.remote_backend.async_trainer import CONCURRENT_JOBS_FEATURE, AsyncModeMixin, async_running
+from verl.remote_backend.context import BackendContext, install_context, read_context
 from verl.remote_backend.protocols import SamplerSleep
 from verl.remote_backend.workers import replica as replica_mod
 from verl.remote_backend.workers.replica import RemoteRolloutServer
-from verl.remote_backend.workers.sampler_sleep import sleep_settings
+from verl.remote_backend.workers.sampler_sleep import SKIPPED, sleep_settings
 
 
 class _Plain:
@@ -110,3 +115,109 @@ def test_off_with_free_cache_engine_false_or_in_async_mode(monkeypatch, main):
 def test_on_by_default_in_sync_mode():
     assert sleep_settings(_main_config())[0] is True
     assert sleep_settings(_main_config(free_cache_engine=True))[0] is True
+
+
+class _Resident(_Plain):
+    """The Arctic adapter against a server that does not list ``sampler_sleep`` (the vendor's): it declares the
+    capability, but its server keeps the sampler resident and the calls are skipped."""
+
+    def sleep_sampler(self, level):
+        self.calls.append(("sleep", level))
+        return {SKIPPED: True}
+
+    def wake_sampler(self, tags=None):
+        self.calls.append(("wake", tags))
+        return {SKIPPED: True}
+
+
+def test_a_sampler_kept_resident_reports_no_sleep_timings(monkeypatch):
+    backend = _Resident()
+    server = _server(monkeypatch, backend, _main_config())
+
+    async def main():
+        await _phase_sleep_phase(server)
+        await server.sleep()
+
+    asyncio.run(main())
+    verbs = [c[0] for c in backend.calls]
+    assert verbs.count("sleep") == 1 and "wake" not in verbs  # asked once, then taken as resident
+    assert not server.nap.asleep and server.nap.resident
+    timings = server.collect_generation_timings()
+    assert not [key for key in timings if key.startswith("gen/sampler_")], timings  # absent, not 0 s
+
+
+# ------------------------------------------------------------------ the mode actually run decides
+
+
+class _Concurrent(_Sleepy):
+    features = frozenset({"continuous_batching", CONCURRENT_JOBS_FEATURE})
+
+
+class _Owner:
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+
+class _TrainerBase:
+    """What :class:`AsyncModeMixin` takes from the remote-backend trainer: its config, the backend it owns and
+    verl's replay buffer."""
+
+    backend_name = "fake"
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def _init_resource_pool_mgr(self) -> None:
+        pass
+
+    def _build_replay_buffer(self):
+        return "verl's ReplayBufferAsync"
+
+
+class _Trainer(AsyncModeMixin, _TrainerBase):
+    pass
+
+
+def _decided_context(backend, free_cache_engine: bool = True) -> tuple[_Trainer, BackendContext]:
+    """A run asking for the asynchronous mode, its trainer's decision taken against ``backend``: the trainer and the
+    backend context verl's worker and rollout servers are then created with."""
+    config = OmegaConf.create({
+        **_main_config(free_cache_engine=free_cache_engine),
+        "trainer": {"v1": {"trainer_mode": "sync", "remote_backend": {"async_mode": True},
+                           "sampler": {"max_off_policy_threshold": 2, "max_off_policy_strategy": "drop"}}},
+    })
+    install_context(config, name="fake", handle={"url": "http://fake"})  # what the entry point does, before
+    trainer = _Trainer(config)
+    trainer._owner = _Owner(backend)
+    trainer._init_resource_pool_mgr()
+    return trainer, read_context(trainer.config)
+
+
+def test_an_async_request_that_fell_back_to_sync_sleeps_the_sampler(monkeypatch, caplog):
+    backend = _Sleepy()  # lists no concurrent_jobs: the run falls back to sync
+    trainer, context = _decided_context(backend)
+    assert not trainer.async_active
+    assert [r for r in caplog.records if "falling back to verl's sync mode" in r.getMessage()]
+    server = _server(monkeypatch, backend, context.main_config)
+    assert async_running(context.main_config) is False
+    assert sleep_settings(context.main_config)[0] is True  # what the Arctic client's weight sync reads too
+
+    asyncio.run(_phase_sleep_phase(server))
+    verbs = [c[0] for c in backend.calls]
+    assert verbs.count("sleep") == 1 and verbs.count("wake") == 1, verbs  # as in a plain sync run
+    assert "gen/sampler_sleep" in server.collect_generation_timings()
+
+    _, off = _decided_context(_Sleepy(), free_cache_engine=False)  # the config setting still decides
+    assert sleep_settings(off.main_config)[0] is False
+
+
+def test_a_run_that_is_asynchronous_never_sleeps_the_sampler(monkeypatch):
+    backend = _Concurrent()
+    trainer, context = _decided_context(backend)
+    assert trainer.async_active
+    server = _server(monkeypatch, backend, context.main_config)
+    assert async_running(context.main_config) is True and sleep_settings(context.main_config)[0] is False
+
+    asyncio.run(_phase_sleep_phase(server))
+    assert {c[0] for c in backend.calls} == {"generate"}
+    assert not [key for key in server.collect_generation_timings() if key.startswith("gen/sampler_")]

@@ -43,6 +43,7 @@ def test_sleep_and_wake_reach_the_sampling_job(tmp_path_factory, tiny_model_dir)
 
 
 def test_a_server_without_the_feature_is_not_called():
+    from verl.remote_backend.workers.sampler_sleep import SKIPPED
     from verl.workers.remote_client.arctic.sampler_memory import SamplerMemory
 
     class _State:
@@ -53,6 +54,6 @@ def test_a_server_without_the_feature_is_not_called():
             raise AssertionError(f"no call expected, got {request.what}")
 
     memory = SamplerMemory(_Calls(), _State(), sleep_between_phases=True)
-    assert memory.sleep(1) == {"skipped": True}
-    assert memory.wake(None) == {"skipped": True}
+    assert memory.sleep(1) == {SKIPPED: True}  # the rollout server's sign of a sampler kept resident
+    assert memory.wake(None) == {SKIPPED: True}
     memory.before_weight_sync()

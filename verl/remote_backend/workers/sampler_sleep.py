@@ -11,12 +11,16 @@ same knob decides: :class:`SamplerNap` (one per rollout server)
 * before the next ``generate`` wakes it (all parts), once, under an asyncio lock, so that the calls of a
   generation phase wait for one wake rather than each sending their own.
 
-Enabled when ``free_cache_engine`` is true and the run is not asynchronous
-(``trainer.v1.remote_backend.async_mode``: there the sampler generates while the actor side trains, and
-nothing sleeps). The level is 1 (KV cache freed, weights kept in host memory): verl 0.9.1 has no key for it
-(its vLLM server picks 1 or 2 itself). A backend without the capability: ``sleep()`` stays a no-op (logged
-once at info level). The seconds spent are reported with the generation timings (``gen/sampler_sleep``,
-``gen/sampler_wake``).
+Enabled when ``free_cache_engine`` is true and the run is not asynchronous -- the mode actually run
+(:func:`~verl.remote_backend.async_trainer.async_running`): an asynchronous run generates while the actor
+side trains, and nothing sleeps; a run that asked for the asynchronous mode and fell back to sync (a server
+without ``concurrent_jobs``) sleeps as a sync run does. The level is 1 (KV cache freed, weights kept in host
+memory): verl 0.9.1 has no key for it (its vLLM server picks 1 or 2 itself). A backend without the
+capability: ``sleep()`` stays a no-op (logged once at info level). A backend with it whose server keeps its
+sampler resident answers ``sleep_sampler`` with ``{"skipped": true}`` (the Arctic adapter against a server
+that does not list ``sampler_sleep``): the sampler is then taken as awake, and not asked again. The seconds
+spent are reported with the generation timings (``gen/sampler_sleep``, ``gen/sampler_wake``) once the sampler
+has really slept, and never otherwise: a sampler that stays resident reports no sleep timings, not zeros.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import sleeper_of
 from verl.remote_backend.strict_config import select
 
-__all__ = ["FREE_CACHE_KEY", "SLEEP_LEVEL", "SamplerNap", "sleep_settings"]
+__all__ = ["FREE_CACHE_KEY", "SKIPPED", "SLEEP_LEVEL", "SamplerNap", "sleep_settings"]
 
 logger = module_logger(__name__)
 
@@ -37,15 +41,17 @@ logger = module_logger(__name__)
 FREE_CACHE_KEY = "actor_rollout_ref.rollout.free_cache_engine"
 #: the level asked of the backend: KV cache freed, weights kept (restored by the next weight sync either way)
 SLEEP_LEVEL = 1
+#: the key of a ``sleep_sampler`` answer saying that nothing slept (the backend's server keeps its sampler resident)
+SKIPPED = "skipped"
 
 
 def sleep_settings(main_config: Any) -> tuple[bool, str]:
     """``(enabled, why)``: whether the rollout server sleeps the sampler between generation phases."""
-    from verl.remote_backend.async_trainer import ASYNC_KEY  # the trainer imports the workers
+    from verl.remote_backend.async_trainer import async_running  # the trainer imports the workers
 
     if not bool(select(main_config, FREE_CACHE_KEY, True)):
         return False, f"{FREE_CACHE_KEY}=false"
-    if select(main_config, ASYNC_KEY, False) is True:
+    if async_running(main_config):
         return False, "the asynchronous mode keeps the sampler generating while the actor side trains"
     return True, f"{FREE_CACHE_KEY}=true, sync mode"
 
@@ -60,6 +66,8 @@ class SamplerNap:
         self.why = why
         self.level = int(level)
         self.asleep = False
+        #: the backend answered that its sampler stays resident: no more sleep calls
+        self.resident = False
         self.sleeps = 0
         self.wakes = 0
         self._lock: asyncio.Lock | None = None
@@ -86,15 +94,20 @@ class SamplerNap:
                             "between generation phases", self._backend_name)
             return {}
         async with self._lock_for_loop():
-            if self.asleep:
+            if self.asleep or self.resident:
                 return {}
             start = time.monotonic()
-            out = await asyncio.to_thread(self._sleeper.sleep_sampler, self.level)
+            out = dict(await asyncio.to_thread(self._sleeper.sleep_sampler, self.level) or {})
+            if out.get(SKIPPED) is True:
+                self.resident = True
+                self._tell_once("rollout server: backend %s keeps its sampler resident between generation phases "
+                                "(its sleep was skipped)", self._backend_name)
+                return out
             self._seconds["sleep"] += time.monotonic() - start
             self.asleep = True
             self.sleeps += 1
             logger.debug("rollout server: sampler asleep (level %d) in %.2f s", self.level, time.monotonic() - start)
-            return dict(out or {})
+            return out
 
     async def ensure_awake(self) -> None:
         """Before a ``generate``: wake the sampler (all parts) if this server put it to sleep."""
@@ -110,8 +123,9 @@ class SamplerNap:
             self.wakes += 1
 
     def collect(self) -> dict[str, float]:
-        """Seconds spent sleeping and waking the sampler since the last collect (empty when it never sleeps)."""
-        if not (self.enabled and self._sleeper is not None):
+        """Seconds spent sleeping and waking the sampler since the last collect (empty until it has really slept:
+        sleeping off, no capability, or a sampler the backend keeps resident)."""
+        if not self.sleeps:
             return {}
         out = {"gen/sampler_sleep": self._seconds["sleep"], "gen/sampler_wake": self._seconds["wake"]}
         self._seconds = {"sleep": 0.0, "wake": 0.0}

@@ -13,7 +13,9 @@ Only on a server that lists ``sampler_sleep`` in ``/health`` (the reference serv
 a no-op there, and its weight sync wakes the weights itself). The vendor's server lists no features: there
 the calls are skipped (logged once) and its sampler stays resident -- its ``/sleep-inference`` exists, but
 whether its pool's ``wake_up`` on an awake pool is harmless cannot be checked here, and its CPU harness's
-sampling pool has no ``sleep`` at all (the route answers 500).
+sampling pool has no ``sleep`` at all (the route answers 500). A skipped call answers ``{"skipped": true}``
+(:data:`~verl.remote_backend.workers.sampler_sleep.SKIPPED`): the rollout server then stops asking and reports
+no sleep or wake seconds for a sleep that did not happen.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 from typing import Any
 
 from arctic_rl.protocol import Features, JobType, Paths
+from verl.remote_backend.workers.sampler_sleep import SKIPPED
 
 from .dialect import Payload
 from .request import JobRequest
@@ -58,7 +61,7 @@ class SamplerMemory:
             self._told = True
             logger.info("arctic: the server does not list %r; the sampler is not put to sleep (%s skipped), it "
                         "stays resident", Features.SAMPLER_SLEEP, verb)
-        return {"skipped": True}
+        return {SKIPPED: True}
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = JobRequest("POST", path, op="weight_sync", idempotent=True, job=JobType.SAMPLING,
