@@ -13,7 +13,11 @@ Two pure functions of a :class:`~arctic_rl.protocol.JobConfig`'s dicts:
   savers DeepSpeed runs on one process without building an op (``offload_optimizer`` and, at stage 3,
   ``offload_param`` to ``cpu``: the optimizer then steps with ``torch.optim.AdamW`` on the host), and an
   allow-listed scheduler. Every rewrite is reported as a note; what the server cannot honour is a 400
-  naming the key (NVMe offload, offload at stage 0, parameter offload below stage 3).
+  naming the key (NVMe offload, offload at stage 0, parameter offload below stage 3);
+* :func:`build_inference_ds_config` does the same for the forward-only log_prob job: at ZeRO stage 3 a
+  DeepSpeed config without an optimizer (DeepSpeed then partitions the parameters and, with
+  ``offload_param``, keeps them on the host), below it ``None`` (a plain copy of the model: stages 1-2
+  partition optimizer state and gradients, which this job does not hold).
 
 What is not here: building the engine (:mod:`arctic_rl.server.engines.training`).
 """
@@ -32,6 +36,7 @@ __all__ = [
     "SCHEDULERS",
     "ZERO_STAGES",
     "WorkerKnobs",
+    "build_inference_ds_config",
     "build_training_ds_config",
     "parse_worker_knobs",
 ]
@@ -194,6 +199,61 @@ def _offload(zero: dict, key: str, stage: int, min_stage: int) -> dict | None:
     return {k: section[k] for k in _OFFLOAD_KEYS if k in section}
 
 
+def _zero_stage(src: Any) -> tuple[dict, int]:
+    """``(ds_config.zero_optimization, its stage)``, a 400 naming the key for a wrong type or stage."""
+    if not isinstance(src, dict):
+        raise BadRequest("ds_config: expected an object", field="ds_config", received=type(src).__name__)
+    zero = src.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise BadRequest(
+            "ds_config.zero_optimization: expected an object", field="ds_config.zero_optimization", received=zero
+        )
+    stage = zero.get("stage", 0)
+    if stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise BadRequest(
+            "ds_config.zero_optimization.stage: the reference server runs ZeRO stages 0-3",
+            field="ds_config.zero_optimization.stage",
+            allowed=list(ZERO_STAGES),
+            received=stage,
+        )
+    return zero, stage
+
+
+def build_inference_ds_config(
+    ds_config: dict[str, Any] | None, *, bf16: bool
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The log_prob job's DeepSpeed config (``None``: a plain copy of the model) and notes on what was changed.
+
+    ZeRO-3 partitions the parameters (``offload_param`` to ``cpu`` keeps the partitions on the host); NVMe
+    offload and parameter offload below stage 3 are a 400, as for the training job. ``bf16`` is the dtype the
+    job computes in (DeepSpeed must not cast the model to another)."""
+    zero, stage = _zero_stage(copy.deepcopy(ds_config or {}))
+    notes: list[str] = []
+    if zero.get("offload_optimizer") is not None:
+        notes.append("ds_config.zero_optimization.offload_optimizer: ignored (a log_prob job has no optimizer)")
+    offload = _offload(zero, "offload_param", stage, 3)
+    if stage < 3:
+        if stage:
+            notes.append(f"ds_config.zero_optimization.stage {stage}: the job holds a plain copy of the model "
+                         "(stages 1-2 partition optimizer state and gradients, which a log_prob job does not hold)")
+        return None, notes
+    section = {k: zero[k] for k in _ZERO_KEYS if k in zero}
+    section["stage"] = 3
+    if offload is not None:
+        section["offload_param"] = offload
+    config = {
+        "train_batch_size": 1,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": bool(bf16)},
+        "fp16": {"enabled": False},
+        "zero_optimization": section,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return config, notes
+
+
 def build_training_ds_config(
     ds_config: dict[str, Any] | None, *, device: str, bf16_supported: bool
 ) -> tuple[dict[str, Any], list[str]]:
@@ -231,19 +291,7 @@ def build_training_ds_config(
     _num(out, "gradient_clipping", "ds_config.gradient_clipping", minimum=0)
     out["managed_gradient_accumulation"] = False
 
-    zero = src.get("zero_optimization") or {}
-    if not isinstance(zero, dict):
-        raise BadRequest(
-            "ds_config.zero_optimization: expected an object", field="ds_config.zero_optimization", received=zero
-        )
-    stage = zero.get("stage", 0)
-    if stage not in ZERO_STAGES or isinstance(stage, bool):
-        raise BadRequest(
-            "ds_config.zero_optimization.stage: the reference server runs ZeRO stages 0-3",
-            field="ds_config.zero_optimization.stage",
-            allowed=list(ZERO_STAGES),
-            received=stage,
-        )
+    zero, stage = _zero_stage(src)
     ignored_zero = sorted(k for k in zero if k not in _ZERO_KEYS and k not in ("offload_optimizer", "offload_param"))
     if ignored_zero:
         notes.append(f"ds_config.zero_optimization: ignored {ignored_zero}")

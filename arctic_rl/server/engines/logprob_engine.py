@@ -3,7 +3,11 @@
 It keeps the weights it was initialised with unless a ``/weight-sync`` names it as a target.
 ``forward`` is the same no-grad computation as the training engine's
 (:func:`~arctic_rl.server.engines.common.forward_logprobs`); ``text_logprobs`` answers the vendor's
-``/log-probs`` on raw texts. No optimizer, no DeepSpeed.
+``/log-probs`` on raw texts. No optimizer. With ``ds_config.zero_optimization.stage`` 3 the model is wrapped in
+an inference-only DeepSpeed engine, as the training engine builds its own (:mod:`.ds_glue`): ZeRO-3 partitions
+the parameters and gathers each layer's for its forward, and ``offload_param`` to ``cpu`` keeps the partitions
+on the host (the memory report lists them under ``offloaded`` on a GPU); below stage 3 the job holds a plain
+copy (:func:`~.config.build_inference_ds_config`; what it cannot run is a 400 at job creation).
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from arctic_rl.protocol import JobConfig, JobType, LogprobAlignment
 from arctic_rl.server.engines.batch import ParsedBatch
 from arctic_rl.server.engines.common import (
     compute_dtype,
+    ensure_process_group,
     forward_logprobs,
     load_model,
     load_tokenizer,
     model_vocab_size,
     resolve_device,
 )
-from arctic_rl.server.engines.config import parse_worker_knobs
+from arctic_rl.server.engines.config import build_inference_ds_config, parse_worker_knobs
+from arctic_rl.server.engines.ds_glue import PolicyModule, import_deepspeed
 from arctic_rl.server.engines.weights import copy_weights
 from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.memory import JobMemory, job_memory
@@ -50,17 +56,29 @@ class LogProbEngine:
         if unknown:
             logger.info("log_prob job: unknown ds_worker_config keys ignored: %s", unknown)
         self.dtype = compute_dtype(self.device)
-        self.model = load_model(
+        # checked before the model loads: what cannot run is a 400 at job creation
+        self.ds_config, notes = build_inference_ds_config(config.ds_config, bf16=self.dtype == torch.bfloat16)
+        for note in notes:
+            logger.info("log_prob job: %s", note)
+        model = load_model(
             config.model_name, device=self.device, dtype=self.dtype, attn_implementation=self.knobs.attn_implementation
         )
-        self.model.eval()
-        self.model.requires_grad_(False)
-        zero = (config.ds_config or {}).get("zero_optimization") if isinstance(config.ds_config, dict) else None
-        if isinstance(zero, dict) and (zero.get("stage") == 3 or zero.get("offload_param")):
-            logger.warning("log_prob job: ds_config.zero_optimization (stage %s, offload_param %s) is not applied: "
-                           "this job holds a plain copy of the model on %s (no DeepSpeed)", zero.get("stage"),
-                           zero.get("offload_param"), self.device)
-        self.vocab_size = model_vocab_size(self.model)
+        model.eval()
+        model.requires_grad_(False)
+        self.vocab_size = model_vocab_size(model)  # before ZeRO-3 empties the parameters
+        self.engine: Any = None
+        if self.ds_config is not None:
+            deepspeed = import_deepspeed(self.device)
+            ensure_process_group(self.device)
+            self.engine, _, _, _ = deepspeed.initialize(model=PolicyModule(model), config=self.ds_config)
+            self.engine.eval()
+            model = self.engine.module.model
+        self.model = model
+        self.zero_stage = 3 if self.ds_config is not None else 0
+        offload = (self.ds_config or {}).get("zero_optimization", {}).get("offload_param")
+        self.weights_on = "cpu" if offload else str(self.device)
+        logger.info("log_prob job ready: %s, %s, ZeRO-%d, weights on %s", config.model_name, self.dtype,
+                    self.zero_stage, self.weights_on)
         self.weight_version = 0
 
     def forward(self, batch: ParsedBatch) -> tuple[dict, dict, LogprobAlignment]:
@@ -102,17 +120,24 @@ class LogProbEngine:
         return (lp * mask[:, 1:]).cpu()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes by part (:mod:`arctic_rl.server.memory`): the weights and the passes' buffers."""
+        """Bytes by part (:mod:`arctic_rl.server.memory`): the weights (under ZeRO-3 this process's partitions;
+        on a GPU, those held on the host also under ``offloaded``) and the passes' buffers."""
         return self.memory.report(self.model)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
-        copy_weights(self.model, weights)
+        copy_weights(self.model, weights, partitioned=self.zero_stage == 3)
         self.weight_version += 1
         return self.weight_version
 
     def info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "device": str(self.device), "dtype": str(self.dtype),
-                "memory": job_memory(self)}
+                "zero_stage": self.zero_stage, "weights_on": self.weights_on, "memory": job_memory(self),
+                "warm_up_s": getattr(self, "warm_up_s", None)}  # set by arctic_rl.server.engines.warmup
 
     def close(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "destroy"):
+            self.engine.destroy()
+        self.engine = None
         del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -2,7 +2,9 @@
 
 The reference server holds every job in one process, so a sync is a tensor copy: the training
 model's state dict is copied, name by name, into the target model (cast to its dtype and
-device). Names and shapes must match exactly -- a target built from another model is a 400.
+device). Names and shapes must match exactly -- a target built from another model is a 400. A ZeRO-3
+target (``partitioned=True``) is written one parameter at a time, each gathered whole for its copy and
+partitioned again after it.
 The real Arctic server does this over NCCL or CUDA IPC between processes; that is not here.
 :func:`weight_norm` is what ``/weight-norm`` compares after a sync.
 """
@@ -16,9 +18,11 @@ from arctic_rl.server.errors import BadRequest
 __all__ = ["copy_weights", "weight_norm"]
 
 
-def copy_weights(target: torch.nn.Module, weights: dict[str, torch.Tensor]) -> int:
-    """Copy ``weights`` into ``target`` in place; returns the number of tensors copied."""
+def copy_weights(target: torch.nn.Module, weights: dict[str, torch.Tensor], *, partitioned: bool = False) -> int:
+    """Copy ``weights`` into ``target`` in place; returns the number of tensors copied. ``partitioned``: the
+    target's parameters are ZeRO-3 partitions (empty between passes; their whole shape is ``ds_shape``)."""
     own = target.state_dict()
+    params = dict(target.named_parameters(remove_duplicate=False)) if partitioned else {}
     missing = sorted(set(own) - set(weights))
     unexpected = sorted(set(weights) - set(own))
     if missing or unexpected:
@@ -28,16 +32,28 @@ def copy_weights(target: torch.nn.Module, weights: dict[str, torch.Tensor]) -> i
             field="target_sub_job_ids",
         )
     for name, tensor in own.items():
-        if tuple(tensor.shape) != tuple(weights[name].shape):
+        shape = tuple(getattr(params[name], "ds_shape", tensor.shape)) if name in params else tuple(tensor.shape)
+        if shape != tuple(weights[name].shape):
             raise BadRequest(
-                f"target_sub_job_ids: tensor {name} has shape {list(tensor.shape)} in the target, "
+                f"target_sub_job_ids: tensor {name} has shape {list(shape)} in the target, "
                 f"{list(weights[name].shape)} in the training model",
                 field="target_sub_job_ids",
             )
     with torch.no_grad():
         for name, tensor in own.items():
-            tensor.copy_(weights[name].detach().to(device=tensor.device, dtype=tensor.dtype))
+            if name in params:
+                _copy_partitioned(params[name], weights[name])
+            else:
+                tensor.copy_(weights[name].detach().to(device=tensor.device, dtype=tensor.dtype))
     return len(own)
+
+
+def _copy_partitioned(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Write ``value`` into a ZeRO-3 parameter: gathered whole, copied, partitioned again on leaving."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        param.data.copy_(value.detach().to(device=param.device, dtype=param.dtype))
 
 
 def weight_norm(model: torch.nn.Module) -> dict[str, float | int]:
