@@ -53,6 +53,7 @@ module                                 what it is
 :mod:`.engines.vllm_sampler`           the vLLM sampling engine, in process
 :mod:`.engines.vllm_steps`             vLLM's engine driven step by step
 :mod:`.engines.vllm_options`           the job's ``vllm_config`` checked, per-prompt seeds
+:mod:`.engines.device_memory`          the samplers' sleep/wake memory functions; unused cached blocks released
 :mod:`.engines.vllm_answer`            ``/generate`` results built from vLLM's outputs
 **compute/** -- per-token numbers
 :mod:`.compute.token_logprobs`         per-token log-probs and entropy of a batch, plain or with ZoRRO

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
 from arctic_rl.server.engines.common import compute_dtype, load_model, load_tokenizer, model_vocab_size, resolve_device
 from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending
+from arctic_rl.server.engines.device_memory import DeviceMemory
 from arctic_rl.server.engines.fast_generation import can_run_static, generate_batch_static
 from arctic_rl.server.engines.generation import Decoding, generate_batch
 from arctic_rl.server.engines.hf_steps import HfCall, HfStepCore
@@ -133,6 +134,7 @@ class SamplingEngine:
     """
 
     job_type = JobType.SAMPLING
+    device_memory: DeviceMemory | None = None  #: sleep and wake's memory functions (None: the device's)
 
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
         self.config = config
@@ -249,7 +251,8 @@ class SamplingEngine:
         if level not in (1, 2):
             raise BadRequest("level: expected 1 or 2", field="level", allowed=[1, 2], received=level)
         self.asleep = {"weights", "kv_cache"}
-        return {"status": "sleeping", "level": level, "weight_version": self.weight_version}
+        released = (self.device_memory or DeviceMemory.of(self.device)).release_unused()  # unused cached blocks
+        return {"status": "sleeping", "level": level, "weight_version": self.weight_version, **released}
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Wake the given parts (``weights``, ``kv_cache``; ``None`` = all)."""
@@ -257,8 +260,11 @@ class SamplingEngine:
         bad = [t for t in tags or [] if t not in allowed]
         if bad:
             raise BadRequest("tags: unknown part", field="tags", allowed=allowed, received=bad[0])
-        self.asleep -= set(allowed if tags is None else tags)
-        return {"status": "awake" if not self.asleep else "partly_awake", "asleep": sorted(self.asleep)}
+        todo = self.asleep & set(allowed if tags is None else tags)
+        mem = self.device_memory or DeviceMemory.of(self.device)
+        released = mem.release_unused() if todo else mem.unchanged()  # before generation allocates its cache
+        self.asleep -= todo
+        return {"status": "awake" if not self.asleep else "partly_awake", "asleep": sorted(self.asleep), **released}
 
     def reset_prefix_cache(self) -> dict[str, Any]:
         """Drop cached prompt prefixes (none are kept between requests by this sampler)."""

@@ -56,6 +56,7 @@ from arctic_rl.server.engines.common import (
     resolve_device,
 )
 from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending
+from arctic_rl.server.engines.device_memory import DeviceMemory
 from arctic_rl.server.engines.prompts import check_context, prompt_token_ids, stop_token_ids
 from arctic_rl.server.engines.vllm_answer import answer_from_outputs
 from arctic_rl.server.engines.vllm_options import (
@@ -101,6 +102,7 @@ class VllmSamplingEngine:
     """Generation on an in-process ``vllm.LLM`` (see the module docstring)."""
 
     job_type = JobType.SAMPLING
+    device_memory: DeviceMemory | None = None  #: sleep and wake's memory functions (None: the device's)
 
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
         multiprocessing = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -274,23 +276,26 @@ class VllmSamplingEngine:
         return self._control(lambda: self._sleep(level))
 
     def _sleep(self, level: int) -> dict[str, Any]:
+        mem = self.device_memory or DeviceMemory.of(self.device)
         if all(self.sleeping.values()):
             return {"status": "sleeping", "level": self.sleep_level, "seconds": 0.0, "freed_bytes": 0,
-                    "weight_version": self.weight_version}
+                    "weight_version": self.weight_version, **mem.unchanged()}
         if any(self.sleeping.values()):  # half awake (weights woken for a sync): wake fully, then sleep
             self.llm.wake_up()
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
+        mem.synchronize()
+        free_before = mem.free()
         t0 = time.perf_counter()
         self.llm.sleep(level=level)
         seconds = time.perf_counter() - t0
-        freed = torch.cuda.mem_get_info(self.device)[0] - free_before
+        freed = mem.free() - free_before
+        released = mem.release_unused()  # generation's cached blocks: training allocates afresh, not on top of them
         self.sleeping = dict.fromkeys(_WAKE_TAGS, True)
         self.sleep_level = level
         self.weights_discarded = self.weights_discarded or level == 2
-        logger.info("vLLM sampler asleep (level %d): %.2f GB freed in %.2fs", level, freed / 1e9, seconds)
+        logger.info("vLLM sampler asleep (level %d): %.2f GB freed in %.2fs; %.2f GB of unused cached blocks released",
+                    level, freed / 1e9, seconds, released["allocator_released_bytes"] / 1e9)
         return {"status": "sleeping", "level": level, "seconds": seconds, "freed_bytes": int(freed),
-                "weight_version": self.weight_version}
+                "weight_version": self.weight_version, **released}
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Take vLLM's GPU memory back (``tags``: ``weights`` and/or ``kv_cache``; default both)."""
@@ -302,20 +307,21 @@ class VllmSamplingEngine:
 
     def _wake_up(self, wanted: list[str]) -> dict[str, Any]:
         todo = [t for t in wanted if self.sleeping[t]]
-        t0 = time.perf_counter()
+        mem = self.device_memory or DeviceMemory.of(self.device)
+        t0 = time.perf_counter()  # training's unused cached blocks go first: the KV cache must not stack on them
+        released = mem.release_unused() if todo else mem.unchanged()
         if todo:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # let vLLM map its pages again where training's cache held them
             self.llm.wake_up(tags=todo)
             for tag in todo:
                 self.sleeping[tag] = False
         if not any(self.sleeping.values()):
             self.sleep_level = 0
         seconds = time.perf_counter() - t0
-        logger.info("vLLM sampler woke %s in %.2fs", todo or "nothing (already awake)", seconds)
+        logger.info("vLLM sampler woke %s in %.2fs (%.2f GB of unused cached blocks released first)",
+                    todo or "nothing (already awake)", seconds, released["allocator_released_bytes"] / 1e9)
         asleep = sorted(tag for tag, off in self.sleeping.items() if off)
         return {"status": "partly_awake" if asleep else "awake", "asleep": asleep, "woken": todo,
-                "seconds": seconds, "weights_discarded": self.weights_discarded}
+                "seconds": seconds, "weights_discarded": self.weights_discarded, **released}
 
     def reset_prefix_cache(self) -> dict[str, Any]:
         """Drop vLLM's cached prompt blocks (asleep, the KV cache is already gone: nothing to drop), once the

@@ -1,0 +1,71 @@
+"""The device-memory functions the samplers' sleep and wake use, and the caching allocator's unused blocks.
+
+Between a training phase and the next generation, PyTorch's caching allocator keeps the blocks the training
+passes freed: reserved, not allocated (on the SmolLM2 recipe on an H200 the server reported 9.9 GiB reserved
+against 7.5 GiB allocated between calls). A sampler's KV cache woken on top of that reserve makes the generation
+phase peak at both. :meth:`DeviceMemory.release_unused` hands those blocks back to the driver
+(``torch.cuda.empty_cache()``) and says how much was reserved before and after, as the fields
+``allocator_reserved_before_bytes``, ``allocator_reserved_after_bytes`` and ``allocator_released_bytes`` of the
+samplers' sleep and wake answers.
+
+:meth:`DeviceMemory.of` gives CUDA's functions for a CUDA device and, on CPU, functions that read 0 and do
+nothing (the answers carry the fields, all 0). Tests inject their own (an engine's ``device_memory``).
+
+What is not here: the engines' sleep and wake (:mod:`.vllm_sampler`, :mod:`.sampling`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DeviceMemory"]
+
+
+def _zero() -> int:
+    return 0
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """``reserved()``: bytes the caching allocator holds; ``free()``: bytes free on the device; ``empty_cache()``:
+    release the allocator's unused blocks; ``synchronize()``: wait for the device's work."""
+
+    reserved: Callable[[], int] = _zero
+    free: Callable[[], int] = _zero
+    empty_cache: Callable[[], None] = _nothing
+    synchronize: Callable[[], None] = _nothing
+
+    @classmethod
+    def of(cls, device: torch.device | str | None) -> DeviceMemory:
+        """CUDA's functions for a CUDA ``device`` (when CUDA is in use), else the CPU's (0, nothing)."""
+        device = torch.device(device) if isinstance(device, str) else device
+        if device is None or device.type != "cuda" or not torch.cuda.is_available():
+            return cls()
+        return cls(
+            reserved=lambda: int(torch.cuda.memory_reserved(device)),
+            free=lambda: int(torch.cuda.mem_get_info(device)[0]),
+            empty_cache=torch.cuda.empty_cache,
+            synchronize=lambda: torch.cuda.synchronize(device),
+        )
+
+    def release_unused(self) -> dict[str, int]:
+        """Release the caching allocator's unused blocks; the bytes it reserved before and after, and the
+        difference."""
+        before = int(self.reserved())
+        self.empty_cache()
+        after = int(self.reserved())
+        return {"allocator_reserved_before_bytes": before, "allocator_reserved_after_bytes": after,
+                "allocator_released_bytes": max(0, before - after)}
+
+    def unchanged(self) -> dict[str, int]:
+        """The same fields when nothing is released (nothing woke)."""
+        now = int(self.reserved())
+        return {"allocator_reserved_before_bytes": now, "allocator_reserved_after_bytes": now,
+                "allocator_released_bytes": 0}
