@@ -49,6 +49,7 @@ import argparse
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -97,6 +98,11 @@ RUN_TIMEOUT_S = {"tiny": 600, "0.6b": 900, "1.7b": 1200, "4b": 1500, "8b": 2100,
 FEWSHOT_EXAMPLES = 7  # 493-495 prompt tokens with the SmolLM2 tokenizer: the most that stays under 512
 
 
+def model_label(size: str) -> str:
+    """The name a run's console header gives the model of ``size`` (the scripts' own says SmolLM2)."""
+    return f"random-weight Qwen3-shaped {size} ({qwen3_random.param_count(size):,} parameters)"
+
+
 def now() -> str:
     return time.strftime("%H:%M:%S", time.gmtime())
 
@@ -132,7 +138,8 @@ class Runner:
                "STEPS": str(self.a.steps), "SEED": "0", "PROMPT_STYLE": "fewshot" if self.a.prompts == "long" else "short",
                "BATCH": str(self.a.batch), "N": str(self.a.n), "PROMPT_LEN": str(self.a.prompt_len),
                "RESP_LEN": str(self.a.resp_len), "MODEL_DIR": str(self.model_dir(size)), "MODEL_BUILD": "never",
-               "DATA_DIR": str(self.data_dir), "PYTHON": self.a.python, "GPU_MEMORY_UTILIZATION": str(util)}
+               "DATA_DIR": str(self.data_dir), "PYTHON": self.a.python, "GPU_MEMORY_UTILIZATION": str(util),
+               "MODEL_LABEL": model_label(size)}  # the run's console header names this model, not SmolLM2
         if side == "arctic":
             env["ZORRO"] = "false"
         if self.a.micro:
@@ -161,7 +168,7 @@ class Runner:
                 for i, level in enumerate(self.ladder(side)):
                     env, argv, _ = self.command(size, side, level)
                     when = "" if i == 0 else "   # if the level before ran out of memory"
-                    line = " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(
+                    line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + " ".join(
                         a if " " not in a else repr(a) for a in argv)
                     print(f"cd {self.repo} && {line}{when}")
 

@@ -24,6 +24,8 @@
 #   N_TRAIN / N_VAL  rows of the generated data (4096 / 256)
 #   MODEL_BUILD  auto: build SmolLM2 into MODEL_DIR unless its provenance file is there; never: MODEL_DIR is a
 #          finished model directory of another kind (its config.json is checked), used as it is
+#   MODEL_LABEL  the model's name in the run's console header (SmolLM2-135M-Instruct; a runner that brings
+#          another model in MODEL_DIR names it here)
 
 source "$(dirname "${BASH_SOURCE[0]}")/recipe.sh"
 
@@ -81,6 +83,7 @@ arithmetic_settings() {
         echo "MICRO: expected a positive divisor of MINI_BATCH x N = ${rows}, got '${MICRO}'" >&2; exit 2
     fi
     MODEL_DIR="${MODEL_DIR:-${OUT_DIR}/smollm2_135m_instruct}"
+    MODEL_LABEL="${MODEL_LABEL:-SmolLM2-135M-Instruct}"
     DATA_DIR="${DATA_DIR:-${OUT_DIR}/data_${PROMPT_STYLE}_seed${SEED}}"
 }
 

@@ -60,7 +60,7 @@ if [ "${PRINT_ONLY}" = false ]; then
     recipe_claim_run_dir
     console_init "${RUN_DIR}/run.log"
     console_header \
-        "arithmetic GRPO: SmolLM2-135M-Instruct, ${PROMPT_STYLE} prompts, ${STEPS} steps, ZoRRO ${ZORRO}, async ${ASYNC}, seed ${SEED}" \
+        "arithmetic GRPO: ${MODEL_LABEL}, ${PROMPT_STYLE} prompts, ${STEPS} steps, ZoRRO ${ZORRO}, async ${ASYNC}, seed ${SEED}" \
         "  $(arithmetic_describe)" \
         "  stock verl 0.9.1 + remote backend 'arctic': ${ARCTIC_RL_URL:-the reference server, started on 127.0.0.1}" \
         "  results: ${RUN_DIR}" \

@@ -85,7 +85,7 @@ if [ "${PRINT_ONLY}" = false ]; then
     recipe_claim_run_dir
     console_init "${RUN_DIR}/run.log"
     console_header \
-        "arithmetic GRPO: SmolLM2-135M-Instruct, ${PROMPT_STYLE} prompts, ${STEPS} steps, seed ${SEED}" \
+        "arithmetic GRPO: ${MODEL_LABEL}, ${PROMPT_STYLE} prompts, ${STEPS} steps, seed ${SEED}" \
         "  $(arithmetic_describe)" \
         "  stock verl 0.9.1: FSDP actor + vLLM rollout colocated on 1 GPU (gpu_memory_utilization ${GPU_MEMORY_UTILIZATION}, attention ${ATTN}, fused log-prob kernels ${FUSED_KERNELS})" \
         "  results: ${RUN_DIR}" \

@@ -109,6 +109,9 @@ def test_dry_run_prints_each_levels_overrides(mm, capsys):
     assert "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True" in stock and "_stock.sh" in stock
     base = next(line for line in lines if "RUN_NAME=0.6b_stock_base " in line)
     assert "offload" not in base.split("_stock.sh", 1)[1] and "enable_gradient_checkpointing" not in base
+    for line, size in ((arctic3, "8b"), (stock, "8b"), (base, "0.6b")):  # the header's model, quoted for the shell
+        assert f"MODEL_LABEL='{mm.model_label(size)}'" in line
+    assert mm.model_label("8b").startswith("random-weight Qwen3-shaped 8b (8,")
     assert "--size 8b --out /tmp/mm_dry/models/qwen3_8b" in out
 
 
@@ -223,3 +226,21 @@ def test_recipe_takes_a_finished_model_dir_with_model_build_never(tmp_path, with
         assert done.returncode == 0 and done.stdout.strip() == "prepared", done.stderr
     else:
         assert done.returncode == 2 and f"MODEL_DIR={model} holds no config.json" in done.stderr
+
+
+@pytest.mark.parametrize("given", [None, "random-weight Qwen3-shaped 4b"])
+def test_the_run_header_names_the_model_label(tmp_path, given):
+    """The scripts' console header names ``MODEL_LABEL`` (what max_model.py sets for its random models),
+    SmolLM2-135M-Instruct by default."""
+    import subprocess
+
+    label = f"MODEL_LABEL='{given}' " if given else ""
+    script = (f'source "{REPO}/examples/common/arithmetic.sh"; PROMPT_STYLE=short DEVICE=cpu OUT_DIR="{tmp_path}" '
+              f'SEED=0 {label}; arithmetic_settings; echo "$MODEL_LABEL"')
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (given or "SmolLM2-135M-Instruct")
+    for name in ("run_arithmetic_grpo_smollm2.sh", "run_arithmetic_grpo_smollm2_stock.sh"):
+        text = (REPO / "examples" / "grpo" / name).read_text()
+        header = text[text.index("console_header"):].split("\n")[1]
+        assert header.strip().startswith('"arithmetic GRPO: ${MODEL_LABEL}, ${PROMPT_STYLE} prompts'), (name, header)
