@@ -27,7 +27,11 @@ ZORRO_TRIALS_ENV = "ARCTIC_RL_ZORRO_TRIALS"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from arctic_rl.server.settings import SAMPLERS, TORCH_COMPILE_MODES  # light: no torch, no FastAPI
+    from arctic_rl.server.settings import (  # light: no torch, no FastAPI
+        IN_FLIGHT_ON_WEIGHT_LOAD,
+        SAMPLERS,
+        TORCH_COMPILE_MODES,
+    )
 
     p = argparse.ArgumentParser(prog="python -m arctic_rl.server", description="The reference Arctic RL server.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -54,6 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="sampling engine: vllm (in-process vLLM; needs --device cuda and the vllm package), transformers, or "
         "auto (default): vllm where it can run, else transformers; the choice is logged",
+    )
+    p.add_argument(
+        "--in-flight-on-weight-load",
+        choices=IN_FLIGHT_ON_WEIGHT_LOAD,
+        default="restart",
+        help="a weight load on the sampler waits for the running engine step only and restarts the /generate calls "
+        "in flight from their prompts on the new weights (restart, default), or waits for them to end on the old "
+        "ones (wait); either way no answer mixes two weight versions",
     )
     p.add_argument("--zorro-min-saving", type=_share, default=None,
                    metavar="SHARE",
@@ -193,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler=args.sampler,
         zorro_min_saving=args.zorro_min_saving,
         zorro_trials=args.zorro_trials,
+        in_flight_on_weight_load=args.in_flight_on_weight_load,
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     from arctic_rl.server.app import create_app

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["SAMPLERS", "TORCH_COMPILE_MODES", "ServerSettings", "is_loopback_host"]
+__all__ = ["IN_FLIGHT_ON_WEIGHT_LOAD", "SAMPLERS", "TORCH_COMPILE_MODES", "ServerSettings", "is_loopback_host"]
 
 Device = Literal["cpu", "cuda"]
 #: ``torch.compile`` of the training model: ``auto`` (whole decoder layers on CUDA when a compile probe
@@ -21,6 +21,10 @@ TORCH_COMPILE_MODES = ("auto", "off", "layers", "modules")
 #: the sampling engine: ``auto`` (vLLM where CUDA and ``vllm`` are there, else ``transformers``), or one of
 #: the two (see :mod:`arctic_rl.server.engines.sampler_choice`)
 SAMPLERS = ("auto", "vllm", "transformers")
+#: what a weight load on the sampler does with the ``/generate`` calls in flight: ``restart`` them on the new weights
+#: after the running engine step (the load waits for that step only), or ``wait`` for them to end on the old ones
+#: (see :mod:`arctic_rl.server.engines.continuous`)
+IN_FLIGHT_ON_WEIGHT_LOAD = ("restart", "wait")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -68,6 +72,8 @@ class ServerSettings:
     #: timed calls of each pass before a job keeps the faster for the calls the rule sends to ZoRRO (after a
     #: warm-up call each; see :mod:`arctic_rl.server.zorro.tuner`); 0 = no timing, ZoRRO whenever the rule says
     zorro_trials: int = 2
+    #: the sampler's weight load and the ``/generate`` calls in flight (:data:`IN_FLIGHT_ON_WEIGHT_LOAD`)
+    in_flight_on_weight_load: str = "restart"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -96,4 +102,7 @@ class ServerSettings:
             )
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler: expected one of {list(SAMPLERS)}, got {self.sampler!r}")
+        if self.in_flight_on_weight_load not in IN_FLIGHT_ON_WEIGHT_LOAD:
+            raise ValueError(f"in_flight_on_weight_load: expected one of {list(IN_FLIGHT_ON_WEIGHT_LOAD)}, "
+                             f"got {self.in_flight_on_weight_load!r}")
         object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

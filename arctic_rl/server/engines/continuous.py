@@ -12,11 +12,25 @@ thread is the only one that touches the core; it repeats:
 So a call with ``max_tokens`` 4 sent while a call with ``max_tokens`` 64 runs returns first, and calls that
 arrive while others run do not wait for them.
 
-Control operations -- a weight load, sleep, wake, a prefix-cache reset -- go through :meth:`ContinuousLoop.control`:
-they run on the loop's thread once no call is in flight, and calls queued after one wait for it. No step ever
-runs on half-updated weights, and no call spans a weight change: each call is stamped with the weight version
-current when it was admitted (:attr:`Call.weight_version`), which is the version it ran on from first token to
-last. What is not here: the engines (:class:`StepCore` implementations live next to each sampler), building the
+Control operations -- a weight load, sleep, wake, a prefix-cache reset -- go through :meth:`ContinuousLoop.control`
+and run on the loop's thread between two steps, never during one; controls run in the order they were asked, and
+each says what it does with the calls in flight (``when``):
+
+* ``"restart"`` (a weight load, by default): it waits only for the step that is running; then every call in flight
+  is taken out of the engine (:meth:`StepCore.abort`), the control runs, and those calls are admitted again, first,
+  from their own payloads (same prompts, same seeds), so each runs wholly on the new weights and reports them. A
+  call answered by the step that was running keeps the old version. :attr:`ContinuousLoop.restarted` counts them;
+* ``"step"`` (wake, a prefix-cache reset, a weight read, a cancel): it runs at the next step boundary and the calls
+  in flight go on;
+* ``"idle"`` (sleep; a weight load and a prefix-cache reset under the server's ``wait`` policy): it runs once no
+  call is in flight; calls queued after it wait for it.
+
+Which control takes which is the samplers' choice (their docstrings say it; the server's
+``--in-flight-on-weight-load restart|wait`` picks the weight load's).
+
+No step ever runs on half-updated weights, and no call spans a weight change: each call is stamped with the weight
+version current when it was (last) admitted (:attr:`Call.weight_version`), which is the version it ran on from first
+token to last. What is not here: the engines (:class:`StepCore` implementations live next to each sampler), building the
 ``/generate`` answer (done by the caller, off the loop thread, so the next step is not delayed).
 """
 
@@ -27,15 +41,19 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-__all__ = ["Call", "ContinuousLoop", "LoopClosed", "Pending", "StepCore"]
+__all__ = ["WHEN", "Call", "ContinuousLoop", "LoopClosed", "Pending", "StepCore", "When"]
 
 logger = logging.getLogger("arctic_rl.server")
 
 _ids = itertools.count(1)
+
+#: what a control operation does with the calls in flight (see the module docstring)
+When = Literal["idle", "step", "restart"]
+WHEN: tuple[str, ...] = ("idle", "step", "restart")
 
 
 class LoopClosed(RuntimeError):
@@ -49,8 +67,10 @@ class Call:
     payload: Any
     future: Future = field(default_factory=Future)
     call_id: int = field(default_factory=lambda: next(_ids))
-    #: the weight version the call's sequences ran on (set when the call is admitted)
+    #: the weight version the call's sequences ran on (set when the call is admitted, again when restarted)
     weight_version: int = 0
+    #: times the call was taken out of the engine by a weight load and admitted again from its prompts
+    restarts: int = 0
     #: the core's own bookkeeping for the call (sequences, partial outputs)
     state: Any = None
 
@@ -89,7 +109,8 @@ class StepCore(Protocol):
         """One engine step over everything admitted; the calls it finished, each with its raw output."""
 
     def abort(self, call: Call) -> None:
-        """Drop ``call``'s sequences from the running batch."""
+        """Drop ``call``'s sequences from the running batch (a later ``admit`` of the same call starts it afresh
+        from its payload: same prompts, same seeds)."""
 
     def has_room(self, call: Call, admitting: list[Call]) -> bool:
         """Whether ``call`` fits beside the running batch and the calls being admitted with it (a call that does
@@ -99,7 +120,7 @@ class StepCore(Protocol):
 @dataclass(eq=False)
 class _Control:
     fn: Callable[[], Any]
-    wait_idle: bool = True
+    when: When = "idle"
     before: Callable[[], None] | None = None
     future: Future = field(default_factory=Future)
 
@@ -115,9 +136,11 @@ class ContinuousLoop:
         self._active: list[Call] = []
         self._closed = False
         self._thread: threading.Thread | None = None
-        #: calls answered and steps run so far (``info()``, tests)
+        #: calls answered, steps run, and calls restarted by a ``"restart"`` control so far (``info()``, tests)
         self.answered = 0
         self.steps = 0
+        self.restarted = 0
+        self._restarting: list[Call] = []  # calls taken out by a "restart" control that is running
 
     # ------------------------------------------------------------------ callers (any thread)
 
@@ -135,23 +158,27 @@ class ContinuousLoop:
     def cancel(self, call: Call) -> None:
         """Give up on ``call``: dropped from the queue, or its sequences aborted at the next step boundary."""
         with self._cond:
-            if call in self._queue:
-                self._queue.remove(call)
-                call.future.cancel()
+            waiting = self._queue if call in self._queue else self._restarting if call in self._restarting else None
+            if waiting is not None:
+                waiting.remove(call)
+                if not call.future.cancel() and not call.future.done():  # a restarted call waiting to re-enter
+                    call.future.set_exception(CancelledError())
                 return
         if call in self._active:
-            self.control(lambda: None, wait_idle=False, before=lambda: self._drop(call))
+            self.control(lambda: None, when="step", before=lambda: self._drop(call))
 
-    def control(self, fn: Callable[[], Any], *, wait_idle: bool = True,
+    def control(self, fn: Callable[[], Any], *, when: When = "idle",
                 before: Callable[[], None] | None = None) -> Any:
-        """Run ``fn`` on the loop's thread once no call is in flight (``wait_idle``) and return its result; calls
-        queued after this one wait for it. From the loop's own thread ``fn`` runs at once."""
+        """Run ``fn`` on the loop's thread between two steps and return its result; ``when`` says what happens to
+        the calls in flight (module docstring). From the loop's own thread ``fn`` runs at once."""
+        if when not in WHEN:
+            raise ValueError(f"when: expected one of {list(WHEN)}, got {when!r}")
         if threading.current_thread() is self._thread:
             return fn()
         with self._cond:
             if self._closed:
                 raise LoopClosed(f"the {self.name} was closed")
-            op = _Control(fn, wait_idle, before)
+            op = _Control(fn, when, before)
             self._start()
             self._queue.append(op)
             self._cond.notify_all()
@@ -160,7 +187,7 @@ class ContinuousLoop:
     def in_flight(self) -> int:
         """Calls admitted and not yet answered, plus calls queued."""
         with self._cond:
-            return len(self._active) + sum(isinstance(x, Call) for x in self._queue)
+            return len(self._active) + len(self._restarting) + sum(isinstance(x, Call) for x in self._queue)
 
     def controls_waiting(self) -> int:
         """Control operations queued and not yet run (a weight load waiting for the calls in flight, ...)."""
@@ -194,18 +221,23 @@ class ContinuousLoop:
             call.future.cancel()
 
     def _next_items(self) -> tuple[list[Call], _Control | None]:
-        """Under the lock: the calls to admit now, or the control operation whose turn it is."""
+        """Under the lock: the calls to admit now, or the control operation whose turn it is. The first control
+        queued decides: one that does not wait for idle runs now (calls queued ahead of it are admitted after it);
+        one that does lets the calls ahead of it in, then waits for every call in flight to end."""
         while not self._closed and not self._queue and not self._active:
             self._cond.wait()
+        first = next((i for i, item in enumerate(self._queue) if isinstance(item, _Control)), None)
+        if first is not None and self._queue[first].when != "idle":
+            op = self._queue[first]
+            del self._queue[first]
+            return [], op
         admit: list[Call] = []
         while self._queue and isinstance(self._queue[0], Call):
             if (self._active or admit) and not self.core.has_room(self._queue[0], admit):
                 break  # the batch is full: the call waits (in order) for running ones to end
             admit.append(self._queue.popleft())
-        head = self._queue[0] if self._queue else None
-        if isinstance(head, _Control) and (not head.wait_idle or (not self._active and not admit)):
-            self._queue.popleft()
-            return admit, head
+        if self._queue and isinstance(self._queue[0], _Control) and not self._active and not admit:
+            return admit, self._queue.popleft()
         return admit, None
 
     def _run(self) -> None:
@@ -216,7 +248,7 @@ class ContinuousLoop:
                     active, self._active = self._active, []
                     break
             for call in admit:
-                if call.future.set_running_or_notify_cancel():
+                if call.future.running() or call.future.set_running_or_notify_cancel():  # running: restarted
                     try:
                         self.core.admit(call)
                     except BaseException as exc:  # noqa: BLE001 - the caller hears of it (a bad prompt, ...)
@@ -234,12 +266,41 @@ class ContinuousLoop:
                 call.future.set_exception(LoopClosed(f"the {self.name} was closed"))
 
     def _run_control(self, op: _Control) -> None:
+        taken: list[Call] = []
+        if op.when == "restart" and self._active:
+            with self._cond:
+                taken, self._active = self._active, []
+                self._restarting = taken
+            for call in taken:  # out of the engine before the weights change: none of their steps sees both
+                self.core.abort(call)
+                call.restarts += 1
+        result: Any = None
+        error: BaseException | None = None
         try:
             if op.before is not None:
                 op.before()
-            op.future.set_result(op.fn())
+            result = op.fn()
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-            op.future.set_exception(exc)
+            error = exc
+        if taken:
+            self._readmit(len(taken))
+        if error is not None:
+            op.future.set_exception(error)
+        else:
+            op.future.set_result(result)
+
+    def _readmit(self, count: int) -> None:
+        """Queue the calls a ``"restart"`` control took out (less those cancelled meanwhile) ahead of all others."""
+        self.restarted += count
+        logger.info("%s: %d calls in flight restarted from their prompts after a weight load", self.name, count)
+        with self._cond:
+            back, self._restarting = self._restarting, []
+            if not self._closed:
+                self._queue.extendleft(reversed(back))  # in their old order
+                return
+        for call in back:  # closed while the control ran
+            if not call.future.done():
+                call.future.set_exception(LoopClosed(f"the {self.name} was closed"))
 
     def _step(self) -> None:
         try:

@@ -18,8 +18,10 @@ the batch holds ``max_rows`` rows (the job's ``vllm_config.max_num_seqs``, else 
 new call waits, in order, for rows to end (a call larger than that runs alone). A job created with
 ``full_determinism`` (the adapter asks for it under verl's ``rollout.full_determinism``) runs every call alone, so
 that a seeded call's samples are the same whatever else the server is asked. The
-weight version a call reports is the one at its admission; the loop runs weight loads only when no row is in
-flight (:mod:`.continuous`), so it is the version of every token of the call.
+weight version a call reports is the one at its admission; the loop never runs a weight load during a step, and one
+that finds rows in flight either takes their calls out (``abort``) and admits them again afterwards -- from their
+prompts, the call's generator re-seeded with its seed, so they sample as if sent after the load -- or waits for them
+(:mod:`.continuous`), so it is the version of every token of the call.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class HfStepCore:
         job: HfCall = call.payload
         call.weight_version = self.weight_version()
         call.state = job
+        job.generator.manual_seed(job.generator.initial_seed())  # a restarted call samples from its seed again
         n = job.params.n
         prompts = [p for p in job.prompts for _ in range(n)]
         job.samples = [None] * len(prompts)  # type: ignore[list-item]

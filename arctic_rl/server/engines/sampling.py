@@ -16,6 +16,13 @@ With ``logprobs=k`` each result carries, per generated token, the vendor's (vLLM
 per token, and with ``detokenize=false`` no ``text`` (both samplers: :func:`result_logprobs`, :func:`result_text`).
 A sampler exposes ``generate``, ``load_weights``, ``info``, ``sleep``, ``wake_up``,
 ``reset_prefix_cache`` and ``weight_norm`` (the routes of :mod:`arctic_rl.server.app` call them).
+
+A weight load (``/weight-sync``) runs on the generation loop's thread between two decode steps (:mod:`.continuous`).
+With the server's ``--in-flight-on-weight-load restart`` (the default) it waits for the running step only: the
+calls in flight leave the batch, the weights load, and those calls run again from their prompts and seeds on the
+new weights, answering with the new version (``info()["restarted_on_weight_load"]`` counts them); with ``wait`` it
+waits for them to end on the old weights. Sleep, wake and the prefix-cache reset only record state here (this
+sampler keeps its weights and no prefix cache), so they wait for nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from pydantic import ValidationError
 
 from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
 from arctic_rl.server.engines.common import compute_dtype, load_model, load_tokenizer, model_vocab_size, resolve_device
-from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending
+from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending, When
 from arctic_rl.server.engines.device_memory import DeviceMemory
 from arctic_rl.server.engines.fast_generation import can_run_static, generate_batch_static
 from arctic_rl.server.engines.generation import Decoding, generate_batch
@@ -156,6 +163,8 @@ class SamplingEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else next(iter(self.eos_ids), 0))
         self.weight_version = 0
+        #: ``restart`` or ``wait``: the calls in flight at a weight load (:data:`~arctic_rl.server.settings.IN_FLIGHT_ON_WEIGHT_LOAD`)
+        self.in_flight_on_weight_load = settings.in_flight_on_weight_load
         self.asleep: set[str] = set()  # the parts put to sleep (``weights``, ``kv_cache``)
         self.prefix_cache_resets = 0
         if vllm_config:
@@ -236,8 +245,10 @@ class SamplingEngine:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
-        """Copy the training model's weights in once no call is in flight (calls queued meanwhile wait)."""
-        return self._loop().control(lambda: self._load_weights(weights))
+        """Copy the training model's weights in between two decode steps: the calls in flight restart on them, or
+        (policy ``wait``) the load waits for those calls to end; calls queued meanwhile run on the new weights."""
+        when: When = "restart" if self.in_flight_on_weight_load == "restart" else "idle"
+        return self._loop().control(lambda: self._load_weights(weights), when=when)
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> int:
         copy_weights(self.model, weights)
@@ -284,6 +295,8 @@ class SamplingEngine:
             "batch_size": self.batch_size,
             "continuous_batching": True,
             "generate_in_flight": self._loop().in_flight() if "_generation_loop" in self.__dict__ else 0,
+            "in_flight_on_weight_load": self.in_flight_on_weight_load,
+            "restarted_on_weight_load": self._loop().restarted if "_generation_loop" in self.__dict__ else 0,
         }
 
     def memory_report(self) -> dict[str, int]:

@@ -23,8 +23,18 @@ Chosen by ``--sampler vllm`` (or ``auto`` on a CUDA machine with ``vllm``; see
 Continuous batching: every ``/generate`` call is queued into one running batch (:mod:`.continuous`,
 :mod:`.vllm_steps`): a thread steps vLLM's in-process ``LLMEngine``, calls that arrive while others run join the
 batch between steps, and each call is answered when its own sequences end, with ``weight_version`` the version it
-ran on. Weight loads, sleep, wake and prefix-cache resets run on that thread once no call is in flight (calls that
-arrive meanwhile wait for them), so no step sees half-updated weights and no answer mixes two versions.
+ran on. Weight loads, sleep, wake and prefix-cache resets run on that thread between two engine steps, so no step
+sees half-updated weights and no answer mixes two versions. What each does with the calls in flight:
+
+* a weight load, under the server's ``--in-flight-on-weight-load restart`` (default), waits for the running step
+  only, aborts the calls in flight, loads, resets the prefix cache and admits those calls again from their prompts
+  and seeds: each answers with the new version (``info()["restarted_on_weight_load"]`` counts them). Under ``wait``
+  it waits for them to end (they answer with the old version); calls that arrive meanwhile wait for it;
+* a sleep waits for the calls in flight to end (it frees the KV cache they decode into; no call is dropped);
+* a wake, a weight-norm read and (policy ``restart``) a prefix-cache reset run at the next step boundary: a wake
+  has nothing to wait for (an engine with a part asleep admits no call) and a reset has nothing stale to drop
+  while calls run (the last load reset the cache before any of them was admitted; vLLM keeps the blocks running
+  requests hold and says ``busy``). Under ``wait`` the reset waits for the calls in flight, as before.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``/weight-sync``
 from a training job on the same GPU hands its live tensors to ``model.load_weights`` with no
@@ -55,7 +65,7 @@ from arctic_rl.server.engines.common import (
     load_tokenizer,
     resolve_device,
 )
-from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending
+from arctic_rl.server.engines.continuous import Call, ContinuousLoop, Pending, When
 from arctic_rl.server.engines.device_memory import DeviceMemory
 from arctic_rl.server.engines.prompts import check_context, prompt_token_ids, stop_token_ids
 from arctic_rl.server.engines.vllm_answer import answer_from_outputs
@@ -103,6 +113,8 @@ class VllmSamplingEngine:
 
     job_type = JobType.SAMPLING
     device_memory: DeviceMemory | None = None  #: sleep and wake's memory functions (None: the device's)
+    #: ``restart`` or ``wait``: the calls in flight at a weight load (``--in-flight-on-weight-load``)
+    in_flight_on_weight_load = "restart"
 
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
         multiprocessing = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -115,6 +127,7 @@ class VllmSamplingEngine:
         from vllm import LLM
 
         self.config = config
+        self.in_flight_on_weight_load = settings.in_flight_on_weight_load
         self.device = resolve_device(settings.device)
         if self.device.type != "cuda":
             raise RuntimeError("the vLLM sampler needs --device cuda")
@@ -215,9 +228,14 @@ class VllmSamplingEngine:
             loop = self._generation_loop = ContinuousLoop(core, name="vLLM sampler")
         return loop
 
-    def _control(self, fn):
-        """Run ``fn`` on the engine's loop thread once no ``/generate`` call is in flight (weights, memory, cache)."""
-        return self._loop().control(fn)
+    def _control(self, fn, when: When = "idle"):
+        """Run ``fn`` on the engine's loop thread between two steps; ``when`` decides what happens to the calls in
+        flight (module docstring)."""
+        return self._loop().control(fn, when=when)
+
+    def _weights_when(self, restart: When) -> When:
+        """``restart`` (the given way) under the ``restart`` policy, else wait for the calls in flight."""
+        return restart if self.in_flight_on_weight_load == "restart" else "idle"
 
     def submit_generate(self, request: GenerateRequest, params: SamplingParams) -> Pending:
         """Validate a ``/generate`` call and queue it into the running batch; the answer is built by
@@ -245,9 +263,9 @@ class VllmSamplingEngine:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
-        """Copy the training job's live tensors into vLLM's model (GPU to GPU) and bump the version, once the
-        calls in flight have finished (they answer with the version they ran on)."""
-        return self._control(lambda: self._load_weights(weights))
+        """Copy the training job's live tensors into vLLM's model (GPU to GPU) and bump the version, after the
+        running step: the calls in flight restart on the new weights (or, policy ``wait``, finish first)."""
+        return self._control(lambda: self._load_weights(weights), self._weights_when("restart"))
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> int:
         if self.sleeping["weights"]:
@@ -303,7 +321,7 @@ class VllmSamplingEngine:
         bad = [t for t in wanted if t not in _WAKE_TAGS]
         if bad:
             raise BadRequest("tags: what to wake", field="tags", allowed=list(_WAKE_TAGS), received=bad[0])
-        return self._control(lambda: self._wake_up(wanted))
+        return self._control(lambda: self._wake_up(wanted), "step")
 
     def _wake_up(self, wanted: list[str]) -> dict[str, Any]:
         todo = [t for t in wanted if self.sleeping[t]]
@@ -324,16 +342,17 @@ class VllmSamplingEngine:
                 "seconds": seconds, "weights_discarded": self.weights_discarded, **released}
 
     def reset_prefix_cache(self) -> dict[str, Any]:
-        """Drop vLLM's cached prompt blocks (asleep, the KV cache is already gone: nothing to drop), once the
-        calls in flight have finished."""
-        ok = self._control(lambda: bool(self.llm.reset_prefix_cache()) if not any(self.sleeping.values()) else True)
+        """Drop vLLM's cached prompt blocks (asleep, the KV cache is already gone: nothing to drop) at the next step
+        boundary (policy ``wait``: once the calls in flight have finished)."""
+        ok = self._control(lambda: bool(self.llm.reset_prefix_cache()) if not any(self.sleeping.values()) else True,
+                           self._weights_when("step"))
         return {"status": "ok" if ok else "busy", "reset": ok}
 
     def weight_norm(self) -> dict[str, Any]:
         if self.sleeping["weights"]:
             raise Conflict("the vLLM sampler's weights are asleep; call /wake-inference first", field="job_id",
                            allowed="an awake sampling job", received="asleep")
-        return self._control(lambda: self.llm.collective_rpc(_model_weight_norm)[0])
+        return self._control(lambda: self.llm.collective_rpc(_model_weight_norm)[0], "step")
 
     def memory_report(self) -> dict[str, int]:
         """Bytes by part (:mod:`arctic_rl.server.memory`): the worker's weights and KV cache (reached through
@@ -352,6 +371,8 @@ class VllmSamplingEngine:
             "sleep_level": self.sleep_level,
             "continuous_batching": True,
             "generate_in_flight": self._loop().in_flight() if "_generation_loop" in self.__dict__ else 0,
+            "in_flight_on_weight_load": self.in_flight_on_weight_load,
+            "restarted_on_weight_load": self._loop().restarted if "_generation_loop" in self.__dict__ else 0,
         }
 
     def close(self) -> None:

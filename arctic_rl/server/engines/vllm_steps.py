@@ -11,8 +11,16 @@ process (``EngineCoreClient.make_client`` refuses asyncio without multiprocessin
 cross-process transfer. The synchronous ``LLMEngine`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine
 core -- and the model -- in the server process: ``collective_rpc`` still copies the training job's live tensors
 device to device. The loop thread gives it the async engine's behaviour (requests join while others run, each
-answered when its own sequences end). Plain Python over vLLM's objects: no vLLM import, so the CPU tests drive it
-with a stand-in engine (``tests/support/vllm_stand_in.py``).
+answered when its own sequences end).
+
+A weight load that finds calls in flight (the loop's ``"restart"``, :mod:`.continuous`) aborts their requests
+(``LLMEngine.abort_request`` with the ids given to ``add_request``: vLLM drops them from its output processor and
+scheduler and frees their KV blocks, so the prefix-cache reset after the load succeeds) and admits the calls again
+afterwards: the same prompts and ``SamplingParams`` (so the same per-prompt seeds) under new request ids
+(``c<call>-<prompt>r<restart>``), so no output of an aborted request can be taken for the new one.
+
+Plain Python over vLLM's objects: no vLLM import, so the CPU tests drive it with a stand-in engine
+(``tests/support/vllm_stand_in.py``).
 """
 
 from __future__ import annotations
@@ -73,11 +81,12 @@ class VllmStepCore:
         self.ready()
         job.outputs = [None] * len(job.prompts)
         job.left = len(job.prompts)
+        job.request_ids, job.aliases = [], []
         call.weight_version = self.weight_version()
         call.state = job
         try:
             for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True)):
-                request_id = f"c{call.call_id}-{i}"
+                request_id = f"c{call.call_id}-{i}" + (f"r{call.restarts}" if call.restarts else "")
                 self.final_only(params)
                 job.request_ids.append(request_id)
                 self._owner[request_id] = (call, i)

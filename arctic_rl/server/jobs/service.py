@@ -16,8 +16,9 @@ Decisions documented here (and in ``docs/SERVER.md``):
 * ``/weight-sync``'s query ``job_id`` must be its ``source_sub_job_id`` (the training job).
 * ``/generate`` on a sampler that batches continuously (both of ours; :mod:`arctic_rl.server.engines.continuous`) takes no job
   lock: calls run side by side in the sampler's running batch, each answered when its own sequences end, with the
-  ``weight_version`` it ran on. A weight sync, sleep, wake or prefix-cache reset holds the job lock and waits, in
-  the engine, for the calls in flight; calls that arrive meanwhile wait for it.
+  ``weight_version`` it ran on. A weight sync, sleep, wake or prefix-cache reset holds the job lock and runs in the
+  engine between two steps: a sync restarts the calls in flight on the new weights (or, under
+  ``--in-flight-on-weight-load wait``, waits for them), a sleep waits for them.
 """
 
 from __future__ import annotations
@@ -368,7 +369,8 @@ class ServerState:
     async def _generate_continuous(self, job: Job, request: Any, params: Any) -> list[dict[str, Any]]:
         """A ``/generate`` call on a sampler that batches continuously: no job lock -- the call joins the running
         batch and is answered when its own sequences end; the answer is built in a worker thread. Weight syncs,
-        sleep and wake (under the job lock) wait inside the engine for the calls in flight."""
+        sleep and wake (under the job lock) are ordered with the calls inside the engine
+        (:mod:`arctic_rl.server.engines.continuous`)."""
         from arctic_rl.server.engines.continuous import LoopClosed
 
         job.calls += 1

@@ -7,8 +7,9 @@ Checked on the real sampler (tiny Qwen3, CPU):
 * a call that joined a running batch samples what it samples alone (greedy: the same tokens; its log-probs equal a
   direct ``transformers`` computation of the same sequence), so merging the batches mixes nothing between calls;
 * a full batch (``max_rows``: the job's ``max_num_seqs``, else ``--generate-batch-size``) makes new calls wait;
-* a weight sync sent during a generation waits for it: the call in flight is answered with the old version and
-  old-weight tokens, the call queued behind the sync with the new version and new-weight tokens only;
+* under ``--in-flight-on-weight-load wait``, a weight sync sent during a generation waits for it: the call in flight
+  is answered with the old version and old-weight tokens, the call queued behind the sync with the new version and
+  new-weight tokens only (the default, ``restart``: ``test_weight_load_in_flight_on_cpu.py``);
 * the loop itself: control operations wait for the calls in flight, calls after a control wait for it, a failed
   step fails its calls, a closed loop refuses new calls.
 """
@@ -125,7 +126,8 @@ def test_a_full_determinism_job_runs_every_call_alone(tiny_model_dir):
         eng.close()
 
 
-def test_a_weight_sync_during_generation_never_mixes_weights(engine):
+def test_a_weight_sync_under_wait_lets_the_generation_end_and_never_mixes_weights(engine, monkeypatch):
+    monkeypatch.setattr(engine, "in_flight_on_weight_load", "wait")
     original = {k: v.clone() for k, v in engine.model.state_dict().items()}
     other = {k: v + 0.05 * torch.randn_like(v) if v.dtype.is_floating_point else v for k, v in original.items()}
     version = engine.weight_version

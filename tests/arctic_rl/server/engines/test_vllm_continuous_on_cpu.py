@@ -7,8 +7,9 @@ the engine's weight version). The GPU test (``test_vllm_sampler_gpu.py``) runs t
   engine ran both at once;
 * ``n`` completions come back grouped by prompt, the outputs found under the caller's ids though vLLM keeps
   suffixed ones;
-* a weight load waits for the calls in flight (the stand-in refuses loads while requests run): the running call
-  answers with the old version in every token, the call queued behind the load with the new one only;
+* under ``--in-flight-on-weight-load wait``, a weight load waits for the calls in flight (the stand-in refuses loads
+  while requests run): the running call answers with the old version in every token, the call queued behind the
+  load with the new one only (the default, ``restart``: ``test_weight_load_in_flight_on_cpu.py``);
 * a call to a sleeping engine is refused at admission with a 409, and the loop stops with the job.
 """
 
@@ -84,7 +85,8 @@ def test_a_full_determinism_job_runs_every_call_alone(monkeypatch):
         eng.__dict__["_generation_loop"].close()
 
 
-def test_a_weight_load_waits_for_the_calls_in_flight_and_no_answer_mixes_versions(engine):
+def test_a_weight_load_under_wait_waits_for_the_calls_in_flight_and_no_answer_mixes_versions(engine):
+    engine.in_flight_on_weight_load = "wait"
     slow_steps(engine)
     running = submit(engine, [[1, 2]], max_tokens=200)
     while not engine.llm.running:

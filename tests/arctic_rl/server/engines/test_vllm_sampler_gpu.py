@@ -6,9 +6,10 @@ the ``/generate`` parameters (n, seed, greedy, max_tokens, stop tokens, stop str
 prompts, log-prob candidates, 400s), log-probs against the training model, a weight sync after an
 optimizer step (the next generation uses the new weights), sleep / wake at levels 1 and 2, and a
 loop of sleep -> train -> wake -> sync -> generate with no OOM; continuous batching: calls from several threads
-join the running batch and a short call returns while a long one still runs, and a weight sync sent during a
-generation waits for it (the running call answers with the old version, the call queued behind the sync with
-the new one and the trainer's log-probs). Skipped without a CUDA device or without ``vllm``. On a GPU box with
+join the running batch and a short call returns while a long one still runs; a weight sync sent during a
+generation restarts the call in flight on the new weights (it answers with the new version and the trainer's
+log-probs; the sync does not wait for it), and under ``--in-flight-on-weight-load wait`` it waits for the call (the
+running call answers with the old version, the call queued behind the sync with the new one). Skipped without a CUDA device or without ``vllm``. On a GPU box with
 vLLM 0.26 installed::
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m pytest -q -p no:randomly tests/arctic_rl/server/engines/test_vllm_sampler_gpu.py
@@ -238,29 +239,56 @@ def test_concurrent_calls_join_the_running_batch_and_a_short_call_returns_first(
     assert sampler.info()["continuous_batching"] is True
 
 
-def test_weight_sync_during_generation_waits_for_the_calls_in_flight(engines):
+def test_weight_sync_during_generation_restarts_the_calls_in_flight(engines):
+    import time
+
+    train, sampler = engines
+    assert sampler.in_flight_on_weight_load == "restart"
+    prompt = list(range(20, 52))
+    version, restarted = sampler.weight_version, sampler.info()["restarted_on_weight_load"]
+    _train_step(train)  # the trainer moves ahead; the sampler still holds `version`
+    torch.cuda.synchronize()
+    loop = sampler._loop()
+    started = loop.steps
+    running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True, seed=3)
+    while loop.steps < started + 20:  # the call decodes
+        time.sleep(0.002)
+    assert sampler.load_weights(train.weights()) == version + 1
+    assert not running.future.done()  # the sync waited for one engine step, not for the call
+    results = running.result()
+    assert sampler.info()["restarted_on_weight_load"] == restarted + 1
+    assert {r["weight_version"] for r in results} == {version + 1} and {r["generation_len"] for r in results} == {900}
+    for r in results:  # restarted from its prompt: its tokens come from the new weights from the first one
+        assert_close_lps(torch.tensor(sampled_lps(r)[:64]), train_lps(train, prompt, r["token_ids"][:64]))
+
+
+def test_weight_sync_during_generation_under_wait_waits_for_the_calls_in_flight(engines):
     import threading
     import time
 
     train, sampler = engines
-    prompt = list(range(20, 52))
-    version = sampler.weight_version
-    _train_step(train)  # the trainer moves ahead; the sampler still holds `version`
-    torch.cuda.synchronize()
-    running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True)
-    synced = {}
-    sync = threading.Thread(target=lambda: synced.setdefault("v", sampler.load_weights(train.weights())))
-    sync.start()
-    while sampler._loop().controls_waiting() == 0:  # the load is queued behind the call in flight
-        assert sync.is_alive() and not running.future.done()
-        time.sleep(0.005)
-    after = _submit(sampler, [prompt], temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
-    before_results = running.result()
-    sync.join(timeout=120)
-    assert synced["v"] == version + 1
-    # the call in flight ran on the old weights from first token to last, and says so
-    assert {r["weight_version"] for r in before_results} == {version}
-    after_results = after.result()  # queued behind the sync: runs on the new weights only
-    assert {r["weight_version"] for r in after_results} == {version + 1}
-    assert_close_lps(torch.tensor(sampled_lps(after_results[0])),
-                     train_lps(train, prompt, after_results[0]["token_ids"]))
+    sampler.in_flight_on_weight_load = "wait"
+    try:
+        prompt = list(range(20, 52))
+        version = sampler.weight_version
+        _train_step(train)  # the trainer moves ahead; the sampler still holds `version`
+        torch.cuda.synchronize()
+        running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True)
+        synced = {}
+        sync = threading.Thread(target=lambda: synced.setdefault("v", sampler.load_weights(train.weights())))
+        sync.start()
+        while sampler._loop().controls_waiting() == 0:  # the load is queued behind the call in flight
+            assert sync.is_alive() and not running.future.done()
+            time.sleep(0.005)
+        after = _submit(sampler, [prompt], temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+        before_results = running.result()
+        sync.join(timeout=120)
+        assert synced["v"] == version + 1
+        # the call in flight ran on the old weights from first token to last, and says so
+        assert {r["weight_version"] for r in before_results} == {version}
+        after_results = after.result()  # queued behind the sync: runs on the new weights only
+        assert {r["weight_version"] for r in after_results} == {version + 1}
+        assert_close_lps(torch.tensor(sampled_lps(after_results[0])),
+                         train_lps(train, prompt, after_results[0]["token_ids"]))
+    finally:
+        sampler.in_flight_on_weight_load = "restart"
