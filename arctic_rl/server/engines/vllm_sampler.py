@@ -26,15 +26,14 @@ batch between steps, and each call is answered when its own sequences end, with 
 ran on. Weight loads, sleep, wake and prefix-cache resets run on that thread between two engine steps, so no step
 sees half-updated weights and no answer mixes two versions. What each does with the calls in flight:
 
-* a weight load, under the server's ``--in-flight-on-weight-load restart`` (default), waits for the running step
-  only, aborts the calls in flight, loads, resets the prefix cache and admits those calls again from their prompts
-  and seeds: each answers with the new version (``info()["restarted_on_weight_load"]`` counts them). Under ``wait``
-  it waits for them to end (they answer with the old version); calls that arrive meanwhile wait for it;
+* a weight load, under ``--in-flight-on-weight-load restart`` (default), waits for the running step only, aborts
+  the calls in flight, lets vLLM settle the step it may still run for them (:func:`.vllm_steps.settle`), loads, resets the
+  prefix cache and admits those calls again from their prompts and seeds: each answers with the new version
+  (``info()["restarted_on_weight_load"]`` counts them). Under ``wait`` it waits for them to end (old version);
 * a sleep waits for the calls in flight to end (it frees the KV cache they decode into; no call is dropped);
-* a wake, a weight-norm read and (policy ``restart``) a prefix-cache reset run at the next step boundary: a wake
-  has nothing to wait for (an engine with a part asleep admits no call) and a reset has nothing stale to drop
-  while calls run (the last load reset the cache before any of them was admitted; vLLM keeps the blocks running
-  requests hold and says ``busy``). Under ``wait`` the reset waits for the calls in flight, as before.
+* a wake, a weight-norm read and (policy ``restart``) a prefix-cache reset run at the next step boundary: an engine
+  with a part asleep admits no call, and no cached block is stale while calls run (the last load reset the cache
+  before any was admitted; vLLM keeps the blocks of running requests and says ``busy``).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``/weight-sync``
 from a training job on the same GPU hands its live tensors to ``model.load_weights`` with no
@@ -76,7 +75,7 @@ from arctic_rl.server.engines.vllm_options import (
     engine_options,
     prompt_seeds,
 )
-from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore
+from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore, settle
 from arctic_rl.server.engines.weights import weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.memory import device_report, vllm_worker_parts
@@ -268,6 +267,8 @@ class VllmSamplingEngine:
         return self._control(lambda: self._load_weights(weights), self._weights_when("restart"))
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        if not self.sleeping["kv_cache"]:
+            settle(self.llm)  # the step vLLM may still run for the calls just taken out, before the weights change
         if self.sleeping["weights"]:
             self.llm.wake_up(tags=["weights"])
             self.sleeping["weights"] = False

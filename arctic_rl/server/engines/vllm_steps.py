@@ -17,7 +17,11 @@ A weight load that finds calls in flight (the loop's ``"restart"``, :mod:`.conti
 (``LLMEngine.abort_request`` with the ids given to ``add_request``: vLLM drops them from its output processor and
 scheduler and frees their KV blocks, so the prefix-cache reset after the load succeeds) and admits the calls again
 afterwards: the same prompts and ``SamplingParams`` (so the same per-prompt seeds) under new request ids
-(``c<call>-<prompt>r<restart>``), so no output of an aborted request can be taken for the new one.
+(``c<call>-<prompt>r<restart>``), so no output of an aborted request can be taken for the new one. Between the abort
+and the load, :func:`settle`: with async scheduling (vLLM's default) a step for the aborted requests may still be
+in flight, and vLLM returns their KV blocks to the pool -- and lets its prefix cache be reset -- only once that step
+is processed; the reset after the load must drop every prompt block computed on the old weights, or the restarted
+call (same prompt) would reuse them.
 
 Plain Python over vLLM's objects: no vLLM import, so the CPU tests drive it with a stand-in engine
 (``tests/support/vllm_stand_in.py``).
@@ -31,7 +35,10 @@ from typing import Any
 
 from arctic_rl.server.engines.continuous import Call
 
-__all__ = ["VllmCall", "VllmStepCore"]
+__all__ = ["SETTLE_STEPS", "VllmCall", "VllmStepCore", "settle"]
+
+#: engine steps :func:`settle` lets vLLM take to finish what it still runs for requests just aborted
+SETTLE_STEPS = 8
 
 
 @dataclass
@@ -132,3 +139,13 @@ class VllmStepCore:
     def _forget(self, job: VllmCall) -> None:
         for request_id in (*job.request_ids, *job.aliases):
             self._owner.pop(request_id, None)
+
+
+def settle(llm: Any, steps: int = SETTLE_STEPS) -> None:
+    """Step ``llm``'s engine (no request of ours left in it) until its prefix cache can be reset -- every KV block
+    free -- and reset it; a ``RuntimeError`` after ``steps`` steps (the weights are then left as they were)."""
+    for _ in range(steps):
+        if llm.reset_prefix_cache():
+            return
+        llm.llm_engine.step()  # outputs of aborted requests only: vLLM drops them
+    raise RuntimeError(f"vLLM still holds KV blocks {steps} steps after the calls in flight were taken out of it")

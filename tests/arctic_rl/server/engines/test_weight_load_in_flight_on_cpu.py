@@ -11,8 +11,10 @@ Checked three ways:
   under ``wait`` the load runs after the long call's last step;
 * the ``transformers`` sampler on the tiny model: a load sent while a 64-token call decodes returns within a step or
   two, and that call's tokens and log-probs are those the new weights give (greedy, and seeded sampling);
-* the vLLM sampler's engine code around the stand-in ``LLMEngine`` (it refuses a load while requests run), and a
-  prefix-cache reset that does not wait for the calls in flight;
+* the vLLM sampler's engine code around the stand-in ``LLMEngine`` (it refuses a load while requests run): the
+  requests are aborted, the engine settles (steps until its prefix cache can be reset, as vLLM's async scheduling
+  needs) before the load, and they are re-added with their seeds under new ids; an engine that never settles fails
+  the load and the calls go on with the old weights; a prefix-cache reset does not wait for the calls in flight;
 * a bad policy is refused naming the option, the allowed values and what was given.
 """
 
@@ -247,11 +249,22 @@ def test_the_vllm_sampler_aborts_and_re_adds_the_requests_in_flight(vllm_engine)
     running = vllm_submit(eng, [[1, 2], [3]], max_tokens=200, n=2, seed=4)
     while eng.llm.steps < 3:
         time.sleep(0.001)
-    load, seen = eng.llm.collective_rpc, {}
-    eng.llm.collective_rpc = lambda fn, args=(): seen.setdefault("steps", eng.llm.steps) and load(fn, args)
+    load, seen, order = eng.llm.collective_rpc, {}, []
+
+    def recording_load(fn, args=()):
+        order.append("load")
+        seen["steps"] = eng.llm.steps
+        return load(fn, args)
+
+    def reset_once_settled() -> bool:  # async scheduling: the aborted requests' blocks are freed (and the cache
+        order.append("reset")  # can be reset) once the step still in flight for them is processed
+        return order.count("reset") > 1
+
+    eng.llm.collective_rpc, eng.llm.reset_prefix_cache = recording_load, reset_once_settled
     sent_at = eng.llm.steps
     assert eng.load_weights({}) == 8  # the stand-in refuses a load while requests run: they were aborted first
-    assert seen["steps"] - sent_at <= 2 and not running.future.done()
+    assert seen["steps"] - sent_at <= 3 and not running.future.done()  # the running step and the settling one
+    assert order == ["reset", "reset", "load", "reset"]  # refused, one engine step, reset, load, reset
     while not eng.llm.running:  # admitted again, under new request ids
         time.sleep(0.001)
     call_id = running.call.call_id
@@ -261,6 +274,18 @@ def test_the_vllm_sampler_aborts_and_re_adds_the_requests_in_flight(vllm_engine)
     assert [r["generation_len"] for r in results] == [200] * 4
     assert all(set(r["token_ids"]) == {101} and r["weight_version"] == 8 for r in results)  # new weights only
     assert eng.info()["restarted_on_weight_load"] == 1 and eng.info()["in_flight_on_weight_load"] == "restart"
+
+
+def test_a_vllm_load_whose_engine_does_not_settle_fails_and_the_calls_go_on_with_the_old_weights(vllm_engine):
+    eng = vllm_engine
+    running = vllm_submit(eng, [[1, 2]], max_tokens=100)
+    while not eng.llm.running:
+        time.sleep(0.001)
+    eng.llm.reset_prefix_cache = lambda: False  # blocks never freed
+    with pytest.raises(RuntimeError, match="still holds KV blocks"):
+        eng.load_weights({})
+    (answer,) = running.result()  # admitted again, on the weights it had
+    assert eng.weight_version == 7 and answer["weight_version"] == 7 and set(answer["token_ids"]) == {100}
 
 
 def test_the_vllm_sampler_under_wait_keeps_the_old_behaviour(vllm_engine):
