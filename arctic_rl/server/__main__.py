@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         IN_FLIGHT_ON_WEIGHT_LOAD,
         SAMPLERS,
         TORCH_COMPILE_MODES,
+        WARM_UP_MODES,
     )
 
     p = argparse.ArgumentParser(prog="python -m arctic_rl.server", description="The reference Arctic RL server.")
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile the training model: whole decoder layers, only their norms and MLPs, or off. "
         "Default auto: layers on CUDA when a probe compile works there, off on CPU. See docs/PERFORMANCE.md",
     )
+    p.add_argument("--warm-up", choices=WARM_UP_MODES, default="auto",
+                   help="run each training and log_prob job's passes once on a small batch when it is created, so "
+                   "that torch.compile's compiles happen before step 1: auto (default) where torch.compile is in use")
     p.add_argument(
         "--sampler",
         choices=SAMPLERS,
@@ -199,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=max(1, int(args.max_body_mb * 1024 * 1024)),
         generate_batch_size=args.generate_batch_size,
         torch_compile=args.torch_compile,
+        warm_up=args.warm_up,
         body_timeout_s=args.body_timeout_s,
         head_timeout_s=args.head_timeout_s,
         limit_concurrency=args.limit_concurrency,

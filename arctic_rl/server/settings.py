@@ -18,6 +18,9 @@ Device = Literal["cpu", "cuda"]
 #: ``torch.compile`` of the training model: ``auto`` (whole decoder layers on CUDA when a compile probe
 #: works there, else off), off, whole decoder layers, or only the layers' norms and MLPs
 TORCH_COMPILE_MODES = ("auto", "off", "layers", "modules")
+#: the warm-up of training and log_prob jobs at creation (:mod:`arctic_rl.server.engines.warmup`): ``auto`` where
+#: torch.compile is in use, ``on`` always, ``off`` never
+WARM_UP_MODES = ("auto", "on", "off")
 #: the sampling engine: ``auto`` (vLLM where CUDA and ``vllm`` are there, else ``transformers``), or one of
 #: the two (see :mod:`arctic_rl.server.engines.sampler_choice`)
 SAMPLERS = ("auto", "vllm", "transformers")
@@ -72,6 +75,8 @@ class ServerSettings:
     #: timed calls of each pass before a job keeps the faster for the calls the rule sends to ZoRRO (after a
     #: warm-up call each; see :mod:`arctic_rl.server.zorro.tuner`); 0 = no timing, ZoRRO whenever the rule says
     zorro_trials: int = 2
+    #: compile before step 1: a job's warm-up passes at creation (:data:`WARM_UP_MODES`)
+    warm_up: str = "auto"
     #: the sampler's weight load and the ``/generate`` calls in flight (:data:`IN_FLIGHT_ON_WEIGHT_LOAD`)
     in_flight_on_weight_load: str = "restart"
 
@@ -100,6 +105,8 @@ class ServerSettings:
                 f"zorro_trials: expected an integer >= 0 (0 = no timing, ZoRRO whenever the rule says), "
                 f"got {self.zorro_trials!r}"
             )
+        if self.warm_up not in WARM_UP_MODES:
+            raise ValueError(f"warm_up: expected one of {list(WARM_UP_MODES)}, got {self.warm_up!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler: expected one of {list(SAMPLERS)}, got {self.sampler!r}")
         if self.in_flight_on_weight_load not in IN_FLIGHT_ON_WEIGHT_LOAD:

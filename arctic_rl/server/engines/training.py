@@ -123,6 +123,7 @@ class TrainingEngine:
         set_compiled_token_stats(self.torch_compile != "off")  # fused log-softmax / entropy chunks
         self.gas = int(self.engine.gradient_accumulation_steps())
         self.pending = 0  # 1 after a /forward-backward until the /step that closes it
+        self.warm_up_s: float | None = None  # seconds of the warm-up at creation (arctic_rl.server.engines.warmup)
         logger.info(
             "training engine ready: %s, %s, ZeRO-%d, GAS=%d, lr=%s, zorro=%s, torch_compile=%s",
             config.model_name,
@@ -294,6 +295,9 @@ class TrainingEngine:
         self.engine.zero_grad()
         if hasattr(self.engine.optimizer, "zero_grad"):
             self.engine.optimizer.zero_grad()
+        window = getattr(self.engine.optimizer, "all_grad_tensors", None)  # ZeRO-1/2: the window's gradients
+        if isinstance(window, dict):  # (held until the step; zero_grad leaves them)
+            window.update(dict.fromkeys(window))
 
     def _param_grad_norm(self) -> float | None:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -370,6 +374,7 @@ class TrainingEngine:
             "lr": self.lr,
             "zorro_train_enable": self.knobs.zorro_train_enable,
             "torch_compile": self.torch_compile,
+            "warm_up_s": self.warm_up_s,
             "device": str(self.device),
         }
 

@@ -166,6 +166,7 @@ class ServerState:
 
     async def initialize(self, config: JobConfig) -> dict[str, Any]:
         from arctic_rl.server.engines import create_engine
+        from arctic_rl.server.engines.warmup import warm_up
 
         job_dir = None
         if config.job_type == JobType.TRAINING:
@@ -178,6 +179,7 @@ class ServerState:
                 if job_dir is not None:
                     job_dir.mkdir(parents=True, exist_ok=True)
                 job.engine = await self._in_thread(create_engine, config, self.settings, job_dir)
+                await self._in_thread(warm_up, job.engine, self.settings)  # compiles before step 1
                 job.state = JobState.RUNNING
         except BaseException:
             self.jobs.remove(job.job_id)

@@ -1,0 +1,238 @@
+"""A job's warm-up: the compiles of its first calls, run when the job is created instead of in verl's step 1.
+
+With ``torch.compile`` in use (``--torch-compile`` resolving to ``layers`` or ``modules``) a job's first calls
+compile: the decoder layers (:func:`~arctic_rl.server.engines.common.compile_model`; grad and no-grad, train and
+eval, plain and ZoRRO attention are separate graphs), ZoRRO's compiled FlexAttention response pass and its block
+mask (:mod:`arctic_rl.server.zorro.flex`, forward and backward), and the fused log-prob / entropy chunks
+(:func:`~arctic_rl.server.compute.token_logprobs.set_compiled_token_stats`, forward and backward). On an H200 that
+made the first ``/forward`` and ``/forward-backward`` of a SmolLM2-135M job take 10-12 s each, and the first step
+15-25x a steady one. :func:`warm_up` runs, on a small synthetic batch, the calls a job will take:
+
+* training job: ``/forward-backward`` through :meth:`TrainingEngine._forward_backward` (DeepSpeed's forward and
+  backward, the loss), the plain pass and, when the job has ``zorro_train_enable``, ZoRRO's passes; then
+  ``/forward`` through :meth:`TrainingEngine.forward` (eval, no grad; the response-only head the adapter asks
+  for), plain and ZoRRO alike;
+* log_prob job: ``/forward`` through its ``forward``, plain and ZoRRO alike (its model is not compiled; the
+  FlexAttention pass and the fused chunks are, process-wide).
+
+**Shapes.** Nothing here is compiled with ``dynamic=False``: the layers (``nn.Module.compile()``) and FlexAttention
+(``torch.compile(flex_attention)``) use Dynamo's default *automatic dynamic* shapes -- the first call of a graph
+compiles for its exact sizes, a second call whose sizes differ recompiles once with those dimensions symbolic,
+and later sizes reuse that graph; the fused chunks are compiled with ``dynamic=True`` from the start. So each
+call path is run on **two** batches whose every varying size differs (rows, prompt groups, rows per prompt,
+prompt length, response length, their sums and FlexAttention's 128-padded lengths), and whose sizes within the
+second batch are pairwise distinct and above 1 (Dynamo specialises sizes 0 and 1, and gives equal sizes one
+symbol). A real batch then finds shape-generic graphs and does not recompile. What can still compile in step 1:
+the fused chunks specialise on the temperature (a Python float; the warm-up uses 1, or the job's ZoRRO
+``temperature``) and on whether entropy is asked (``/forward`` warms with entropy, ``/forward-backward`` without,
+as verl asks by default); a guard this warm-up does not foresee recompiles as before (logged by Dynamo).
+
+**State.** The warm-up leaves the job as it found it: no ``/step`` runs, so the weights and optimizer state are
+untouched; gradients are discarded (``None`` again); DeepSpeed's counters (steps, samples, the un-stepped
+backward count; ZeRO-1/2's gradient window: micro-step id, boundary flag, the accumulated gradient tensors), the ``/forward-backward``-pending flag, the torch RNG states (CPU and
+CUDA), the job's ZoRRO tuners and choice log (the warm-up uses its own untimed planners), the job's memory
+report (buffers, the last call's peak) and the process's device peak are restored. Its seconds are logged and
+reported in the job's info (``warm_up_s``). ``--warm-up`` (:data:`~arctic_rl.server.settings.WARM_UP_MODES`):
+``auto`` runs it where ``torch.compile`` is in use (a training job whose model is compiled; a log_prob job once a
+training job has turned the compiled passes on, :func:`compiled_paths_on` -- created before one, it has nothing
+of its own to warm: the training job's ``/forward`` warm-up compiles the same process-wide kernels), ``on``
+always, ``off`` never. A warm-up that fails is logged
+and the job runs on (its first calls then compile as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from arctic_rl.protocol import JobType
+from arctic_rl.server import memory as memory_mod
+from arctic_rl.server.http.validation import parse_batch_body
+from arctic_rl.server.settings import ServerSettings
+from arctic_rl.server.zorro.flex import response_attention
+from arctic_rl.server.zorro.planner import ZorroPlanner
+
+__all__ = ["WARM_UP_SHAPES", "compiled_paths_on", "synthetic_body", "warm_up", "warm_up_wanted"]
+
+logger = logging.getLogger("arctic_rl.server")
+
+#: (prompts per micro-batch, rows per prompt, prompt length, response length) of the two warm-up batches: every
+#: size differs between them; in the second, the sizes and the 128-padded FlexAttention lengths (prompt 256,
+#: responses of a prompt 384, keys 640) are pairwise distinct
+WARM_UP_SHAPES = ((2, 2, 6, 5), (5, 3, 130, 90))
+#: DeepSpeed engine counters a forward and backward may move (restored after the warm-up)
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps", "_unmanaged_backward_count")
+#: what ZeRO-1/2's optimizer keeps between backwards and the step that the gradients' reset leaves (with unmanaged
+#: accumulation, ``all_grad_tensors`` holds the window's gradients until the step: a warm-up's would be added to
+#: the first real mini-batch's)
+_OPTIMIZER_FIELDS = ("micro_step_id", "_is_gradient_accumulation_boundary", "all_grad_tensors",
+                     "_offload_accumulated_param_ids", "params_already_reduced")
+
+
+def _restore(owner: Any, name: str, saved: Any) -> None:
+    """Put ``saved`` back as ``owner.name``, in place where it is a container (code may hold a reference)."""
+    current = getattr(owner, name, None)
+    if isinstance(saved, (dict, set)) and type(current) is type(saved):
+        current.clear()
+        current.update(saved)
+    elif isinstance(saved, list) and isinstance(current, list):
+        current[:] = saved
+    else:
+        setattr(owner, name, saved)
+
+
+def warm_up_wanted(engine: Any, settings: ServerSettings) -> bool:
+    """Whether ``engine``'s job warms up: ``settings.warm_up`` (``auto``: where torch.compile is in use)."""
+    if settings.warm_up == "off" or engine.job_type not in (JobType.TRAINING, JobType.LOG_PROB):
+        return False
+    if settings.warm_up == "on":
+        return True
+    if engine.job_type == JobType.TRAINING:
+        return engine.torch_compile != "off"
+    return compiled_paths_on()
+
+
+def compiled_paths_on() -> bool:
+    """Whether this process's log-prob passes run compiled code: ZoRRO's FlexAttention pass or the fused chunks
+    (both turned on by a training job whose model is compiled; a log_prob job's own model is never compiled)."""
+    from arctic_rl.server.compute import token_logprobs
+
+    return response_attention() == ("flex", True) or token_logprobs._CHUNK_FNS["stats"] is not token_logprobs._chunk_stats
+
+
+def synthetic_body(
+    vocab_size: int, shape: tuple[int, int, int, int], *, micro_batches: int = 1, train: bool, zorro: bool,
+    temperature: float = 1.0, entropy: bool = False, seed: int = 0,
+) -> dict[str, Any]:
+    """A decoded ``/forward-backward`` (``train``) or ``/forward`` body of ``shape`` (see :data:`WARM_UP_SHAPES`)
+    repeated ``micro_batches`` times: each prompt's rows are consecutive and share its tokens."""
+    groups, n, p, r = shape
+    groups *= micro_batches
+    g = torch.Generator().manual_seed(seed)
+    high = max(4, min(vocab_size, 1000))
+    prompts = torch.randint(3, high, (groups, p), generator=g).repeat_interleave(n, dim=0)
+    responses = torch.randint(3, high, (groups * n, r), generator=g)
+    ids = torch.cat([prompts, responses], dim=1)
+    mask = torch.ones_like(ids)
+    batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "prompts": prompts, "responses": responses,
+                             "response_mask": mask[:, p:].clone()}
+    meta: dict[str, Any] = {"zorro_train_enable": zorro, "temperature": temperature, "calculate_entropy": entropy}
+    processing: dict[str, Any] = {"post": ["apply_temperature"]} if temperature != 1.0 else {}
+    if train:
+        batch["advantages"] = torch.randn(groups * n, r, generator=g)
+        batch["old_log_probs"] = torch.full((groups * n, r), -2.0)
+        processing.update(loss_fn="grpo", config={})
+    else:
+        meta["response_logprobs_only"] = True
+    return {"batch": batch, "meta": meta, "processing": processing}
+
+
+@contextlib.contextmanager
+def _job_state_kept(engine: Any) -> Iterator[None]:
+    """Restore what a warm-up's calls may move (module docstring, *State*)."""
+    device = engine.device
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
+    job_memory = getattr(engine, "memory", None)
+    buffers, call = (dict(job_memory.buffers), dict(job_memory.call)) if job_memory is not None else ({}, {})
+    device_peak = memory_mod._DEVICE_PEAK["bytes"]
+    ds = engine.engine if engine.job_type == JobType.TRAINING else None  # the training job's DeepSpeed engine
+    counters = {name: getattr(ds, name) for name in _ENGINE_COUNTERS if hasattr(ds, name)}
+    optimizer = getattr(ds, "optimizer", None)
+    fields = {name: copy.copy(getattr(optimizer, name)) for name in _OPTIMIZER_FIELDS if hasattr(optimizer, name)}
+    planners = (getattr(engine, "zorro_planners", None), getattr(engine, "zorro_planner", None))
+    pending = getattr(engine, "pending", None)
+    try:
+        yield
+    finally:
+        if ds is not None:
+            engine.discard_gradients()
+            for param in ds.module.parameters():
+                param.grad = None
+            for name, value in counters.items():
+                setattr(ds, name, value)
+            for name, value in fields.items():
+                _restore(optimizer, name, value)
+            ds.train()
+        if pending is not None:
+            engine.pending = pending
+        if planners[0] is not None:
+            engine.zorro_planners = planners[0]
+        if planners[1] is not None:
+            engine.zorro_planner = planners[1]
+        if job_memory is not None:
+            job_memory.buffers, job_memory.call = buffers, call
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.set_rng_state(cuda_rng, device)
+        memory_mod._DEVICE_PEAK["bytes"] = device_peak
+        torch.set_rng_state(rng)
+
+
+def _planner(call: str, zorro: bool) -> ZorroPlanner:
+    """An untimed planner that takes ZoRRO's pass (``min_saving`` 0) or keeps the plain one (no saving reaches 2)."""
+    return ZorroPlanner("warm-up", call, min_saving=0.0 if zorro else 2.0, trials=0)
+
+
+def _warm_training(engine: Any) -> int:
+    zorro_job = bool(engine.knobs.zorro_train_enable)
+    temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
+    calls = 0
+    for zorro in (False, True) if zorro_job else (False,):
+        engine.zorro_planners = {call: _planner(call, zorro) for call in ("/forward", "/forward-backward")}
+        for seed, shape in enumerate(WARM_UP_SHAPES):
+            body = synthetic_body(engine.vocab_size, shape, micro_batches=engine.gas, train=True, zorro=zorro_job,
+                                  temperature=temperature, seed=seed)
+            engine._forward_backward(parse_batch_body(body, vocab_size=engine.vocab_size, train=True))
+            engine.discard_gradients()
+            engine.pending = 0
+            body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
+                                  entropy=True, seed=seed)
+            engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
+            calls += 2
+    return calls
+
+
+def _warm_logprob(engine: Any) -> int:
+    zorro_job = bool(engine.knobs.zorro_train_enable)
+    temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
+    calls = 0
+    for zorro in (False, True) if zorro_job else (False,):
+        engine.zorro_planner = _planner("/forward", zorro)
+        for seed, shape in enumerate(WARM_UP_SHAPES):
+            body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
+                                  entropy=True, seed=seed)
+            engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
+            calls += 1
+    return calls
+
+
+def warm_up(engine: Any, settings: ServerSettings) -> float | None:
+    """Warm ``engine``'s job up when :func:`warm_up_wanted` says so (module docstring); its seconds (also set as
+    ``engine.warm_up_s``), or ``None`` when it did not run or failed."""
+    if engine.job_type not in (JobType.TRAINING, JobType.LOG_PROB):
+        return None  # a sampling job: nothing of it is compiled here
+    engine.warm_up_s = None
+    if not warm_up_wanted(engine, settings):
+        return None
+    job = engine.job_type.value
+    t0 = time.perf_counter()
+    try:
+        with _job_state_kept(engine):
+            calls = _warm_training(engine) if engine.job_type == JobType.TRAINING else _warm_logprob(engine)
+    except Exception as exc:  # noqa: BLE001 -- a warm-up must not fail the job: its first calls compile instead
+        logger.warning("%s job: warm-up failed after %.1fs (%s: %s); the first calls compile instead", job,
+                       time.perf_counter() - t0, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    engine.warm_up_s = round(time.perf_counter() - t0, 3)
+    logger.info("%s job: warm-up of %d calls on synthetic batches in %.1fs (compiles before step 1)", job, calls,
+                engine.warm_up_s)
+    return engine.warm_up_s

@@ -1,0 +1,275 @@
+"""A job's warm-up at creation (:mod:`arctic_rl.server.engines.warmup`): the compiles of step 1 before step 1.
+
+On a tiny real model: the warm-up leaves a training job bit-identical (weights, optimizer state, gradients,
+DeepSpeed's counters, RNG, pending flag, ZoRRO tuners, memory report) and its first ``/forward-backward`` +
+``/step`` give what they give without a warm-up, plain and ZoRRO; a log_prob job likewise. With
+``torch_compile=layers`` (Dynamo with a counting backend: no inductor, so no C compiler on the path) the warm-up
+compiles every graph the first real calls need -- a batch of other sizes compiles nothing more. The setting
+(``--warm-up``) and when ``auto`` turns it on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arctic_rl.protocol import JobConfig, JobType
+from arctic_rl.server.__main__ import parse_args
+from arctic_rl.server.compute import token_logprobs
+from arctic_rl.server.engines import training as training_mod
+from arctic_rl.server.engines import warmup
+from arctic_rl.server.engines.logprob_engine import LogProbEngine
+from arctic_rl.server.engines.training import TrainingEngine
+from arctic_rl.server.http.validation import parse_batch_body
+from arctic_rl.server.settings import WARM_UP_MODES, ServerSettings
+from arctic_rl.tiny_models import build_tiny_model
+
+#: a real call's sizes: none of them is one the warm-up used (prompts, rows per prompt, P, R)
+REAL_SHAPE = (4, 4, 40, 9)  # ZoRRO saves 61% of its tokens: the rule takes it
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("warmup") / "model", "qwen3", seed=0)
+
+
+def _training(model_dir, tmp_path, name: str, *, zorro: bool = False, gas: int = 1, stage: int = 0,
+              **settings) -> TrainingEngine:
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}, "gradient_clipping": 0.0,
+          "gradient_accumulation_steps": gas, "zero_optimization": {"stage": stage}}
+    config = JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING, ds_config=ds, seed=3,
+                       ds_worker_config={"zorro_train_enable": zorro})
+    return TrainingEngine(config, ServerSettings(checkpoint_root=tmp_path / "ck", **settings), tmp_path / name)
+
+
+def _real_batch(engine, *, train: bool, zorro: bool, seed: int = 7):
+    body = warmup.synthetic_body(engine.vocab_size, REAL_SHAPE, micro_batches=getattr(engine, "gas", 1), train=train,
+                                 zorro=zorro, entropy=not train, seed=seed)
+    return parse_batch_body(body, vocab_size=engine.vocab_size, train=train)
+
+
+def _state(engine: TrainingEngine) -> dict:
+    ds = engine.engine
+    opt = ds.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    return {
+        "weights": {k: v.detach().clone() for k, v in engine.model.state_dict().items()},
+        "grads": [None if p.grad is None else p.grad.clone() for p in engine.model.parameters()],
+        "optimizer": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                      for i, s in enumerate(inner.state.values())},
+        "counters": {n: getattr(ds, n, None) for n in warmup._ENGINE_COUNTERS},
+        "micro_step_id": getattr(opt, "micro_step_id", None),
+        "rng": torch.get_rng_state(),
+        "pending": engine.pending,
+        "training": ds.training,
+        "planners": dict(engine.zorro_planners),
+        "tuners": {c: (p.tuner.trial_calls, {k: t.runs for k, t in p.tuner._times.items()})
+                   for c, p in engine.zorro_planners.items()},
+        "choices": dict(vars(next(iter(engine.zorro_planners.values())).choices)),
+        "memory": (dict(engine.memory.buffers), dict(engine.memory.call)),
+        "lr": engine.lr,
+    }
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, x in a.items():
+        y = b[key]
+        if key == "weights":
+            assert all(torch.equal(x[k], y[k]) for k in x), key
+        elif key == "grads":
+            assert all((g is None and h is None) or torch.equal(g, h) for g, h in zip(x, y, strict=True)), key
+        elif key == "rng":
+            assert torch.equal(x, y), key
+        elif key == "planners":
+            assert all(x[c] is y[c] for c in x), key
+        elif key == "optimizer":
+            assert x.keys() == y.keys() and all(
+                torch.equal(x[i][k], y[i][k]) if isinstance(x[i][k], torch.Tensor) else x[i][k] == y[i][k]
+                for i in x for k in x[i]), key
+        else:
+            assert x == y, key
+
+
+def _first_step(engine: TrainingEngine, zorro: bool) -> tuple[dict, dict, dict]:
+    out = engine.forward_backward(_real_batch(engine, train=True, zorro=zorro))
+    step = engine.step()
+    logprobs, _, _ = engine.forward(_real_batch(engine, train=False, zorro=zorro))
+    return out["metrics"], step["metrics"], logprobs
+
+
+@pytest.mark.parametrize("zorro, gas, stage", [(False, 1, 0), (True, 2, 0), (False, 1, 1), (True, 2, 2)])
+def test_the_warm_up_leaves_the_training_job_as_it_was(model_dir, tmp_path, zorro, gas, stage):
+    engine = _training(model_dir, tmp_path, "warm", zorro=zorro, gas=gas, stage=stage, warm_up="on")
+    baseline = _training(model_dir, tmp_path, "cold", zorro=zorro, gas=gas, stage=stage, warm_up="off")
+    assert engine.zero_stage == stage
+    try:
+        for eng in (engine, baseline):  # a job that has trained a step already (optimizer state, counters)
+            _first_step(eng, zorro)
+        before = _state(engine)
+        assert warmup.warm_up(baseline, baseline_settings := ServerSettings(warm_up="off")) is None
+        assert baseline.info()["warm_up_s"] is None and not warmup.warm_up_wanted(baseline, baseline_settings)
+        seconds = warmup.warm_up(engine, ServerSettings(warm_up="on"))
+        assert seconds is not None and seconds > 0 and engine.info()["warm_up_s"] == seconds
+        _assert_same(before, _state(engine))
+        warm, cold = _first_step(engine, zorro), _first_step(baseline, zorro)
+        for a, b in zip(warm[:2], cold[:2], strict=True):
+            assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+        assert all(torch.equal(warm[2][k], cold[2][k]) for k in cold[2])
+        assert all(torch.equal(p, q) for p, q in zip(engine.model.parameters(), baseline.model.parameters(),
+                                                        strict=True))
+    finally:
+        engine.close()
+        baseline.close()
+
+
+def test_the_warm_up_of_a_log_prob_job_changes_nothing(model_dir, tmp_path, caplog):
+    config = JobConfig(model_name=str(model_dir), job_type=JobType.LOG_PROB, ds_worker_config={"zorro_train_enable": True})
+    engine = LogProbEngine(config, ServerSettings(warm_up="on", zorro_trials=0))  # every ZoRRO call takes ZoRRO
+    try:
+        planner, weights = engine.zorro_planner, {k: v.clone() for k, v in engine.model.state_dict().items()}
+        expected, _, _ = engine.forward(_real_batch(engine, train=False, zorro=True))
+        rng, trial_calls = torch.get_rng_state(), planner.tuner.trial_calls
+        with caplog.at_level("INFO", logger="arctic_rl.server"):
+            seconds = warmup.warm_up(engine, ServerSettings(warm_up="on"))
+        assert seconds is not None and engine.info()["warm_up_s"] == seconds
+        assert "log_prob job: warm-up of 4 calls" in caplog.text
+        assert engine.zorro_planner is planner and planner.tuner.trial_calls == trial_calls
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in weights.items())
+        got, _, _ = engine.forward(_real_batch(engine, train=False, zorro=True))
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_discarded_gradients_never_reach_the_next_step(model_dir, tmp_path, stage):
+    """What the warm-up, a failed pass and a checkpoint load rely on: ZeRO-1/2 hold a window's gradients in the
+    optimizer until the step (not in ``.grad``), and :meth:`TrainingEngine.discard_gradients` drops them too."""
+    engine = _training(model_dir, tmp_path, "discard", stage=stage)
+    baseline = _training(model_dir, tmp_path, "fresh", stage=stage)
+    try:
+        engine._forward_backward(_real_batch(engine, train=True, zorro=False, seed=11))
+        engine.discard_gradients()
+        engine.pending = 0
+        got, expected = _first_step(engine, False), _first_step(baseline, False)
+        assert got[1]["grad_norm"] == expected[1]["grad_norm"]
+        assert all(torch.equal(p, q) for p, q in zip(engine.model.parameters(), baseline.model.parameters(),
+                                                        strict=True))
+    finally:
+        engine.close()
+        baseline.close()
+
+
+def test_a_failed_warm_up_is_logged_and_the_job_runs_on(model_dir, tmp_path, monkeypatch, caplog):
+    engine = _training(model_dir, tmp_path, "fail", warm_up="on")
+    try:
+        before = _state(engine)
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("no kernel for this")
+
+        monkeypatch.setattr(engine, "forward", boom)
+        with caplog.at_level("WARNING", logger="arctic_rl.server"):
+            assert warmup.warm_up(engine, ServerSettings(warm_up="on")) is None
+        assert "warm-up failed" in caplog.text and "RuntimeError: no kernel for this" in caplog.text
+        _assert_same(before, _state(engine))  # the forward-backward that ran before the failure is undone
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zorro", [False, True])
+def test_the_warm_up_compiles_what_the_first_real_calls_need(model_dir, tmp_path, monkeypatch, zorro):
+    """torch_compile=layers with Dynamo's counting backend (eager graphs): the warm-up compiles; a real batch of
+    other sizes then compiles no new graph, in /forward-backward (grad) nor /forward (eval, no grad)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=counter, **kw))
+
+    def counted_token_stats(enabled: bool) -> None:  # the fused chunks, dynamic=True, through the same counter
+        fns = {"stats": token_logprobs._chunk_stats, "grad": token_logprobs._chunk_grad}
+        if enabled:
+            fns = {k: torch.compile(f, dynamic=True, backend=counter) for k, f in fns.items()}
+        token_logprobs._CHUNK_FNS.update(fns)
+
+    monkeypatch.setattr(training_mod, "set_compiled_token_stats", counted_token_stats)
+    torch._dynamo.reset()
+    engine = _training(model_dir, tmp_path, "compiled", zorro=zorro, torch_compile="layers")
+    try:
+        assert engine.torch_compile == "layers" and warmup.warm_up_wanted(engine, ServerSettings())
+        assert counter.frame_count == 0
+        assert warmup.warm_up(engine, ServerSettings()) is not None
+        compiled = counter.frame_count
+        assert compiled > 0
+        _first_step(engine, zorro)
+        assert counter.frame_count == compiled, "a real batch recompiled after the warm-up"
+    finally:
+        engine.close()
+        token_logprobs.set_compiled_token_stats(False)
+        torch._dynamo.reset()
+
+
+def test_the_setting_and_the_flag(model_dir, tmp_path):
+    assert WARM_UP_MODES == ("auto", "on", "off") and ServerSettings().warm_up == "auto"
+    with pytest.raises(ValueError, match=r"warm_up: expected one of \['auto', 'on', 'off'\], got 'yes'"):
+        ServerSettings(warm_up="yes")
+    assert parse_args([]).warm_up == "auto" and parse_args(["--warm-up", "off"]).warm_up == "off"
+    with pytest.raises(SystemExit):
+        parse_args(["--warm-up", "yes"])
+    engine = _training(model_dir, tmp_path, "auto")  # CPU: torch_compile auto resolves to off
+    try:
+        assert engine.torch_compile == "off"
+        assert not warmup.warm_up_wanted(engine, ServerSettings())
+        assert warmup.warm_up_wanted(engine, ServerSettings(warm_up="on"))
+        engine.torch_compile = "layers"
+        assert warmup.warm_up_wanted(engine, ServerSettings())
+        assert not warmup.warm_up_wanted(engine, ServerSettings(warm_up="off"))
+    finally:
+        engine.close()
+
+
+def test_auto_warms_a_log_prob_job_once_the_process_runs_compiled_passes(model_dir):
+    from arctic_rl.server.zorro.flex import set_response_attention
+
+    engine = LogProbEngine(JobConfig(model_name=str(model_dir), job_type=JobType.LOG_PROB), ServerSettings())
+    try:
+        assert not warmup.compiled_paths_on() and not warmup.warm_up_wanted(engine, ServerSettings())
+        assert warmup.warm_up(engine, ServerSettings()) is None and engine.info()["warm_up_s"] is None
+        set_response_attention("flex")  # what a compiled training job on a GPU turns on (reset after each test)
+        assert warmup.compiled_paths_on() and warmup.warm_up_wanted(engine, ServerSettings())
+        set_response_attention("expand")
+        token_logprobs.set_compiled_token_stats(True)
+        assert warmup.warm_up_wanted(engine, ServerSettings())
+        assert not warmup.warm_up_wanted(engine, ServerSettings(warm_up="off"))
+    finally:
+        token_logprobs.set_compiled_token_stats(False)
+        set_response_attention("expand")
+        engine.close()
+
+
+def test_a_job_warms_up_when_the_server_creates_it(model_dir, tmp_path, caplog):
+    """``/initialize`` (:meth:`ServerState.initialize`) runs the warm-up; the job's info reports its seconds."""
+    import asyncio
+
+    from arctic_rl.server.jobs.service import ServerState
+
+    async def create(settings: ServerSettings) -> dict:
+        state = ServerState(settings)
+        config = JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING, checkpoint_path="train",
+                           ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        job_id = (await state.initialize(config))["job_id"]
+        try:
+            return state.job_info(job_id)
+        finally:
+            await state.destroy(job_id, None)
+            state.shutdown()
+
+    with caplog.at_level("INFO", logger="arctic_rl.server"):
+        info = asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "on", warm_up="on")))
+    assert info["warm_up_s"] > 0 and info["global_step"] == 0 and info["pending_forward_backward"] == 0
+    assert "training job: warm-up of 4 calls on synthetic batches" in caplog.text
+    assert asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "auto")))["warm_up_s"] is None  # CPU: eager
