@@ -70,8 +70,8 @@ WARM_UP_SHAPES = ((2, 2, 6, 5), (5, 3, 130, 90))
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps", "_unmanaged_backward_count")
 #: what ZeRO-1/2's optimizer keeps between backwards and the step that the gradients' reset leaves (with unmanaged
 #: accumulation, ``all_grad_tensors`` holds the window's gradients until the step: a warm-up's would be added to
-#: the first real mini-batch's)
-_OPTIMIZER_FIELDS = ("micro_step_id", "_is_gradient_accumulation_boundary", "all_grad_tensors",
+#: the first real mini-batch's; ``averaged_gradients`` are the partition buffers, built again when absent)
+_OPTIMIZER_FIELDS = ("micro_step_id", "_is_gradient_accumulation_boundary", "all_grad_tensors", "averaged_gradients",
                      "_offload_accumulated_param_ids", "params_already_reduced")
 
 
