@@ -31,7 +31,9 @@ as verl asks by default); a guard this warm-up does not foresee recompiles as be
 untouched; gradients are discarded (``None`` again); DeepSpeed's counters (steps, samples, the un-stepped
 backward count; ZeRO-1/2's gradient window: micro-step id, boundary flag, the accumulated gradient tensors), the ``/forward-backward``-pending flag, the torch RNG states (CPU and
 CUDA), the job's ZoRRO tuners and choice log (the warm-up uses its own untimed planners), the job's memory
-report (buffers, the last call's peak) and the process's device peak are restored. Its seconds are logged and
+report (buffers, the last call's peak) and the process's device peak are restored. (The RNG is the process's:
+a job created while another job's calls draw on it would rewind those draws; jobs are created before verl's
+calls.) Its seconds are logged and
 reported in the job's info (``warm_up_s``). ``--warm-up`` (:data:`~arctic_rl.server.settings.WARM_UP_MODES`):
 ``auto`` runs it where ``torch.compile`` is in use (a training job whose model is compiled; a log_prob job once a
 training job has turned the compiled passes on, :func:`compiled_paths_on` -- created before one, it has nothing
@@ -142,6 +144,7 @@ def _job_state_kept(engine: Any) -> Iterator[None]:
     cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
     job_memory = getattr(engine, "memory", None)
     buffers, call = (dict(job_memory.buffers), dict(job_memory.call)) if job_memory is not None else ({}, {})
+    memory_mod.device_report(device)  # the process's peak so far (the model's load) kept before the warm-up's calls
     device_peak = memory_mod._DEVICE_PEAK["bytes"]
     ds = engine.engine if engine.job_type == JobType.TRAINING else None  # the training job's DeepSpeed engine
     counters = {name: getattr(ds, name) for name in _ENGINE_COUNTERS if hasattr(ds, name)}
