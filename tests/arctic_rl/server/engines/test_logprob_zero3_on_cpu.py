@@ -2,16 +2,19 @@
 
 At stage 3 the job runs an inference-only DeepSpeed engine whose parameters are partitions (and, with
 ``offload_param``, held on the host); its ``/forward`` and ``/log-probs`` answers equal the plain job's, a weight
-sync writes every parameter, its memory report counts the partitions, and what it cannot run is a 400 at job
-creation naming the key, the allowed values and what was received.
+sync writes every parameter (also from a ZeRO-3 training job in the same process, as the adapter configures
+both), its memory report counts the partitions, and what it cannot run is a 400 at job creation naming the key,
+the allowed values and what was received.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from arctic_rl.protocol import JobConfig, JobType
+from arctic_rl.protocol import LOGPROBS_KEY, JobConfig, JobType
 from arctic_rl.server.engines.config import build_inference_ds_config
 from arctic_rl.server.engines.logprob_engine import LogProbEngine
 from arctic_rl.server.errors import BadRequest
@@ -35,7 +38,7 @@ def _engine(model_dir, tmp_path, zero: dict | None) -> LogProbEngine:
     return LogProbEngine(config, ServerSettings(checkpoint_root=tmp_path / "ck"))
 
 
-def _forward(engine: LogProbEngine, **meta) -> dict[str, torch.Tensor]:
+def _forward(engine: Any, **meta) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 90, (ROWS, P + R), generator=g)
     mask = torch.ones_like(ids)
@@ -89,7 +92,37 @@ def test_zero3_job_answers_equal_the_plain_jobs(model_dir, tmp_path, plain, zero
         engine.close()
 
 
-def test_below_stage_3_the_job_holds_a_plain_copy(caplog):
+def test_weights_synced_from_a_zero3_training_job_give_its_log_probs(model_dir, tmp_path):
+    from arctic_rl.server.engines.training import TrainingEngine
+
+    zero = {**OFFLOAD, "offload_optimizer": {"device": "cpu"}}
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
+    settings = ServerSettings(checkpoint_root=tmp_path / "ck")
+    trainer = TrainingEngine(JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING, ds_config=ds), settings,
+                             tmp_path / "job")
+    engine = _engine(model_dir, tmp_path, zero)
+    try:
+        g = torch.Generator().manual_seed(2)
+        ids = torch.randint(3, 90, (ROWS, P + R), generator=g)
+        mask = torch.ones_like(ids)
+        body = {"batch": {"input_ids": ids, "attention_mask": mask, "prompts": ids[:, :P], "responses": ids[:, P:],
+                          "response_mask": mask[:, P:], "advantages": torch.randn(ROWS, R, generator=g),
+                          "old_log_probs": torch.full((ROWS, R), -4.0)},
+                "meta": {}, "processing": {"loss_fn": "grpo", "config": {}}}
+        trainer.forward_backward(parse_batch_body(body, vocab_size=trainer.vocab_size, train=True))
+        trainer.step()
+        before = _forward(engine)
+        engine.load_weights(trainer.weights())
+        after, want = _forward(engine), _forward(trainer)
+        assert not torch.allclose(after[LOGPROBS_KEY], before[LOGPROBS_KEY])  # the step moved the weights
+        for key, value in want.items():
+            torch.testing.assert_close(after[key], value, rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
+        trainer.close()
+
+
+def test_below_stage_3_the_job_holds_a_plain_copy():
     for stage in (0, 1, 2):
         config, notes = build_inference_ds_config({"zero_optimization": {"stage": stage}}, bf16=False)
         assert config is None and bool(notes) == (stage > 0)
