@@ -66,10 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--in-flight-on-weight-load",
         choices=IN_FLIGHT_ON_WEIGHT_LOAD,
-        default="restart",
-        help="a weight load on the sampler waits for the running engine step only and restarts the /generate calls "
-        "in flight from their prompts on the new weights (restart, default), or waits for them to end on the old "
-        "ones (wait); either way no answer mixes two weight versions",
+        default="wait",
+        help="a weight load on the sampler waits for the /generate calls in flight to end on the old weights (wait, "
+        "default), or waits for the running engine step only and restarts those calls from their prompts on the new "
+        "weights (restart: their work so far is lost); either way no answer mixes two weight versions",
     )
     p.add_argument("--zorro-min-saving", type=_share, default=None,
                    metavar="SHARE",

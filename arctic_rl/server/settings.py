@@ -24,9 +24,9 @@ WARM_UP_MODES = ("auto", "on", "off")
 #: the sampling engine: ``auto`` (vLLM where CUDA and ``vllm`` are there, else ``transformers``), or one of
 #: the two (see :mod:`arctic_rl.server.engines.sampler_choice`)
 SAMPLERS = ("auto", "vllm", "transformers")
-#: what a weight load on the sampler does with the ``/generate`` calls in flight: ``restart`` them on the new weights
-#: after the running engine step (the load waits for that step only), or ``wait`` for them to end on the old ones
-#: (see :mod:`arctic_rl.server.engines.continuous`)
+#: what a weight load on the sampler does with the ``/generate`` calls in flight: ``wait`` for them to end on the old
+#: weights (the default), or ``restart`` them on the new weights after the running engine step (the load waits for
+#: that step only, and the calls' work so far is lost; see :mod:`arctic_rl.server.engines.continuous`)
 IN_FLIGHT_ON_WEIGHT_LOAD = ("restart", "wait")
 
 
@@ -78,7 +78,7 @@ class ServerSettings:
     #: compile before step 1: a job's warm-up passes at creation (:data:`WARM_UP_MODES`)
     warm_up: str = "auto"
     #: the sampler's weight load and the ``/generate`` calls in flight (:data:`IN_FLIGHT_ON_WEIGHT_LOAD`)
-    in_flight_on_weight_load: str = "restart"
+    in_flight_on_weight_load: str = "wait"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

@@ -18,11 +18,11 @@ A sampler exposes ``generate``, ``load_weights``, ``info``, ``sleep``, ``wake_up
 ``reset_prefix_cache`` and ``weight_norm`` (the routes of :mod:`arctic_rl.server.app` call them).
 
 A weight load (``/weight-sync``) runs on the generation loop's thread between two decode steps (:mod:`.continuous`).
-With the server's ``--in-flight-on-weight-load restart`` (the default) it waits for the running step only: the
-calls in flight leave the batch, the weights load, and those calls run again from their prompts and seeds on the
-new weights, answering with the new version (``info()["restarted_on_weight_load"]`` counts them); with ``wait`` it
-waits for them to end on the old weights. Sleep, wake and the prefix-cache reset only record state here (this
-sampler keeps its weights and no prefix cache), so they wait for nothing.
+With the server's ``--in-flight-on-weight-load wait`` (the default) it waits for the calls in flight to end on the
+old weights; with ``restart`` it waits for the running step only: the calls in flight leave the batch, the weights
+load, and those calls run again from their prompts and seeds on the new weights, answering with the new version
+(``info()["restarted_on_weight_load"]`` counts them). Sleep, wake and the prefix-cache reset only record state
+here (this sampler keeps its weights and no prefix cache), so they wait for nothing.
 """
 
 from __future__ import annotations

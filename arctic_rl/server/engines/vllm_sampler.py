@@ -26,10 +26,11 @@ batch between steps, and each call is answered when its own sequences end, with 
 ran on. Weight loads, sleep, wake and prefix-cache resets run on that thread between two engine steps, so no step
 sees half-updated weights and no answer mixes two versions. What each does with the calls in flight:
 
-* a weight load, under ``--in-flight-on-weight-load restart`` (default), waits for the running step only, aborts
+* a weight load, under ``--in-flight-on-weight-load restart``, waits for the running step only, aborts
   the calls in flight, lets vLLM settle the step it may still run for them (:func:`.vllm_steps.settle`), loads, resets the
   prefix cache and admits those calls again from their prompts and seeds: each answers with the new version
-  (``info()["restarted_on_weight_load"]`` counts them). Under ``wait`` it waits for them to end (old version);
+  (``info()["restarted_on_weight_load"]`` counts them). Under ``wait`` (the default) it waits for them to end on
+  the old version;
 * a sleep waits for the calls in flight to end (it frees the KV cache they decode into; no call is dropped);
 * a wake, a weight-norm read and (policy ``restart``) a prefix-cache reset run at the next step boundary: an engine
   with a part asleep admits no call, and no cached block is stale while calls run (the last load reset the cache
@@ -113,7 +114,7 @@ class VllmSamplingEngine:
     job_type = JobType.SAMPLING
     device_memory: DeviceMemory | None = None  #: sleep and wake's memory functions (None: the device's)
     #: ``restart`` or ``wait``: the calls in flight at a weight load (``--in-flight-on-weight-load``)
-    in_flight_on_weight_load = "restart"
+    in_flight_on_weight_load = "wait"
 
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
         multiprocessing = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

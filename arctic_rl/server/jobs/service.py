@@ -17,8 +17,8 @@ Decisions documented here (and in ``docs/SERVER.md``):
 * ``/generate`` on a sampler that batches continuously (both of ours; :mod:`arctic_rl.server.engines.continuous`) takes no job
   lock: calls run side by side in the sampler's running batch, each answered when its own sequences end, with the
   ``weight_version`` it ran on. A weight sync, sleep, wake or prefix-cache reset holds the job lock and runs in the
-  engine between two steps: a sync restarts the calls in flight on the new weights (or, under
-  ``--in-flight-on-weight-load wait``, waits for them), a sleep waits for them.
+  engine between two steps: a sync waits for the calls in flight (or, under
+  ``--in-flight-on-weight-load restart``, restarts them on the new weights), a sleep waits for them.
 """
 
 from __future__ import annotations

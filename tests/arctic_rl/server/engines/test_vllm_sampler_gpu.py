@@ -243,23 +243,29 @@ def test_weight_sync_during_generation_restarts_the_calls_in_flight(engines):
     import time
 
     train, sampler = engines
-    assert sampler.in_flight_on_weight_load == "restart"
-    prompt = list(range(20, 52))
-    version, restarted = sampler.weight_version, sampler.info()["restarted_on_weight_load"]
-    _train_step(train)  # the trainer moves ahead; the sampler still holds `version`
-    torch.cuda.synchronize()
-    loop = sampler._loop()
-    started = loop.steps
-    running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True, seed=3)
-    while loop.steps < started + 20:  # the call decodes
-        time.sleep(0.002)
-    assert sampler.load_weights(train.weights()) == version + 1
-    assert not running.future.done()  # the sync waited for one engine step, not for the call
-    results = running.result()
-    assert sampler.info()["restarted_on_weight_load"] == restarted + 1
-    assert {r["weight_version"] for r in results} == {version + 1} and {r["generation_len"] for r in results} == {900}
-    for r in results:  # restarted from its prompt: its tokens come from the new weights from the first one
-        assert_close_lps(torch.tensor(sampled_lps(r)[:64]), train_lps(train, prompt, r["token_ids"][:64]))
+    assert sampler.in_flight_on_weight_load == "wait"  # the default
+    sampler.in_flight_on_weight_load = "restart"
+    try:
+        prompt = list(range(20, 52))
+        version, restarted = sampler.weight_version, sampler.info()["restarted_on_weight_load"]
+        _train_step(train)  # the trainer moves ahead; the sampler still holds `version`
+        torch.cuda.synchronize()
+        loop = sampler._loop()
+        started = loop.steps
+        running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True,
+                          seed=3)
+        while loop.steps < started + 20:  # the call decodes
+            time.sleep(0.002)
+        assert sampler.load_weights(train.weights()) == version + 1
+        assert not running.future.done()  # the sync waited for one engine step, not for the call
+        results = running.result()
+        assert sampler.info()["restarted_on_weight_load"] == restarted + 1
+        assert {r["weight_version"] for r in results} == {version + 1}
+        assert {r["generation_len"] for r in results} == {900}
+        for r in results:  # restarted from its prompt: its tokens come from the new weights from the first one
+            assert_close_lps(torch.tensor(sampled_lps(r)[:64]), train_lps(train, prompt, r["token_ids"][:64]))
+    finally:
+        sampler.in_flight_on_weight_load = "wait"
 
 
 def test_weight_sync_during_generation_under_wait_waits_for_the_calls_in_flight(engines):
@@ -291,4 +297,4 @@ def test_weight_sync_during_generation_under_wait_waits_for_the_calls_in_flight(
         assert_close_lps(torch.tensor(sampled_lps(after_results[0])),
                          train_lps(train, prompt, after_results[0]["token_ids"]))
     finally:
-        sampler.in_flight_on_weight_load = "restart"
+        sampler.in_flight_on_weight_load = "wait"

@@ -1,8 +1,8 @@
 """A weight load on the sampler while ``/generate`` calls run (``--in-flight-on-weight-load``).
 
-Under ``restart`` (the default) a load waits for the engine step that is running and nothing else: the calls in
-flight leave the engine, the weights load, and those calls run again from their prompts and seeds, so every token of
-an answer comes from one weight version and the answer says which. Under ``wait`` the load waits for them, as before.
+Under ``restart`` a load waits for the engine step that is running and nothing else: the calls in flight leave the
+engine, the weights load, and those calls run again from their prompts and seeds, so every token of an answer comes
+from one weight version and the answer says which. Under ``wait`` (the default) the load waits for them.
 Checked three ways:
 
 * the loop itself, around a stand-in core whose tokens are the weight version and whose steps the test releases one
@@ -180,7 +180,8 @@ def direct_logprobs(model, prompt, tokens, temperature=1.0):
 
 @pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "seeded"])
 def test_the_transformers_sampler_restarts_a_call_in_flight_on_the_new_weights(engine, params, monkeypatch):
-    assert engine.in_flight_on_weight_load == "restart"  # the default
+    assert engine.in_flight_on_weight_load == "wait"  # the default
+    monkeypatch.setattr(engine, "in_flight_on_weight_load", "restart")
     original = {k: v.clone() for k, v in engine.model.state_dict().items()}
     other = {k: v + 0.05 * torch.randn_like(v) if v.dtype.is_floating_point else v for k, v in original.items()}
     version, restarted = engine.weight_version, engine.info()["restarted_on_weight_load"]
@@ -245,7 +246,8 @@ def vllm_submit(engine, prompts, **params):
 
 def test_the_vllm_sampler_aborts_and_re_adds_the_requests_in_flight(vllm_engine):
     eng = vllm_engine
-    assert eng.in_flight_on_weight_load == "restart"
+    assert eng.in_flight_on_weight_load == "wait"  # the default
+    eng.in_flight_on_weight_load = "restart"
     running = vllm_submit(eng, [[1, 2], [3]], max_tokens=200, n=2, seed=4)
     while eng.llm.steps < 3:
         time.sleep(0.001)
@@ -307,6 +309,7 @@ def test_the_vllm_sampler_under_wait_keeps_the_old_behaviour(vllm_engine):
 
 def test_a_prefix_cache_reset_under_restart_does_not_wait_for_the_calls(vllm_engine):
     eng = vllm_engine
+    eng.in_flight_on_weight_load = "restart"
     running = vllm_submit(eng, [[1, 2]], max_tokens=300)
     while not eng.llm.running:
         time.sleep(0.001)
@@ -322,9 +325,9 @@ def test_a_prefix_cache_reset_under_restart_does_not_wait_for_the_calls(vllm_eng
 def test_a_bad_policy_is_refused_naming_the_option_the_choices_and_the_value(capsys):
     from arctic_rl.server.__main__ import parse_args
 
-    assert ServerSettings().in_flight_on_weight_load == "restart"
-    assert parse_args([]).in_flight_on_weight_load == "restart"
-    assert parse_args(["--in-flight-on-weight-load", "wait"]).in_flight_on_weight_load == "wait"
+    assert ServerSettings().in_flight_on_weight_load == "wait"
+    assert parse_args([]).in_flight_on_weight_load == "wait"
+    assert parse_args(["--in-flight-on-weight-load", "restart"]).in_flight_on_weight_load == "restart"
     with pytest.raises(ValueError) as info:
         ServerSettings(in_flight_on_weight_load="abort")
     assert str(info.value) == "in_flight_on_weight_load: expected one of ['restart', 'wait'], got 'abort'"
