@@ -44,6 +44,9 @@ ROOT = "remote_backend"
 ZERO_STAGES = (0, 1, 2, 3)
 #: ``train.attn_implementation``; ``auto`` resolves to verl's override or flash_attention_2 (``builders``)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+#: ``local_server.in_flight_on_weight_load`` and ``local_server.warm_up``: the server's flags of those names
+IN_FLIGHT_POLICIES = ("wait", "restart")
+WARM_UP_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class LocalServerConfig:
     startup_timeout_s: float = 180.0
     zorro_min_saving: float | None = None
     zorro_trials: int | None = None
+    in_flight_on_weight_load: str | None = None
+    warm_up: str | None = None
 
     def _validate(self, p: str) -> None:
         _require(0 <= self.port <= 65535, f"{p}.port", "not a TCP port", "0 (a free port) .. 65535", self.port)
@@ -68,6 +73,13 @@ class LocalServerConfig:
             _require(not isinstance(self.zorro_trials, bool) and isinstance(self.zorro_trials, int)
                      and self.zorro_trials >= 0, f"{p}.zorro_trials", "not a count",
                      "an integer >= 0 (0 = no timing) or null (the server's default, 2)", self.zorro_trials)
+        if self.in_flight_on_weight_load is not None:
+            _require(self.in_flight_on_weight_load in IN_FLIGHT_POLICIES, f"{p}.in_flight_on_weight_load",
+                     "not a policy", f"one of {list(IN_FLIGHT_POLICIES)} or null (the server's default, wait)",
+                     self.in_flight_on_weight_load)
+        if self.warm_up is not None:
+            _require(self.warm_up in WARM_UP_MODES, f"{p}.warm_up", "not a mode",
+                     f"one of {list(WARM_UP_MODES)} or null (the server's default, auto)", self.warm_up)
         _require(self.threads >= 1, f"{p}.threads", "must be positive", ">= 1", self.threads)
         _require(self.startup_timeout_s > 0, f"{p}.startup_timeout_s", "must be positive", "> 0", self.startup_timeout_s)
 

@@ -82,6 +82,10 @@ def _extra_args(cfg: LocalServerConfig) -> tuple[str, ...]:
         args += ("--zorro-min-saving", repr(float(cfg.zorro_min_saving)))
     if cfg.zorro_trials is not None:
         args += ("--zorro-trials", str(int(cfg.zorro_trials)))
+    if cfg.in_flight_on_weight_load is not None:
+        args += ("--in-flight-on-weight-load", cfg.in_flight_on_weight_load)
+    if cfg.warm_up is not None:
+        args += ("--warm-up", cfg.warm_up)
     return args
 
 
