@@ -23,25 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
+from arctic_rl.protocol import JobConfig, JobType
 from arctic_rl.server.engines.continuous import ContinuousLoop, LoopClosed
 from arctic_rl.server.settings import ServerSettings
+from tests.support.sampling import submit
 
 LONG, SHORT = [5, 6, 7, 8, 9, 10, 11], [12, 13, 14]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from arctic_rl.server.engines.sampling import SamplingEngine
-
-    eng = SamplingEngine(JobConfig(model_name=str(tiny_model_dir), job_type=JobType.SAMPLING),
-                         ServerSettings(device="cpu"))
-    yield eng
-    eng.close()
-
-
-def submit(engine, prompts, **params):
-    return engine.submit_generate(GenerateRequest(prompts=prompts), SamplingParams(**params))
+def engine(hf_sampler):
+    return hf_sampler
 
 
 def direct_logprobs(model, prompt, tokens):

@@ -28,15 +28,8 @@ from tests.support.vllm_stand_in import StepwiseLLM, engine_around, vllm_stand_i
 
 
 @pytest.fixture
-def engine(monkeypatch):
-    for name, module in vllm_stand_in_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    eng = engine_around(StepwiseLLM(), vocab_size=100, max_model_len=4096, weight_version=7)
-    eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
-    yield eng
-    loop = eng.__dict__.get("_generation_loop")
-    if loop is not None:
-        loop.close()
+def engine(vllm_stand_in_sampler):
+    return vllm_stand_in_sampler
 
 
 def submit(engine, prompts, **params):

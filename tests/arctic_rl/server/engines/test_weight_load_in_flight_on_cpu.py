@@ -20,7 +20,6 @@ Checked three ways:
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -28,9 +27,10 @@ from concurrent.futures import CancelledError
 import pytest
 import torch
 
-from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
+from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines.continuous import ContinuousLoop
 from arctic_rl.server.settings import ServerSettings
+from tests.support.sampling import submit
 
 LONG = [5, 6, 7, 8, 9, 10, 11]
 
@@ -158,17 +158,8 @@ def test_a_restarted_call_waiting_to_re_enter_can_be_cancelled():
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from arctic_rl.server.engines.sampling import SamplingEngine
-
-    eng = SamplingEngine(JobConfig(model_name=str(tiny_model_dir), job_type=JobType.SAMPLING),
-                         ServerSettings(device="cpu"))
-    yield eng
-    eng.close()
-
-
-def submit(engine, prompts, **params):
-    return engine.submit_generate(GenerateRequest(prompts=prompts), SamplingParams(**params))
+def engine(hf_sampler):
+    return hf_sampler
 
 
 def direct_logprobs(model, prompt, tokens, temperature=1.0):
@@ -220,13 +211,8 @@ def test_the_transformers_sampler_restarts_a_call_in_flight_on_the_new_weights(e
 
 
 @pytest.fixture
-def vllm_engine(monkeypatch):
-    from tests.support.vllm_stand_in import StepwiseLLM, engine_around, vllm_stand_in_modules
-
-    for name, module in vllm_stand_in_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    eng = engine_around(StepwiseLLM(), vocab_size=100, max_model_len=4096, weight_version=7)
-    eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
+def vllm_engine(vllm_stand_in_sampler):
+    eng = vllm_stand_in_sampler
     step = eng.llm.step
 
     def slowed():
@@ -234,10 +220,7 @@ def vllm_engine(monkeypatch):
         return step()
 
     eng.llm.step = slowed
-    yield eng
-    loop = eng.__dict__.get("_generation_loop")
-    if loop is not None:
-        loop.close()
+    return eng
 
 
 def vllm_submit(engine, prompts, **params):
