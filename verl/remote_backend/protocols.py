@@ -127,10 +127,13 @@ class SamplerSleep(Protocol):
     def sleep_sampler(self, level: int) -> Mapping[str, Any]:
         """Free the sampler's memory: level 1 frees the KV cache and keeps the weights (in host memory), level 2
         may discard the weights (the next weight sync restores them). ``{"skipped": True}``: nothing slept (the
-        backend's server keeps its sampler resident); the rollout server then stops asking."""
+        backend's server keeps its sampler resident); the rollout server then stops asking. Optional
+        ``"released_bytes"``: device memory the backend's server handed back beyond the sampler's own (e.g. a
+        caching allocator's unused blocks), reported as ``perf/remote_backend/sampler_released_gib``."""
 
     def wake_sampler(self, tags: list[str] | None = None) -> Mapping[str, Any]:
-        """Restore the given parts (``weights``, ``kv_cache``; ``None`` = all)."""
+        """Restore the given parts (``weights``, ``kv_cache``; ``None`` = all); optional ``"released_bytes"`` as
+        for :meth:`sleep_sampler` (released before the parts came back)."""
 
 
 def sleeper_of(backend: object) -> SamplerSleep | None:

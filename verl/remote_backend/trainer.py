@@ -172,9 +172,12 @@ class RemoteBackendTrainer(PPOTrainerSync):
         timing_raw.update(self._phase_timings())  # -> timing_s/<phase>/adapter, /http, /server beside verl's
         generation = self._generation_timings()
         calls = generation.pop("gen/backend_calls", None)
+        released = generation.pop("gen/sampler_released_bytes", None)
         timing_raw.update(generation)  # -> timing_s/gen/backend_busy, /http_sum, /server_sum
         if calls is not None:
             metrics["perf/remote_backend/gen_calls"] = calls
+        if released is not None:  # memory, not time: beside the counts
+            metrics["perf/remote_backend/sampler_released_gib"] = released / 2**30
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         for key, value in metrics.items():  # verl's off-policy metrics are numpy scalars: print them as numbers
             if isinstance(value, np.generic):

@@ -17,7 +17,7 @@ from verl.remote_backend.context import BackendContext, install_context, read_co
 from verl.remote_backend.protocols import SamplerSleep
 from verl.remote_backend.workers import replica as replica_mod
 from verl.remote_backend.workers.replica import RemoteRolloutServer
-from verl.remote_backend.workers.sampler_sleep import SKIPPED, sleep_settings
+from verl.remote_backend.workers.sampler_sleep import RELEASED, SKIPPED, sleep_settings
 
 
 class _Plain:
@@ -221,3 +221,22 @@ def test_a_run_that_is_asynchronous_never_sleeps_the_sampler(monkeypatch):
     asyncio.run(_phase_sleep_phase(server))
     assert {c[0] for c in backend.calls} == {"generate"}
     assert not [key for key in server.collect_generation_timings() if key.startswith("gen/sampler_")]
+
+
+class _Releasing(_Sleepy):
+    """Says how much device memory its server released around each sleep and wake."""
+
+    def sleep_sampler(self, level):
+        return {**super().sleep_sampler(level), RELEASED: 1 << 30}
+
+    def wake_sampler(self, tags=None):
+        return {**super().wake_sampler(tags), RELEASED: 2 << 30}
+
+
+def test_the_memory_a_backend_released_is_reported_only_where_it_says(monkeypatch):
+    for backend, want in ((_Releasing(), float(3 << 30)), (_Sleepy(), None)):
+        server = _server(monkeypatch, backend, _main_config())
+        asyncio.run(_phase_sleep_phase(server))
+        timings = server.collect_generation_timings()
+        assert timings.get("gen/sampler_released_bytes") == want, (type(backend).__name__, timings)
+        assert "gen/sampler_released_bytes" not in server.collect_generation_timings()  # reset by the collect

@@ -29,7 +29,7 @@ def test_sleep_and_wake_reach_the_sampling_job(tmp_path_factory, tiny_model_dir)
             assert isinstance(client, SamplerSleep) and Features.SAMPLER_SLEEP in client.features
             assert client._memory.sleep_between_phases  # free_cache_engine (verl's default), sync mode
             assert _asleep(srv.url, client) == []
-            client.sleep_sampler(1)
+            assert client.sleep_sampler(1)["released_bytes"] == 0  # the server's allocator figure (none on a CPU)
             assert _asleep(srv.url, client) == ["kv_cache", "weights"]
             client.update_weights()  # wakes the weights before the sync
             assert _asleep(srv.url, client) == ["kv_cache"]
@@ -57,3 +57,13 @@ def test_a_server_without_the_feature_is_not_called():
     assert memory.sleep(1) == {SKIPPED: True}  # the rollout server's sign of a sampler kept resident
     assert memory.wake(None) == {SKIPPED: True}
     memory.before_weight_sync()
+
+
+def test_the_servers_released_bytes_become_the_generic_field():
+    from verl.remote_backend.workers.sampler_sleep import RELEASED
+    from verl.workers.remote_client.arctic.sampler_memory import with_released
+
+    answer = {"job_id": 3, "sampling": {"status": "sleeping", "allocator_released_bytes": 2048}}
+    assert with_released(answer) == {**answer, RELEASED: 2048}
+    vendor = {"job_id": 3, "sampling": {"status": "sleeping"}}  # no such field: nothing added
+    assert with_released(vendor) == vendor and with_released({}) == {}

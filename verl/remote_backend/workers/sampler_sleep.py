@@ -20,7 +20,9 @@ capability: ``sleep()`` stays a no-op (logged once at info level). A backend wit
 sampler resident answers ``sleep_sampler`` with ``{"skipped": true}`` (the Arctic adapter against a server
 that does not list ``sampler_sleep``): the sampler is then taken as awake, and not asked again. The seconds
 spent are reported with the generation timings (``gen/sampler_sleep``, ``gen/sampler_wake``) once the sampler
-has really slept, and never otherwise: a sampler that stays resident reports no sleep timings, not zeros.
+has really slept, and never otherwise: a sampler that stays resident reports no sleep timings, not zeros; so is
+the memory the backend says it released around them (``gen/sampler_released_bytes``: the answers'
+``released_bytes``, when a backend reports it).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import sleeper_of
 from verl.remote_backend.strict_config import select
 
-__all__ = ["FREE_CACHE_KEY", "SKIPPED", "SLEEP_LEVEL", "SamplerNap", "sleep_settings"]
+__all__ = ["FREE_CACHE_KEY", "RELEASED", "SKIPPED", "SLEEP_LEVEL", "SamplerNap", "sleep_settings"]
 
 logger = module_logger(__name__)
 
@@ -43,6 +45,8 @@ FREE_CACHE_KEY = "actor_rollout_ref.rollout.free_cache_engine"
 SLEEP_LEVEL = 1
 #: the key of a ``sleep_sampler`` answer saying that nothing slept (the backend's server keeps its sampler resident)
 SKIPPED = "skipped"
+#: the optional key of a sleep or wake answer: device memory the backend's server released around it, in bytes
+RELEASED = "released_bytes"
 
 
 def sleep_settings(main_config: Any) -> tuple[bool, str]:
@@ -73,6 +77,12 @@ class SamplerNap:
         self._lock: asyncio.Lock | None = None
         self._told = False
         self._seconds = {"sleep": 0.0, "wake": 0.0}
+        self._released: float | None = None
+
+    def _count_released(self, answer: Any) -> None:
+        value = answer.get(RELEASED) if isinstance(answer, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._released = (self._released or 0.0) + float(value)
 
     def _lock_for_loop(self) -> asyncio.Lock:
         if self._lock is None:
@@ -104,6 +114,7 @@ class SamplerNap:
                                 "(its sleep was skipped)", self._backend_name)
                 return out
             self._seconds["sleep"] += time.monotonic() - start
+            self._count_released(out)
             self.asleep = True
             self.sleeps += 1
             logger.debug("rollout server: sampler asleep (level %d) in %.2f s", self.level, time.monotonic() - start)
@@ -117,16 +128,20 @@ class SamplerNap:
             if not self.asleep or self._sleeper is None:
                 return
             start = time.monotonic()
-            await asyncio.to_thread(self._sleeper.wake_sampler, None)
+            answer = await asyncio.to_thread(self._sleeper.wake_sampler, None)
             self._seconds["wake"] += time.monotonic() - start
+            self._count_released(dict(answer or {}))
             self.asleep = False
             self.wakes += 1
 
     def collect(self) -> dict[str, float]:
-        """Seconds spent sleeping and waking the sampler since the last collect (empty until it has really slept:
-        sleeping off, no capability, or a sampler the backend keeps resident)."""
+        """Seconds spent sleeping and waking the sampler since the last collect, and the bytes the backend released
+        around them where it says (empty until it has really slept: sleeping off, no capability, or a sampler the
+        backend keeps resident)."""
         if not self.sleeps:
             return {}
         out = {"gen/sampler_sleep": self._seconds["sleep"], "gen/sampler_wake": self._seconds["wake"]}
-        self._seconds = {"sleep": 0.0, "wake": 0.0}
+        if self._released is not None:
+            out["gen/sampler_released_bytes"] = self._released
+        self._seconds, self._released = {"sleep": 0.0, "wake": 0.0}, None
         return out

@@ -24,18 +24,30 @@ import logging
 from typing import Any
 
 from arctic_rl.protocol import Features, JobType, Paths
-from verl.remote_backend.workers.sampler_sleep import SKIPPED
+from verl.remote_backend.workers.sampler_sleep import RELEASED, SKIPPED
 
 from .dialect import Payload
 from .request import JobRequest
 from .session import JobCalls
 from .state import RunState
 
-__all__ = ["SamplerMemory"]
+__all__ = ["SamplerMemory", "with_released"]
 
 logger = logging.getLogger(__name__)
 
 _WEIGHTS = "weights"
+#: the reference server's sleep/wake answer (under ``sampling``): bytes of unused cached blocks its allocator released
+_SERVER_RELEASED = "allocator_released_bytes"
+
+
+def with_released(answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer`` with :data:`~verl.remote_backend.workers.sampler_sleep.RELEASED` set from the server's
+    ``sampling.allocator_released_bytes`` when present (the reference server's; the vendor's answer has none)."""
+    sampling = answer.get("sampling")
+    value = sampling.get(_SERVER_RELEASED) if isinstance(sampling, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {**answer, RELEASED: int(value)}
+    return answer
 
 
 class SamplerMemory:
@@ -71,16 +83,17 @@ class SamplerMemory:
         return out if isinstance(out, dict) else {}
 
     def sleep(self, level: int) -> dict[str, Any]:
-        """``/sleep-inference`` with ``{level}``."""
+        """``/sleep-inference`` with ``{level}``; the answer, with the bytes the server released as
+        ``released_bytes`` where it says (:func:`with_released`)."""
         if not self.supported:
             return self._skip(Paths.SLEEP_INFERENCE)
-        return self._post(Paths.SLEEP_INFERENCE, {"level": int(level)})
+        return with_released(self._post(Paths.SLEEP_INFERENCE, {"level": int(level)}))
 
     def wake(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """``/wake-inference`` with ``{tags}`` (``None``: all parts)."""
+        """``/wake-inference`` with ``{tags}`` (``None``: all parts); ``released_bytes`` as for :meth:`sleep`."""
         if not self.supported:
             return self._skip(Paths.WAKE_INFERENCE)
-        return self._post(Paths.WAKE_INFERENCE, {"tags": list(tags) if tags is not None else None})
+        return with_released(self._post(Paths.WAKE_INFERENCE, {"tags": list(tags) if tags is not None else None}))
 
     def before_weight_sync(self) -> None:
         """Wake the sampler's weights before they are synced into (when the run sleeps it between phases)."""
