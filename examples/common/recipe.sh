@@ -65,6 +65,15 @@ recipe_bool() {
     esac
 }
 
+# The overrides ASYNC=true adds (one per line; none when false): verl's own rollout correction for samples that are
+# one policy version old -- decoupled mode, token-level IS weights truncated at 2 (docs/ASYNC.md, "Correcting for the
+# lag"). The user's overrides come after them: algorithm.rollout_correction.rollout_is=null turns the weights off.
+recipe_async_correction() {
+    [ "$1" = true ] || return 0
+    printf '%s\n' actor_rollout_ref.rollout.calculate_log_probs=true algorithm.rollout_correction.rollout_is=token \
+        algorithm.rollout_correction.rollout_is_threshold=2.0
+}
+
 recipe_optional_count() {
     if [ -n "$2" ] && ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then
         echo "$1: expected a positive integer or nothing, got '$2'" >&2; exit 2

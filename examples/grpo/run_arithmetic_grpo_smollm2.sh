@@ -50,6 +50,7 @@ KV_CACHE_BYTES="${KV_CACHE_BYTES:-}"
 source "${SCRIPT_DIR}/../common/arithmetic.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
 recipe_bool ASYNC "${ASYNC}"
+mapfile -t ASYNC_CORRECTION < <(recipe_async_correction "${ASYNC}")
 recipe_local_env
 recipe_optional_count KV_CACHE_BYTES "${KV_CACHE_BYTES}"
 arithmetic_settings  # DEVICE, BATCH, N, ... (env or defaults for the device)
@@ -109,7 +110,7 @@ fi
 
 ############################ Launch ############################
 
-recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
+recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND ASYNC_CORRECTION -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
 console_say "[grpo] starting verl, Ray and the server (step 1 follows once they are up and the server loaded the" \

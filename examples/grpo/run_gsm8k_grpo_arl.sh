@@ -35,6 +35,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${SCRIPT_DIR}/../common/gsm8k.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
 recipe_bool ASYNC "${ASYNC}"
+mapfile -t ASYNC_CORRECTION < <(recipe_async_correction "${ASYNC}")
 recipe_env
 PRINT_ONLY="$(recipe_print_only "$@")"
 recipe_run_dir "${OUT_DIR}" "qwen3_0p6b_gsm8k_grpo_arl_zorro_${ZORRO}"  # a new directory per run (RESUME=true RUN_NAME=<run> continues one)
@@ -91,7 +92,7 @@ REMOTE_BACKEND=(
 
 ############################ Launch ############################
 
-recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
+recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND ASYNC_CORRECTION -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
 console_init "${RUN_DIR}/run.log"

@@ -45,6 +45,7 @@ ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
 source "${SCRIPT_DIR}/../common/reverse_text.sh"  # with recipe.sh and console.sh
 recipe_bool ZORRO "${ZORRO}"
 recipe_bool ASYNC "${ASYNC}"
+mapfile -t ASYNC_CORRECTION < <(recipe_async_correction "${ASYNC}")
 recipe_bool WARM_VIA_SERVER "${WARM_VIA_SERVER}"
 # A new directory per run, OUT_DIR/runs/grpo_zorro_<Z>_seed<S>_<time> (OUT_DIR/runs/latest points at it); a given
 # RUN_NAME or RUN_DIR that holds files is refused unless OVERWRITE=true (deletes them) or RESUME=true (keeps them).
@@ -109,7 +110,7 @@ REMOTE_BACKEND=(
 
 ############################ Launch ############################
 
-recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND -- "$@"
+recipe_launch arctic DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER REMOTE_BACKEND ASYNC_CORRECTION -- "$@"
 if [ "${PRINT_ONLY}" = true ]; then exec "${LAUNCH[@]}"; fi
 
 console_say "${START_LINE}"

@@ -304,3 +304,27 @@ def test_gsm8k_tinker_script_without_an_api_key_says_so(tmp_path):
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert "TINKER_API_KEY is not set" in proc.stderr
+
+
+def test_async_adds_verls_rollout_correction_and_nothing_else():
+    """``recipe_async_correction``: ASYNC=true adds verl's decoupled token-level IS (threshold 2) for the lagged
+    samples; ASYNC=false adds nothing."""
+    def lines(value: str) -> list[str]:
+        out = subprocess.run(["bash", "-c", f'source examples/common/recipe.sh && recipe_async_correction {value}'],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=True).stdout
+        return out.splitlines()
+
+    assert lines("true") == ["actor_rollout_ref.rollout.calculate_log_probs=true",
+                             "algorithm.rollout_correction.rollout_is=token",
+                             "algorithm.rollout_correction.rollout_is_threshold=2.0"]
+    assert lines("false") == []
+
+
+@pytest.mark.slow  # the script composes verl's config in a Python process that imports verl: ~20 s and more
+def test_reverse_text_async_switch_reaches_the_config_with_its_correction(tmp_path):
+    cfg, _ = _compose("run_reverse_text_grpo_arl_local.sh", {"ASYNC": "true", "OUT_DIR": str(tmp_path / "out")},
+                      tmp_path)
+    assert _get(cfg, "trainer.v1.remote_backend.async_mode") is True
+    assert _get(cfg, "algorithm.rollout_correction.rollout_is") == "token"
+    assert _get(cfg, "algorithm.rollout_correction.rollout_is_threshold") == 2.0
+    assert _get(cfg, "actor_rollout_ref.rollout.calculate_log_probs") is True
