@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "GIB", "JobMemory", "device_report", "job_memory", "memory_metrics", "note_buffer", "report_gib", "tensor_bytes",
-    "vllm_worker_parts",
+    "GIB", "JobMemory", "device_peak", "device_report", "job_memory", "memory_metrics", "note_buffer", "report_gib",
+    "restore_device_peak", "tensor_bytes", "vllm_worker_parts",
 ]
 
 GIB = float(1 << 30)
@@ -99,6 +99,18 @@ def note_buffer(name: str, nbytes: int) -> None:
 
 def _cuda(device: torch.device | None) -> bool:
     return device is not None and device.type == "cuda" and torch.cuda.is_available()
+
+
+def device_peak() -> int:
+    """The process's device peak the reports carry, in bytes (the highest :func:`device_report` has seen)."""
+    with _DEVICE_LOCK:
+        return _DEVICE_PEAK["bytes"]
+
+
+def restore_device_peak(value: int) -> None:
+    """Set the process's device peak back to ``value``: after work that must not count, such as a job's warm-up."""
+    with _DEVICE_LOCK:
+        _DEVICE_PEAK["bytes"] = int(value)
 
 
 def device_report(device: torch.device | None) -> dict[str, int]:

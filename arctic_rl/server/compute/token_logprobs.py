@@ -38,6 +38,7 @@ from arctic_rl.server.zorro.forward import causal_lm_logits, zorro_forward, zorr
 __all__ = [
     "TokenLogprobs",
     "chunked_head_supported",
+    "compiled_token_stats_on",
     "response_logprobs",
     "set_compiled_token_stats",
     "shifted_logprobs",
@@ -139,6 +140,11 @@ def set_compiled_token_stats(enabled: bool) -> None:
         _CHUNK_FNS.update(_COMPILED_CHUNK_FNS)
     else:
         _CHUNK_FNS.update(stats=_chunk_stats, grad=_chunk_grad)
+
+
+def compiled_token_stats_on() -> bool:
+    """Whether the chunk math runs compiled in this process (:func:`set_compiled_token_stats`)."""
+    return _CHUNK_FNS["stats"] is not _chunk_stats
 
 
 class _TokenStats(torch.autograd.Function):

@@ -8,7 +8,7 @@ mask (:mod:`arctic_rl.server.zorro.flex`, forward and backward), and the fused l
 made the first ``/forward`` and ``/forward-backward`` of a SmolLM2-135M job take 10-12 s each, and the first step
 15-25x a steady one. :func:`warm_up` runs, on a small synthetic batch, the calls a job will take:
 
-* training job: ``/forward-backward`` through :meth:`TrainingEngine._forward_backward` (DeepSpeed's forward and
+* training job: ``/forward-backward`` through :meth:`TrainingEngine.forward_backward` (DeepSpeed's forward and
   backward, the loss), the plain pass and, when the job has ``zorro_train_enable``, ZoRRO's passes; then
   ``/forward`` through :meth:`TrainingEngine.forward` (eval, no grad; the response-only head the adapter asks
   for), plain and ZoRRO alike;
@@ -103,9 +103,9 @@ def warm_up_wanted(engine: Any, settings: ServerSettings) -> bool:
 def compiled_paths_on() -> bool:
     """Whether this process's log-prob passes run compiled code: ZoRRO's FlexAttention pass or the fused chunks
     (both turned on by a training job whose model is compiled; a log_prob job's own model is never compiled)."""
-    from arctic_rl.server.compute import token_logprobs
+    from arctic_rl.server.compute.token_logprobs import compiled_token_stats_on
 
-    return response_attention() == ("flex", True) or token_logprobs._CHUNK_FNS["stats"] is not token_logprobs._chunk_stats
+    return response_attention() == ("flex", True) or compiled_token_stats_on()
 
 
 def synthetic_body(
@@ -145,7 +145,7 @@ def _job_state_kept(engine: Any) -> Iterator[None]:
     job_memory = getattr(engine, "memory", None)
     buffers, call = (dict(job_memory.buffers), dict(job_memory.call)) if job_memory is not None else ({}, {})
     memory_mod.device_report(device)  # the process's peak so far (the model's load) kept before the warm-up's calls
-    device_peak = memory_mod._DEVICE_PEAK["bytes"]
+    device_peak = memory_mod.device_peak()
     ds = engine.engine if engine.job_type == JobType.TRAINING else None  # the training job's DeepSpeed engine
     counters = {name: getattr(ds, name) for name in _ENGINE_COUNTERS if hasattr(ds, name)}
     optimizer = getattr(ds, "optimizer", None)
@@ -176,7 +176,7 @@ def _job_state_kept(engine: Any) -> Iterator[None]:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.set_rng_state(cuda_rng, device)
-        memory_mod._DEVICE_PEAK["bytes"] = device_peak
+        memory_mod.restore_device_peak(device_peak)
         torch.set_rng_state(rng)
 
 
@@ -194,7 +194,7 @@ def _warm_training(engine: Any) -> int:
         for seed, shape in enumerate(WARM_UP_SHAPES):
             body = synthetic_body(engine.vocab_size, shape, micro_batches=engine.gas, train=True, zorro=zorro_job,
                                   temperature=temperature, seed=seed)
-            engine._forward_backward(parse_batch_body(body, vocab_size=engine.vocab_size, train=True))
+            engine.forward_backward(parse_batch_body(body, vocab_size=engine.vocab_size, train=True))
             engine.discard_gradients()
             engine.pending = 0
             body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
