@@ -18,8 +18,9 @@ each says what it does with the calls in flight (``when``):
 
 * ``"restart"`` (a weight load under the server's ``restart`` policy): it waits only for the step that is running;
   then every call in flight is taken out of the engine (:meth:`StepCore.abort`), the control runs, and those calls
-  are admitted again, first, from their own payloads (same prompts, same seeds), so each runs wholly on the new weights and reports them. A
-  call answered by the step that was running keeps the old version. :attr:`ContinuousLoop.restarted` counts them.
+  are admitted again, first, from their own payloads (same prompts, same seeds), so each runs wholly on the new
+  weights and reports them. A call answered by the step that was running keeps the old version.
+  :attr:`ContinuousLoop.restarted` counts them.
   The work they had done is lost, and a call restarts at every load that finds it running: loads sent more often
   than a call takes would starve it (``wait`` does not);
 * ``"step"`` (wake, a prefix-cache reset, a weight read, a cancel): it runs at the next step boundary and the calls

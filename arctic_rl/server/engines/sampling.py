@@ -163,7 +163,8 @@ class SamplingEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else next(iter(self.eos_ids), 0))
         self.weight_version = 0
-        #: ``restart`` or ``wait``: the calls in flight at a weight load (:data:`~arctic_rl.server.settings.IN_FLIGHT_ON_WEIGHT_LOAD`)
+        #: ``restart`` or ``wait``: the calls in flight at a weight load
+        #: (:data:`~arctic_rl.server.settings.IN_FLIGHT_ON_WEIGHT_LOAD`)
         self.in_flight_on_weight_load = settings.in_flight_on_weight_load
         self.asleep: set[str] = set()  # the parts put to sleep (``weights``, ``kv_cache``)
         self.prefix_cache_resets = 0

@@ -26,8 +26,8 @@ batch between steps, and each call is answered when its own sequences end, with 
 ran on. Weight loads, sleep, wake and prefix-cache resets run on that thread between two engine steps, so no step
 sees half-updated weights and no answer mixes two versions. What each does with the calls in flight:
 
-* a weight load, under ``--in-flight-on-weight-load restart``, waits for the running step only, aborts
-  the calls in flight, lets vLLM settle the step it may still run for them (:func:`.vllm_steps.settle`), loads, resets the
+* a weight load, under ``--in-flight-on-weight-load restart``, waits for the running step only, aborts the calls in
+  flight, lets vLLM settle the step it may still run for them (:func:`.vllm_steps.settle`), loads, resets the
   prefix cache and admits those calls again from their prompts and seeds: each answers with the new version
   (``info()["restarted_on_weight_load"]`` counts them). Under ``wait`` (the default) it waits for them to end on
   the old version;
