@@ -20,9 +20,9 @@ capability: ``sleep()`` stays a no-op (logged once at info level). A backend wit
 sampler resident answers ``sleep_sampler`` with ``{"skipped": true}`` (the Arctic adapter against a server
 that does not list ``sampler_sleep``): the sampler is then taken as awake, and not asked again. The seconds
 spent are reported with the generation timings (``gen/sampler_sleep``, ``gen/sampler_wake``) once the sampler
-has really slept, and never otherwise: a sampler that stays resident reports no sleep timings, not zeros; so is
-the memory the backend says it released around them (``gen/sampler_released_bytes``: the answers'
-``released_bytes``, when a backend reports it).
+has really slept, and never otherwise: a sampler that stays resident reports no sleep timings, not zeros. The
+memory the backend says it released around them (``gen/sampler_released_bytes``, from the answers'
+``released_bytes`` when a backend reports it) is reported the same way.
 """
 
 from __future__ import annotations
