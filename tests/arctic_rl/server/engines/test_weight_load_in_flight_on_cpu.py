@@ -227,6 +227,14 @@ def vllm_submit(engine, prompts, **params):
     return engine.submit_generate(GenerateRequest(prompts=prompts), SamplingParams(ignore_eos=True, **params))
 
 
+def vllm_decoding(engine, prompts, **params):
+    """:func:`vllm_submit`, returned once the stand-in engine is decoding the call."""
+    running = vllm_submit(engine, prompts, **params)
+    while not engine.llm.running:
+        time.sleep(0.001)
+    return running
+
+
 def test_the_vllm_sampler_aborts_and_re_adds_the_requests_in_flight(vllm_engine):
     eng = vllm_engine
     assert eng.in_flight_on_weight_load == "wait"  # the default
@@ -263,9 +271,7 @@ def test_the_vllm_sampler_aborts_and_re_adds_the_requests_in_flight(vllm_engine)
 
 def test_a_vllm_load_whose_engine_does_not_settle_fails_and_the_calls_go_on_with_the_old_weights(vllm_engine):
     eng = vllm_engine
-    running = vllm_submit(eng, [[1, 2]], max_tokens=100)
-    while not eng.llm.running:
-        time.sleep(0.001)
+    running = vllm_decoding(eng, [[1, 2]], max_tokens=100)
     eng.llm.reset_prefix_cache = lambda: False  # blocks never freed
     with pytest.raises(RuntimeError, match="still holds KV blocks"):
         eng.load_weights({})
@@ -276,14 +282,10 @@ def test_a_vllm_load_whose_engine_does_not_settle_fails_and_the_calls_go_on_with
 def test_the_vllm_sampler_under_wait_keeps_the_old_behaviour(vllm_engine):
     eng = vllm_engine
     eng.in_flight_on_weight_load = "wait"
-    running = vllm_submit(eng, [[1, 2]], max_tokens=60)
-    while not eng.llm.running:
-        time.sleep(0.001)
+    running = vllm_decoding(eng, [[1, 2]], max_tokens=60)
     assert eng.reset_prefix_cache() == {"status": "ok", "reset": True}  # waited: nothing in flight any more
     assert running.future.done()
-    running = vllm_submit(eng, [[1, 2]], max_tokens=60)
-    while not eng.llm.running:
-        time.sleep(0.001)
+    running = vllm_decoding(eng, [[1, 2]], max_tokens=60)
     assert eng.load_weights({}) == 8 and running.future.done()  # the load waited for the call
     (old,) = running.result()
     assert old["weight_version"] == 7 and set(old["token_ids"]) == {100}
@@ -293,9 +295,7 @@ def test_the_vllm_sampler_under_wait_keeps_the_old_behaviour(vllm_engine):
 def test_a_prefix_cache_reset_under_restart_does_not_wait_for_the_calls(vllm_engine):
     eng = vllm_engine
     eng.in_flight_on_weight_load = "restart"
-    running = vllm_submit(eng, [[1, 2]], max_tokens=300)
-    while not eng.llm.running:
-        time.sleep(0.001)
+    running = vllm_decoding(eng, [[1, 2]], max_tokens=300)
     # vLLM keeps the blocks running requests hold; none is stale (the last load reset the cache before admitting)
     assert eng.reset_prefix_cache() == {"status": "busy", "reset": False}
     assert not running.future.done()
