@@ -19,8 +19,9 @@ pointing at a reference server this test started (a real ``python -m arctic_rl.s
   batch beside the step's passes when it is killed (both calls are then re-sent to the restored jobs).
   Which weights sample a batch there depends on timing, so there is no reference run to match; the
   run must finish its steps with verl's version bookkeeping exact: every step from 2 on trained a
-  batch sent one version before it (step 1: the warm-up batch, lag 0), so the versions went up by one
-  per step across the restart; no sample over the staleness bound trained or dropped; and no sample
+  batch at most one version old (step 1: the warm-up batch, lag 0), at least one of them exactly one
+  (the generation overlapped an update), never two or below zero, so no version was lost or repeated
+  across the restart; no sample over the staleness bound trained or dropped; and no sample
   trained twice (verl's per-step dump of the trained rows, ``trainer.rollout_data_dir``, lists every
   row once).
 * ``test_ctrl_c_destroys_the_jobs_and_the_next_run_starts``: SIGINT to the driver's process group
@@ -184,18 +185,22 @@ def check_async_bookkeeping(faulted: str, trained_dir: Path) -> None:
     """The faulted async run: its steps, and verl's policy-version bookkeeping exact across the restart."""
     steps = parse_console_metrics(faulted)
     assert sorted(steps) == list(range(1, STEPS + 1))
+    worst = {}
     for step, metrics in steps.items():
         assert metrics["training/global_step"] == step
         assert metrics["training/off_policy/async_mode"] == 1.0, step  # no fall-back to sync after the restart
-        # the batch trained at step s >= 2 was sent during step s-1, before its update: one version old, so the
-        # versions went up by one per step; step 1 trains the warm-up batch, sent with the initial weights. A
-        # version lost or repeated at the restart would show as a lag of 2 (dropped) or below 0.
-        assert metrics["training/off_policy/trajectory_staleness_worst/max"] == (0 if step == 1 else 1), step
+        # step 1 trains the warm-up batch, sent with the initial weights: lag 0. The batch trained at step s >= 2
+        # was handed over at the start of step s-1: one version old when its generation began before that step's
+        # update reached the sampler, none when it began after (a loaded machine can delay verl's agent loop past a
+        # tiny model's update). A version lost or repeated at the restart would show as a lag of 2 or below 0.
+        worst[step] = metrics["training/off_policy/trajectory_staleness_worst/max"]
+        assert worst[step] in ((0,) if step == 1 else (0, 1)), (step, worst[step])
         assert metrics["training/off_policy/trajectory_staleness/min"] >= 0, step
         assert metrics["training/off_policy/trajectory_staleness/max"] <= 1, step  # the bound: one step of lag
         assert metrics.get("training/off_policy/evicted_samples", 0) == 0, step
         assert metrics["training/off_policy/dropped_share"] == 0.0, step
         assert metrics["actor/grad_norm"] > 0, step
+    assert 1 in worst.values(), worst  # generation did overlap an update: the run was asynchronous in fact
     # no sample trained twice: verl's dump of each step's trained rows (keys <prompt uid>_<sample>_<output>)
     rows: dict[str, int] = {}
     for step in steps:
