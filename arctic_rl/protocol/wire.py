@@ -116,7 +116,8 @@ class Features:
     #: only, in the same layout with zeros elsewhere; the prompt positions' LM head is never run
     RESPONSE_LOGPROBS = "response_logprobs"
     #: the sampling job answers /generate while a call of the training job computes (separate locks, threads and
-    #: engines; no sleep between them): a client may generate the next batch while this one trains
+    #: engines; no sleep between them): a client may generate the next batch while this one trains; a weight sync
+    #: keeps each /generate answer on one weight version (the calls in flight finish first or run again)
     CONCURRENT_JOBS = "concurrent_jobs"
     #: /sleep-inference frees the sampler's memory and /wake-inference restores it; waking an awake part is a
     #: no-op and a weight sync wakes the weights it loads into, so a client may sleep the sampler between phases

@@ -139,7 +139,7 @@ class TestZorroOff:
         per prompt with ``n``: ``tests/remote_backend/workers/test_rollout_dispatch_on_cpu.py``), and the samples have the
         shape verl's GRPO step reads -- the same check as on our server."""
         from tests.support.rollout import check_grpo_samples, dispatch_grpo_samples
-        from verl.remote_backend.workers.replica import backend_features
+        from verl.remote_backend.workers.dispatch import backend_features
 
         assert not {"continuous_batching", "n_samples"} & backend_features(client)
         tok = client.tokenizer

@@ -7,7 +7,8 @@
 
 The runs of the mode itself: tests/special_e2e/test_grpo_async.py (our server, async),
 tests/special_e2e/test_grpo_async_tinker.py (Tinker, async) and
-tests/conformance/test_vendor_async_fallback_on_cpu.py (the vendor's server, the fall-back to sync).
+tests/conformance/test_vendor_async_on_cpu.py (the vendor's server: async with fenced weight syncs, and the
+fall-back to sync).
 """
 
 from __future__ import annotations

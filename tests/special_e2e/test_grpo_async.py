@@ -8,8 +8,9 @@ version 0, trained by the weights of version 1). verl's own bookkeeping says so 
 IS against the sampler's log-probs) corrects for it and logs ``rollout_corr/*``. The staleness
 bound is the remote-backend default (``max_off_policy_threshold=2``: one step of lag).
 
-The fall-back to sync against a server without the ``concurrent_jobs`` feature is
-tests/conformance/test_vendor_async_fallback_on_cpu.py (the vendor's /health lists no features).
+The vendor's server (async, each weight sync fenced) and the fall-back to sync are
+tests/conformance/test_vendor_async_on_cpu.py; which servers run the mode, tests/remote_client/arctic/
+test_concurrency_on_cpu.py.
 
 Run by hand::
 

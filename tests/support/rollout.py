@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from verl.remote_backend.workers.batching import RolloutBatching
-from verl.remote_backend.workers.replica import rollout_dispatcher
+from verl.remote_backend.workers.dispatch import rollout_dispatcher
 
 #: the sampling parameters verl's agent loop sends with every call
 VERL_PARAMS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}

@@ -51,6 +51,7 @@ __all__ = [
     "async_running",
     "check_async_declared",
     "concurrency_of",
+    "keeps_answers_whole",
     "lag_metrics",
 ]
 
@@ -108,6 +109,18 @@ def concurrency_of(backend: Any) -> tuple[bool | None, str]:
         return False, f"the server does not list the {CONCURRENT_JOBS_FEATURE!r} feature (it lists: {listed})"
     return None, (f"backend {type(backend).__name__} does not say whether its sampler answers while a training call "
                   f"runs (neither a concurrent_jobs() method nor a features set)")
+
+
+def keeps_answers_whole(backend: Any) -> tuple[bool, str]:
+    """Whether each answer of ``backend``'s sampler comes from one weight version when a weight sync lands while it
+    generates, and why. A backend says so with a ``weight_sync_keeps_answers_whole() -> (bool, reason)`` method;
+    one that does not say is taken not to, and its rollout servers hold new calls and wait for those in flight
+    around each weight sync of the asynchronous mode (:mod:`verl.remote_backend.workers.weight_fence`)."""
+    declare = getattr(backend, "weight_sync_keeps_answers_whole", None)
+    if callable(declare):
+        ok, why = declare()
+        return bool(ok), str(why)
+    return False, f"backend {type(backend).__name__} does not say (no weight_sync_keeps_answers_whole())"
 
 
 def check_async_declared(config: DictConfig, name: str, backend_cls: type | None = None) -> None:

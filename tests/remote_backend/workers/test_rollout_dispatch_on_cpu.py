@@ -20,7 +20,7 @@ import pytest
 from tests.support.rollout import check_grpo_samples, dispatch_grpo_samples
 from verl.remote_backend.workers.batching import RolloutBatching
 from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer
-from verl.remote_backend.workers.replica import backend_features, rollout_dispatcher
+from verl.remote_backend.workers.dispatch import backend_features, rollout_dispatcher
 from verl.remote_backend.workers.sample_groups import SampleGrouper
 
 

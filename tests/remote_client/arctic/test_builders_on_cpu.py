@@ -121,6 +121,7 @@ def test_every_yaml_key_has_a_comment_line_above_it():
         ({"server": {"reclaim_idle_jobs_s": 0}}, "remote_backend.server.reclaim_idle_jobs_s", "> 0 seconds or null",
          0.0),
         ({"rollout": {"max_in_flight": 0}}, "remote_backend.rollout.max_in_flight", ">= 1", 0),
+        ({"server": {"concurrent_jobs": "auto"}}, "remote_backend.server.concurrent_jobs", None, "auto"),
         ({"weight_sync": {"low_memory": True}}, "remote_backend.weight_sync.low_memory", None, True),
         ({"train": {"zorro_train": {"enable": "yes"}}}, "remote_backend.train.zorro_train.enable", "true or false",
          "yes"),

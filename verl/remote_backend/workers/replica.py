@@ -9,12 +9,12 @@ verl's agent loop asks a rollout *replica* for a server Ray actor and calls its
   worker, which tells it the weight version after every weight sync;
 * the server re-attaches to the driver's backend and sends *token ids* to the backend's
   ``generate`` (:class:`~verl.remote_backend.protocols.RemoteSampler`). How depends on the backend's
-  ``features`` (:func:`backend_features`; the names a server lists in ``/health``):
+  ``features`` (:func:`.dispatch.backend_features`; the names a server lists in ``/health``):
 
   - ``continuous_batching`` (the server takes calls into its running batch): each call goes as it comes, the
     ``rollout.n`` samples of one prompt as one request with ``n`` when the server also lists ``n_samples`` (not
     under ``rollout.full_determinism``: which samples share a request would depend on timing)
-    (:mod:`.sample_groups`; at most ``remote_backend.rollout.max_batch_size`` requests in flight, a group
+    (:mod:`.dispatch`, :mod:`.sample_groups`; at most ``remote_backend.rollout.max_batch_size`` requests in flight, a group
     waits at most ``max_wait_ms`` for its samples);
   - otherwise (the vendor's server): concurrent calls are coalesced into bounded batches, one row per sample
     (:mod:`.coalescer`; ``max_batch_size`` / ``max_wait_ms`` / ``max_in_flight``, read as the shared
@@ -46,29 +46,14 @@ from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import RemoteSampler, ReportsCallTimes, adopter_of, result_field
 from verl.remote_backend.timings import BusyClock, CallTotals
 from verl.remote_backend.workers.batching import RolloutBatching
-from verl.remote_backend.workers.coalescer import BatchFn, RequestAborted, RequestCoalescer
-from verl.remote_backend.workers.sample_groups import GroupFn, SampleGrouper
+from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer
+from verl.remote_backend.workers.dispatch import rollout_dispatcher
+from verl.remote_backend.workers.sample_groups import SampleGrouper
 from verl.remote_backend.workers.sampler_sleep import SamplerNap, sleep_settings
+from verl.remote_backend.workers.weight_fence import GenerationFence
 from verl.remote_backend.workers.worker import attach_rollout_server
 
-__all__ = ["CONTINUOUS_BATCHING", "N_SAMPLES", "RemoteRolloutReplica", "RemoteRolloutServer", "backend_features",
-           "normalize_sampling_params", "remote_server_class", "rollout_dispatcher"]
-
-#: feature names (a backend's ``features``, the server's ``/health`` list) the rollout server acts on
-CONTINUOUS_BATCHING = "continuous_batching"
-N_SAMPLES = "n_samples"
-
-
-def backend_features(backend: object) -> frozenset[str]:
-    """The capability names a backend's ``features`` attribute lists (the server's ``/health`` features for the
-    Arctic adapter); none when it has no such attribute."""
-    features = getattr(backend, "features", None)
-    if callable(features):
-        features = features()
-    try:
-        return frozenset(str(f) for f in features or ())
-    except TypeError:
-        return frozenset()
+__all__ = ["RemoteRolloutReplica", "RemoteRolloutServer", "normalize_sampling_params", "remote_server_class"]
 
 logger = module_logger(__name__)
 
@@ -112,27 +97,6 @@ def normalize_sampling_params(
         max_tokens = min(response_length, prompt_length + response_length - prompt_len)
     raw["max_tokens"] = max(1, int(max_tokens))
     return raw
-
-
-def rollout_dispatcher(backend: object, batching: RolloutBatching, *, samples_per_prompt: int,
-                       run_batch: BatchFn, run_group: GroupFn, deterministic: bool = False
-                       ) -> RequestCoalescer | SampleGrouper:
-    """How the rollout server sends verl's one-sample calls to ``backend`` (see the module docstring): a
-    :class:`SampleGrouper` (``run_group``: one prompt, ``n`` samples) when the backend lists
-    ``continuous_batching``, else a :class:`RequestCoalescer` (``run_batch``: many prompts, one sample each).
-
-    ``deterministic`` (verl's ``rollout.full_determinism``): one request per sample even where ``n`` is taken --
-    which samples of a prompt share a request would depend on when they arrive, and with it the seeds a backend
-    derives per request."""
-    features = backend_features(backend)
-    if CONTINUOUS_BATCHING in features:
-        use_n = N_SAMPLES in features and not deterministic
-        logger.info("rollout server: the sampler batches continuously; calls go as they come, %s",
-                    f"the {samples_per_prompt} samples of a prompt as one request" if use_n else "one per sample")
-        return SampleGrouper(run_group, group_size=samples_per_prompt, max_wait_ms=batching.max_wait_ms,
-                             max_in_flight=batching.max_batch_size, use_n=use_n)
-    return RequestCoalescer(run_batch, max_batch_size=batching.max_batch_size, max_wait_ms=batching.max_wait_ms,
-                            max_in_flight=batching.max_in_flight)
 
 
 def _stop_reason(finish_reason: str | None) -> str | None:
@@ -179,6 +143,7 @@ class RemoteRolloutServer:
         self._busy = BusyClock()  # the time the backend had at least one of this server's calls
         enabled, why = sleep_settings(main)
         self.nap = SamplerNap(backend, enabled=enabled, why=why)
+        self.fence = GenerationFence()
 
     async def ready(self) -> bool:
         """Answer once the actor is constructed (and attached)."""
@@ -243,12 +208,13 @@ class RemoteRolloutServer:
             await self._admit.wait()
         prompt = [int(t) for t in prompt_ids]
         params = self.convert_sampling_params(sampling_params, len(prompt))
-        sent_at_version = self.global_steps  # a weight sync may land before the answer (asynchronous mode)
-        await self.nap.ensure_awake()
-        try:
-            result = await self._coalescer_for_loop().submit(prompt, params)
-        except RequestAborted:
-            return self._aborted()
+        async with self.fence.admitted():  # held while a fenced weight sync runs (asynchronous mode)
+            sent_at_version = self.global_steps  # a weight sync may land before the answer (asynchronous mode)
+            await self.nap.ensure_awake()
+            try:
+                result = await self._coalescer_for_loop().submit(prompt, params)
+            except RequestAborted:
+                return self._aborted()
         logprobs = result_field(result, "logprobs")
         log_probs = [float(x) for x in logprobs] if params.get("logprobs") and logprobs is not None else None
         return TokenOutput(
@@ -269,6 +235,13 @@ class RemoteRolloutServer:
                 "SamplerAdopter (adopt_sampler)", received=self._context.name,
             )
         await asyncio.to_thread(adopter.adopt_sampler, data)
+
+    async def hold_generation(self) -> int:
+        """Admit no new call and wait for those in flight (a fenced weight sync, :mod:`.weight_fence`)."""
+        return await self.fence.hold()
+
+    async def release_generation(self) -> None:
+        self.fence.release()
 
     async def set_global_steps(self, global_steps: int) -> None:
         """Weight version of the sampler (set by the worker after each weight sync)."""

@@ -32,11 +32,13 @@ from tensordict import TensorDict
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 
+from verl.remote_backend.async_trainer import async_running, keeps_answers_whole
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_UPDATE_KEY, RemoteActor, ReportsCallTimes
 from verl.remote_backend.timings import PHASE_OF_METHOD, CallTotals, PhaseTimes
+from verl.remote_backend.workers.weight_fence import fenced
 
 __all__ = ["CHECKPOINT_MARKER", "RemoteActorRolloutRefWorker", "attach_rollout_server", "checkpoint_step"]
 
@@ -68,6 +70,7 @@ class RemoteActorRolloutRefWorker(Worker):
         self._rollout_servers: list[Any] = []
         self._warned_modes: set[str] = set()
         self._phase_times = PhaseTimes()
+        self._fence: bool | None = None  # decided at the first weight sync
 
     # ------------------------------------------------------------------ lifecycle
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -151,18 +154,32 @@ class RemoteActorRolloutRefWorker(Worker):
         start = time.monotonic()
         sync = self.backend.update_weights
         self._drain_call_times()
-        if inspect.iscoroutinefunction(sync):  # a backend written for verl PR #7102's async interface
-            result = await sync()
-        else:
-            result = await asyncio.to_thread(sync)
-        self._phase_times.add(PHASE_OF_METHOD["update_weights"], time.monotonic() - start, self._drain_call_times())
-        sampler = result.get(SAMPLER_UPDATE_KEY) if isinstance(result, Mapping) else None
-        if sampler is not None and self._rollout_servers:
-            await asyncio.gather(*[s.adopt_sampler.remote(sampler) for s in self._rollout_servers])
-        if global_steps is not None and self._rollout_servers:
-            await asyncio.gather(*[s.set_global_steps.remote(int(global_steps)) for s in self._rollout_servers])
-        logger.info("weights synced (global_steps=%s) in %.2f s", global_steps, time.monotonic() - start)
+        async with fenced(self._rollout_servers, self._fence_weight_syncs()) as held:
+            if inspect.iscoroutinefunction(sync):  # a backend written for verl PR #7102's async interface
+                result = await sync()
+            else:
+                result = await asyncio.to_thread(sync)
+            self._phase_times.add(PHASE_OF_METHOD["update_weights"], time.monotonic() - start,
+                                  self._drain_call_times())
+            sampler = result.get(SAMPLER_UPDATE_KEY) if isinstance(result, Mapping) else None
+            if sampler is not None and self._rollout_servers:
+                await asyncio.gather(*[s.adopt_sampler.remote(sampler) for s in self._rollout_servers])
+            if global_steps is not None and self._rollout_servers:
+                await asyncio.gather(*[s.set_global_steps.remote(int(global_steps)) for s in self._rollout_servers])
+        fence = f" (fenced: waited {held['wait_s']:.2f} s for {int(held['calls'])} calls in flight)" if held else ""
+        logger.info("weights synced (global_steps=%s) in %.2f s%s", global_steps, time.monotonic() - start, fence)
         return {}
+
+    def _fence_weight_syncs(self) -> bool:
+        """Whether this weight sync must hold the rollout servers' calls (:mod:`.weight_fence`): in the asynchronous
+        mode, for a backend that does not keep each answer on one weight version across a sync. Decided once."""
+        if self._fence is None:
+            whole, why = keeps_answers_whole(self.backend)
+            self._fence = async_running(self._context.main_config_node()) and not whole
+            if self._fence:
+                logger.info("asynchronous mode: each weight sync waits for the samples in flight and holds new ones "
+                            "(%s)", why)
+        return self._fence
 
     # ------------------------------------------------------------------ checkpoints
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

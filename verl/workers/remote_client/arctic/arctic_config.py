@@ -91,6 +91,7 @@ class ServerConfig:
     protocol: Literal["auto", "v1", "v2"] = "auto"
     pool_size: int = 64
     reclaim_idle_jobs_s: float | None = None
+    concurrent_jobs: bool | None = None
     local: LocalServerConfig = field(default_factory=LocalServerConfig)
 
     def _validate(self, p: str) -> None:
@@ -106,7 +107,8 @@ class ServerConfig:
         token = None if self.token is None else "***"
         return (
             f"ServerConfig(url={self.url!r}, token={token!r}, protocol={self.protocol!r}, "
-            f"pool_size={self.pool_size!r}, reclaim_idle_jobs_s={self.reclaim_idle_jobs_s!r}, local={self.local!r})"
+            f"pool_size={self.pool_size!r}, reclaim_idle_jobs_s={self.reclaim_idle_jobs_s!r}, "
+            f"concurrent_jobs={self.concurrent_jobs!r}, local={self.local!r})"
         )
 
 

@@ -52,6 +52,7 @@ from .arctic_config import ArcticConfig
 from .builders import plan_batches
 from .checkpoint_schedule import CheckpointSchedule
 from .checkpoints import Checkpoints, weight_sync_request
+from .concurrency import answers_stay_whole, jobs_run_concurrently
 from .dialect import Dialect, dialect_for
 from .generation import Sampler, SeedDeriver
 from .http import ArcticHttp, resolve_token
@@ -300,6 +301,14 @@ class ArcticRLClient(RemoteBackend):
     @property
     def features(self) -> frozenset[str]:
         return self._state.features
+
+    def concurrent_jobs(self) -> tuple[bool, str]:
+        """Whether the server answers ``/generate`` while the training job computes (:mod:`.concurrency`)."""
+        return jobs_run_concurrently(self._state.features, self.arctic.server.concurrent_jobs)
+
+    def weight_sync_keeps_answers_whole(self) -> tuple[bool, str]:
+        """Whether each ``/generate`` answer comes from one weight version across a weight sync (:mod:`.concurrency`)."""
+        return answers_stay_whole(self._state.features)
 
     @property
     def step(self) -> int:

@@ -107,6 +107,11 @@ class TinkerClient(RemoteBackend, SamplerAdopter):
         while a training call runs; an adopted sampler serves the calls sent after it."""
         return True, "Tinker's sampling and training clients are separate SDK clients (futures)"
 
+    def weight_sync_keeps_answers_whole(self) -> tuple[bool, str]:
+        """A sample call is bound to the sampling client of one saved weight path; adopting a new path serves the
+        calls sent after it and leaves those in flight on theirs."""
+        return True, "each Tinker sample call is bound to the sampling client of one saved weight path"
+
     def destroy(self) -> None:
         """Drop the training and sampling clients this instance created (idempotent)."""
         with self._lock:
