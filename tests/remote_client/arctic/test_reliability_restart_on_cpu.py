@@ -12,7 +12,8 @@ root by a supervisor thread, three times in one run of 6 optimizer steps (checkp
 
 The final weights (``/forward`` log-probs of a fixed batch) must equal those of the same run
 without faults bit for bit, and the server's step counter must be 6: no step applied twice, none
-lost. The journal's own rules (bound, overflow, reset) are unit-tested at the bottom.
+lost. A restore gives the sampler the weights of the step it had, not the newer ones the training
+job reaches. The journal's own rules (bound, overflow, reset) are unit-tested at the bottom.
 """
 
 from __future__ import annotations
@@ -83,7 +84,12 @@ def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, ti
             assert info["global_step"] == 6 and info["pending_forward_backward"] == 0
             stats = client.reliability_stats()
             assert stats["recovery/restores"] == 3
-            assert stats["recovery/checkpoints_loaded"] == 3
+            # 3 for the training job, and 2 for the sampler: its last weight sync was the load of `start` (step 0),
+            # rebuilt at restores 1 and 2 from the journal part that checkpoint 2 replaced; at restore 3 the part
+            # kept begins at step 2, after the sampler's step, so the sampler gets the newest weights (warned)
+            assert stats["recovery/checkpoints_loaded"] == 3 + 2
+            assert "could not rebuild" not in caplog.text
+            assert "the restore cannot rebuild the weights of step 0" in caplog.text
             # replayed: nothing after checkpoint 2; step 3's /forward-backward and /step (2); step 5's
             # /forward-backward (1)
             assert stats["recovery/journal_replayed"] == 0 + 2 + 1
@@ -143,6 +149,53 @@ def test_kill9_right_after_a_step_before_the_recovery_checkpoint(tmp_path_factor
             supervisor.wait()
 
 
+def _sampler_logprobs(client) -> torch.Tensor:
+    """The sampler's log-probs of its greedy answers to two fixed prompts: they name the weights it has."""
+    results = client.generate([[5, 6, 7], [8, 9]], {"max_tokens": 6, "temperature": 0.0, "logprobs": 1})
+    return torch.tensor([x for r in results for x in r.logprobs])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint_every", [100, 4], ids=["journal_since_start", "checkpoint_after_sampler_step"])
+def test_a_restore_gives_the_sampler_the_weights_of_the_step_it_had(tmp_path_factory, tiny_model_dir,
+                                                                    checkpoint_every):
+    """The server dies after the steps 3-4 were applied but before their weight sync (in the asynchronous mode the
+    rollout servers keep generating then, tagged with version 2). The restore syncs the new sampler when the
+    training job passes step 2, so it samples with step 2's weights, as the tags say; the training job still
+    reaches step 4, and the next weight sync brings step 4's weights. Step 2 comes from the journal since the
+    start, or (a recovery checkpoint taken at step 4, before the weight sync) from the part of the journal that
+    checkpoint replaced."""
+    with running_server(tmp_path_factory.mktemp("server")) as srv:
+        supervisor = Supervisor(srv)
+        cfg = client_config(tiny_model_dir, srv.url, recovery={"checkpoint_every_n_steps": checkpoint_every,
+                                                              "watch_interval_s": 0, "wait_s": 600})
+        client = ArcticRLClient.from_config(cfg)
+        try:
+            client.save_checkpoint(step=0, path="start")  # the base the restore loads
+            client.update_actor(train_batch(0))  # steps 1, 2
+            client.update_weights()
+            at_step_2 = _sampler_logprobs(client)
+            client.update_actor(train_batch(1))  # steps 3, 4: no weight sync yet
+            supervisor.kill_and_restart()
+            supervisor.wait()
+
+            restored = _sampler_logprobs(client)  # the lost jobs are noticed here and restored
+            stats = client.reliability_stats()
+            assert stats["recovery/restores"] == 1
+            assert stats.get("recovery/checkpoints_saved", 0) == (checkpoint_every == 4)
+            assert client.step == 4
+            info = requests.get(f"{srv.url}/job/{client.job_ids['training']}", timeout=30).json()
+            assert info["global_step"] == 4
+            assert torch.allclose(restored, at_step_2, atol=1e-5), (restored - at_step_2).abs().max()
+
+            client.update_weights()
+            at_step_4 = _sampler_logprobs(client)
+            assert (at_step_4 - at_step_2).abs().max() > 1e-3  # the weights of the two steps are told apart
+        finally:
+            client.destroy()
+            supervisor.wait()
+
+
 # ------------------------------------------------------------------------------------------------ journal
 
 
@@ -155,6 +208,23 @@ def test_journal_records_in_order_and_resets_at_checkpoints():
     assert journal.nbytes == 100 + 64
     journal.reset(CheckpointRef("/ckpt/checkpoint-1", 1))
     assert journal.entries == [] and journal.nbytes == 0 and journal.base.step == 1
+    assert journal.previous is None  # a load (the default): what led here is gone
+
+
+def test_journal_keeps_what_a_save_replaced_until_the_next_weight_sync():
+    journal = UpdateJournal(max_bytes=1000)
+    journal.reset(CheckpointRef("/ckpt/a", 2))
+    journal.record("/forward-backward", b"x" * 10, "application/octet-stream", is_step=False)
+    journal.record("/step", {}, None, is_step=True)
+    replaced = list(journal.entries)
+    journal.reset(CheckpointRef("/ckpt/b", 3), keep_previous=True)  # a save
+    assert journal.previous == (CheckpointRef("/ckpt/a", 2), replaced) and journal.entries == []
+    journal.drop_previous()  # the weight sync after it
+    assert journal.previous is None
+    journal.record("/step", {}, None, is_step=True)
+    journal.overflowed = True  # an incomplete journal cannot rebuild anything: not kept
+    journal.reset(CheckpointRef("/ckpt/c", 4), keep_previous=True)
+    assert journal.previous is None
 
 
 def test_journal_overflow_is_loud_and_counts_the_steps_it_cannot_replay(caplog):

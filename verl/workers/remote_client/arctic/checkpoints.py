@@ -61,6 +61,7 @@ class Checkpoints:
         """Push the weights, then drop the sampler's prefix cache where the server can."""
         with self.recovery.training_call():
             out = self.calls.read(self._sync, WeightSyncResponse).answer(self._sync.what)
+            self.recovery.sampler_synced()
             if Paths.RESET_PREFIX_CACHE in self.server_paths:
                 body = ResetPrefixCacheRequest().model_dump(mode="json")
                 self.calls.call(JobRequest("POST", Paths.RESET_PREFIX_CACHE, op="weight_sync", idempotent=True,
@@ -86,7 +87,7 @@ class Checkpoints:
             if state.dialect.can_load_checkpoints:  # only a save that can be loaded back anchors a restore
                 saved = parse_answer(SaveResponse, out, what)
                 step_saved = saved.global_step if saved.global_step is not None else state.step
-                self.recovery.anchor(str(saved.path), int(step_saved))
+                self.recovery.anchor(str(saved.path), int(step_saved), saved=True)
             return dict(out)
 
     def load_checkpoint(self, step: int | None = None, *, path: str | None = None, sync_weights: bool = True) -> dict:

@@ -52,6 +52,10 @@ class UpdateJournal:
     overflowed: bool = False
     dropped_steps: int = 0
     overflows: int = 0
+    #: the base and entries a *save* replaced, kept until the next weight sync (:meth:`drop_previous`): a restore
+    #: rebuilds from them the older step whose weights the sampler still has (:mod:`.restore`). Outside the bound:
+    #: at most one checkpoint interval's entries more.
+    previous: tuple[CheckpointRef | None, list[JournalEntry]] | None = None
 
     @property
     def complete(self) -> bool:
@@ -62,8 +66,15 @@ class UpdateJournal:
     def steps(self) -> int:
         return sum(e.is_step for e in self.entries) + self.dropped_steps
 
-    def reset(self, base: CheckpointRef | None) -> None:
+    def reset(self, base: CheckpointRef | None, *, keep_previous: bool = False) -> None:
+        """Start over from ``base``; ``keep_previous`` (a save: the training state did not change) keeps what led
+        here as :attr:`previous`, when it is complete."""
+        self.previous = (self.base, self.entries) if keep_previous and self.complete else None
         self.base, self.entries, self.nbytes, self.overflowed, self.dropped_steps = base, [], 0, False, 0
+
+    def drop_previous(self) -> None:
+        """The sampler has weights of a step at or after :attr:`base`: :attr:`previous` is no longer needed."""
+        self.previous = None
 
     def start_unknown(self, step: int) -> None:
         """A client that joins a run at ``step > 0`` does not know what preceded it: incomplete until

@@ -169,9 +169,15 @@ class Recovery:
 
     # ------------------------------------------------------------------------------ journal
 
-    def anchor(self, path: str, step: int) -> None:
-        """A checkpoint at ``path`` of optimizer step ``step`` was saved or loaded: a restore starts from it."""
-        self.journal.reset(CheckpointRef(str(path), int(step)))
+    def anchor(self, path: str, step: int, *, saved: bool = False) -> None:
+        """A checkpoint at ``path`` of optimizer step ``step`` was saved or loaded: a restore starts from it. A save
+        keeps the journal's entries before it until the next weight sync (:meth:`sampler_synced`)."""
+        self.journal.reset(CheckpointRef(str(path), int(step)), keep_previous=saved)
+
+    def sampler_synced(self) -> None:
+        """The sampler now has the training job's weights of the current step (a weight sync was answered)."""
+        self.state.sampler_step = self.state.step
+        self.journal.drop_previous()
 
     def _acknowledged(self, request: JobRequest) -> None:
         """An update the server applied (answered, or settled as applied) goes into the journal."""

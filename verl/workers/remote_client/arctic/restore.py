@@ -4,7 +4,10 @@
   ``/load-checkpoint``s the last good checkpoint, replays the :class:`~.journal.UpdateJournal` (every
   ``/forward-backward`` body and ``/step`` acknowledged since, in order) and pushes the weights to
   the sampler. The training job is then exactly where it was when the last acknowledged call
-  returned: no step is applied twice, only the steps since the checkpoint are recomputed.
+  returned: no step is applied twice, only the steps since the checkpoint are recomputed. The sampler
+  gets the weights of the step it had before the restart (synced when the replay passes that step), so
+  the version verl tags samples with stays true when the restart fell between a ``/step`` and its
+  weight sync.
 * :meth:`Restorer.rebuild_training` -- the same server, but the training job's state is unknown (an
   unanswered call that neither request-id replay nor a counter can settle): the training job alone
   is destroyed and built again the same way; the sampler and log_prob jobs stay.
@@ -21,6 +24,8 @@ a clear error. It never re-creates a job the client still holds: when the server
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from collections import Counter
@@ -35,13 +40,18 @@ from arctic_rl.protocol import (
     StepResponse,
     WeightSyncResponse,
 )
-from verl.remote_backend.errors import RemoteBackendError, RemoteConnectionError, RemoteJobNotFoundError
+from verl.remote_backend.errors import (
+    RemoteBackendError,
+    RemoteConnectionError,
+    RemoteJobNotFoundError,
+    RemoteServerError,
+)
 
 from .answers import parse_answer
 from .arctic_config import RecoveryConfig
 from .dialect import Payload
 from .jobs import JOB_ORDER, create_job, destroy_jobs, status_jobs
-from .journal import UpdateJournal
+from .journal import CheckpointRef, JournalEntry, UpdateJournal
 from .request import JobRequest
 from .restart import RestartDetector
 from .state import RunState
@@ -132,7 +142,10 @@ class Restorer:
         try:
             for job_type in types:
                 created[job_type.value] = create_job(http, job_type, bodies[job_type], tag=state.client_tag)
-            step = self._load_and_replay(created[JobType.TRAINING.value])
+            # after a restore the sampler gets the weights of the step it had (sampler_step), synced when the replay
+            # passes that step; where no replay can rebuild that step, the weights of the step reached (warned)
+            sync_at = None if only_training else functools.partial(self._sync_sampler, {**state.job_ids, **created})
+            step, synced = self._load_and_replay(created[JobType.TRAINING.value], sync_at)
             if not journal.complete:
                 self._accept_lost_steps(step)
             elif step != state.step:
@@ -140,26 +153,54 @@ class Restorer:
                                          f"step {state.step}; the run cannot continue exactly")
             state.publish_jobs({**state.job_ids, **created}, health.get("instance_id") or state.instance_id,
                                created=created)
-            if not only_training:  # a rebuilt training job holds the weights the sampler already has
-                sync = self.weight_sync
-                parse_answer(WeightSyncResponse, sync.send(state).json(), sync.what)
+            if sync_at is not None and not synced:  # a rebuilt training job holds the weights the sampler has
+                if state.sampler_step is not None:
+                    logger.warning("arctic: the restore cannot rebuild the weights of step %d that the sampler had "
+                                   "(the checkpoint it starts from is of a later step, or steps were lost): it gets "
+                                   "step %d's; samples sent before the next weight sync carry a version tag that "
+                                   "differs from the weights that sampled them", state.sampler_step, step)
+                sync_at(step)
         except BaseException:
             state.retire(created.values())
             destroy_jobs(http, created)
             raise
 
-    def _load_and_replay(self, training: int) -> int:
-        """Load the journal's base into job ``training`` and replay the journal; the step reached."""
-        state, journal = self.state, self.journal
+    def _load_and_replay(self, training: int, sync_at: Callable[[int], None] | None) -> tuple[int, bool]:
+        """Load the journal's base into job ``training`` and replay the journal; ``sync_at(step)`` syncs the
+        sampler when the training job is at :attr:`~.state.RunState.sampler_step` -- first through the journal's
+        :attr:`~.journal.UpdateJournal.previous` part when the sampler's step precedes the base. The step reached,
+        and whether the sampler was synced."""
+        journal = self.journal
+        target = self.state.sampler_step if sync_at is not None else None
+        synced = False
+        earlier = journal.previous
+        if (target is not None and journal.base is not None and target < journal.base.step and earlier is not None
+                and (earlier[0] is None or earlier[0].step <= target)):
+            try:  # the sampler's step, rebuilt on the way; then the newer base
+                _, synced = self._replay(training, earlier[0], earlier[1], target, sync_at, stop_when_synced=True)
+            except RemoteServerError as exc:  # e.g. that checkpoint was pruned (recovery.checkpoint_keep)
+                logger.warning("arctic: could not rebuild step %d for the sampler from %s: %s", target,
+                               earlier[0] or "a fresh job", exc)
+        step, at_target = self._replay(training, journal.base, journal.entries if journal.complete else None,
+                                       None if synced else target, sync_at)
+        return step, synced or at_target
+
+    def _replay(self, training: int, base: CheckpointRef | None, entries: list[JournalEntry] | None,
+                target: int | None, sync_at: Callable[[int], None] | None, *,
+                stop_when_synced: bool = False) -> tuple[int, bool]:
+        """Load ``base`` (``None``: the freshly created job, step 0), replay ``entries`` (``None``: none, the journal
+        being incomplete) and sync the sampler at step ``target``, stopping there if ``stop_when_synced``."""
+        state = self.state
         step = 0
-        if journal.base is not None:
-            body = LoadCheckpointRequest(path=journal.base.path).model_dump(mode="json", exclude_none=True)
+        if base is not None:
+            body = LoadCheckpointRequest(path=base.path).model_dump(mode="json", exclude_none=True)
             load = JobRequest("POST", Paths.LOAD_CHECKPOINT, op="save", idempotent=True, payload=Payload(json=body))
             step = parse_answer(LoadCheckpointResponse, load.send(state, job_id=training).json(), load.what).global_step
             self.stats["checkpoints_loaded"] += 1
-        if not journal.complete:
-            return step
-        for entry in journal.entries:  # each sent once: a lost answer here makes the caller start over
+        synced = self._sync_if_at(step, target, sync_at)
+        for entry in entries or ():  # each sent once: a lost answer here makes the caller start over
+            if synced and stop_when_synced:
+                break
             payload = Payload(content_type=entry.content_type, data=entry.body) if entry.content_type else \
                 Payload(json=entry.body)
             replay = JobRequest("POST", entry.path, op="step" if entry.is_step else "forward_backward",
@@ -168,8 +209,27 @@ class Restorer:
             if entry.is_step:
                 got = parse_answer(StepResponse, resp.json(), replay.what).metrics.get("global_step")
                 step = got if isinstance(got, int) and not isinstance(got, bool) else step + 1
+                synced = synced or self._sync_if_at(step, target, sync_at)
             self.stats["journal_replayed"] += 1
-        return step
+        return step, synced
+
+    @staticmethod
+    def _sync_if_at(step: int, target: int | None, sync_at: Callable[[int], None] | None) -> bool:
+        if sync_at is None or step != target:
+            return False
+        sync_at(step)
+        return True
+
+    def _sync_sampler(self, job_ids: dict[str, int], step: int) -> None:
+        """Push the training job's weights (now those of ``step``) to the sampler of ``job_ids``."""
+        jobs = dataclasses.replace(self.state, job_ids=job_ids)  # the jobs being built, not yet published
+        sync = self.weight_sync
+        parse_answer(WeightSyncResponse, sync.send(jobs).json(), sync.what)
+        self.state.sampler_step = step
+        if step != self.state.step:
+            logger.warning("arctic: the restored sampler has the weights of step %d again, as before the restart (the "
+                           "training job goes on to step %d; verl's next weight sync brings those)", step,
+                           self.state.step)
 
     def _accept_lost_steps(self, step: int) -> None:
         state, journal = self.state, self.journal

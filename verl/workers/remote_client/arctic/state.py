@@ -1,7 +1,7 @@
 """The state one Arctic run shares across the client's roles: :class:`RunState`.
 
 It is what a restart can change: the job ids, the server's instance id, the jobs this client owns,
-the optimizer step -- and the jobs this client *retired* itself (destroyed to replace them, or left
+the optimizer step, the step of the sampler's weights -- and the jobs this client *retired* itself (destroyed to replace them, or left
 half-built by an interrupted rebuild), which are never taken as evidence that the server restarted.
 The client's roles (training, log-probs, generation, checkpoints) and the recovery modules all read
 and update this one object, never each other's attributes.
@@ -38,6 +38,9 @@ class RunState:
     instance_id: str | None
     client_tag: str | None
     step: int = 0
+    #: the optimizer step whose weights the sampler last received (None: no weight sync yet); a restore gives the
+    #: sampler that step's weights again, so the version the rollout servers tag samples with stays true
+    sampler_step: int | None = None
     destroyed: bool = False
     retired: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
