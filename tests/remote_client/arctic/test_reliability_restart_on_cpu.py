@@ -84,12 +84,12 @@ def test_kill9_between_and_during_steps_is_restored_exactly(tmp_path_factory, ti
             assert info["global_step"] == 6 and info["pending_forward_backward"] == 0
             stats = client.reliability_stats()
             assert stats["recovery/restores"] == 3
-            # 3 for the training job, and 2 for the sampler: its last weight sync was the load of `start` (step 0),
-            # rebuilt at restores 1 and 2 from the journal part that checkpoint 2 replaced; at restore 3 the part
-            # kept begins at step 2, after the sampler's step, so the sampler gets the newest weights (warned)
-            assert stats["recovery/checkpoints_loaded"] == 3 + 2
-            assert "could not rebuild" not in caplog.text
-            assert "the restore cannot rebuild the weights of step 0" in caplog.text
+            # 3 for the training job, and 3 for the sampler: its last weight sync was the load of `start` (step 0),
+            # rebuilt at each restore from the journal part the recovery checkpoints replaced (kept from `start` on:
+            # no weight sync since)
+            assert stats["recovery/checkpoints_loaded"] == 3 + 3
+            assert "could not rebuild" not in caplog.text and "the restore cannot rebuild" not in caplog.text
+            assert caplog.text.count("the restored sampler has the weights of step 0 again") == 3
             # replayed: nothing after checkpoint 2; step 3's /forward-backward and /step (2); step 5's
             # /forward-backward (1)
             assert stats["recovery/journal_replayed"] == 0 + 2 + 1
@@ -219,11 +219,15 @@ def test_journal_keeps_what_a_save_replaced_until_the_next_weight_sync():
     replaced = list(journal.entries)
     journal.reset(CheckpointRef("/ckpt/b", 3), keep_previous=True)  # a save
     assert journal.previous == (CheckpointRef("/ckpt/a", 2), replaced) and journal.entries == []
+    journal.record("/step", {}, None, is_step=True)
+    journal.reset(CheckpointRef("/ckpt/c", 4), keep_previous=True)  # another save, no weight sync between them
+    assert journal.previous[0] == CheckpointRef("/ckpt/a", 2)  # still from where the sampler's step is
+    assert [e.path for e in journal.previous[1]] == ["/forward-backward", "/step", "/step"]
     journal.drop_previous()  # the weight sync after it
     assert journal.previous is None
     journal.record("/step", {}, None, is_step=True)
     journal.overflowed = True  # an incomplete journal cannot rebuild anything: not kept
-    journal.reset(CheckpointRef("/ckpt/c", 4), keep_previous=True)
+    journal.reset(CheckpointRef("/ckpt/d", 5), keep_previous=True)
     assert journal.previous is None
 
 

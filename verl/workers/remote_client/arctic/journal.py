@@ -68,8 +68,14 @@ class UpdateJournal:
 
     def reset(self, base: CheckpointRef | None, *, keep_previous: bool = False) -> None:
         """Start over from ``base``; ``keep_previous`` (a save: the training state did not change) keeps what led
-        here as :attr:`previous`, when it is complete."""
-        self.previous = (self.base, self.entries) if keep_previous and self.complete else None
+        here as :attr:`previous`, when it is complete -- appended to a part still kept (two saves with no weight
+        sync between them, e.g. a recovery checkpoint and verl's own at one step), so it starts where that did."""
+        if not (keep_previous and self.complete):
+            self.previous = None
+        elif self.previous is not None:
+            self.previous = (self.previous[0], self.previous[1] + self.entries)
+        else:
+            self.previous = (self.base, self.entries)
         self.base, self.entries, self.nbytes, self.overflowed, self.dropped_steps = base, [], 0, False, 0
 
     def drop_previous(self) -> None:
