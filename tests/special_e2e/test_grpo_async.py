@@ -45,7 +45,9 @@ def run_async(tmp_path: Path, *extra: str, steps: int = 2) -> tuple[dict[int, di
 
 
 def test_two_async_grpo_steps_train_one_step_stale_batches(tmp_path):
-    steps, output = run_async(tmp_path)
+    # an entropy bonus: step 1's update moves the weights even when every group's rewards are equal (advantages all
+    # 0, KL 0 on step 1: a zero gradient, which Adam turns into no update and the IS weights of step 2 into 1)
+    steps, output = run_async(tmp_path, "actor_rollout_ref.actor.entropy_coeff=0.01")
     check_steps(steps, [1, 2], ("actor/pg_loss", "actor/grad_norm", "rollout_corr/rollout_is_mean",
                                 "rollout_corr/rollout_is_max", "training/off_policy/trajectory_staleness/mean",
                                 "training/off_policy/trajectory_staleness/max", "training/off_policy/dropped_share",
@@ -54,6 +56,7 @@ def test_two_async_grpo_steps_train_one_step_stale_batches(tmp_path):
     for metrics in steps.values():
         assert metrics["training/off_policy/async_mode"] == 1.0
         assert 0 < metrics["rollout_corr/rollout_is_max"] <= 2.0
+        assert metrics["actor/grad_norm"] > 0
         assert metrics["training/off_policy/trajectory_staleness/max"] <= 1  # the bound: one step of lag
         assert metrics["training/off_policy/dropped_share"] == 0.0
     # step 1 trains the warm-up batch (weights 0, on-policy); step 2 the batch sent before step 1's update
