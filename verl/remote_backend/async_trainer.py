@@ -31,6 +31,7 @@ verl creates its worker and rollout servers, so what they do between phases (the
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -50,6 +51,7 @@ __all__ = [
     "async_requested",
     "async_running",
     "check_async_declared",
+    "concurrency_listed",
     "concurrency_of",
     "keeps_answers_whole",
     "lag_metrics",
@@ -90,6 +92,25 @@ def async_running(config: Any) -> bool:
     return select(config, ASYNC_KEY, False) is True
 
 
+def _declared(backend: Any, method: str) -> tuple[bool, str] | None:
+    """``backend.<method>()`` as ``(yes, why)``; ``None`` when the backend has no such method."""
+    declare = getattr(backend, method, None)
+    if not callable(declare):
+        return None
+    ok, why = declare()
+    return bool(ok), str(why)
+
+
+def concurrency_listed(features: Iterable[str]) -> tuple[bool, str]:
+    """Whether a server whose ``/health`` lists ``features`` answers samples while it trains, and why: it must list
+    :data:`CONCURRENT_JOBS_FEATURE`."""
+    features = frozenset(features)
+    if CONCURRENT_JOBS_FEATURE in features:
+        return True, f"the server lists {CONCURRENT_JOBS_FEATURE!r}"
+    listed = ", ".join(sorted(features)) or "none"
+    return False, f"the server does not list the {CONCURRENT_JOBS_FEATURE!r} feature (it lists: {listed})"
+
+
 def concurrency_of(backend: Any) -> tuple[bool | None, str]:
     """Whether ``backend``'s sampler answers while its trainer computes, and why.
 
@@ -97,16 +118,12 @@ def concurrency_of(backend: Any) -> tuple[bool | None, str]:
     capabilities its server lists (a ``features`` set holding :data:`CONCURRENT_JOBS_FEATURE`).
     ``None``: the backend cannot say.
     """
-    declare = getattr(backend, "concurrent_jobs", None)
-    if callable(declare):
-        ok, why = declare()
-        return bool(ok), str(why)
+    declared = _declared(backend, "concurrent_jobs")
+    if declared is not None:
+        return declared
     features = getattr(backend, "features", None)
     if isinstance(features, (set, frozenset)):
-        if CONCURRENT_JOBS_FEATURE in features:
-            return True, f"the server lists {CONCURRENT_JOBS_FEATURE!r}"
-        listed = ", ".join(sorted(features)) or "none"
-        return False, f"the server does not list the {CONCURRENT_JOBS_FEATURE!r} feature (it lists: {listed})"
+        return concurrency_listed(features)
     return None, (f"backend {type(backend).__name__} does not say whether its sampler answers while a training call "
                   f"runs (neither a concurrent_jobs() method nor a features set)")
 
@@ -116,10 +133,9 @@ def keeps_answers_whole(backend: Any) -> tuple[bool, str]:
     generates, and why. A backend says so with a ``weight_sync_keeps_answers_whole() -> (bool, reason)`` method;
     one that does not say is taken not to, and its rollout servers hold new calls and wait for those in flight
     around each weight sync of the asynchronous mode (:mod:`verl.remote_backend.workers.weight_fence`)."""
-    declare = getattr(backend, "weight_sync_keeps_answers_whole", None)
-    if callable(declare):
-        ok, why = declare()
-        return bool(ok), str(why)
+    declared = _declared(backend, "weight_sync_keeps_answers_whole")
+    if declared is not None:
+        return declared
     return False, f"backend {type(backend).__name__} does not say (no weight_sync_keeps_answers_whole())"
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 
 from arctic_rl.protocol import Features
+from verl.remote_backend.async_trainer import concurrency_listed
 
 __all__ = ["CONCURRENT_JOBS_KEY", "answers_stay_whole", "jobs_run_concurrently"]
 
@@ -36,11 +37,8 @@ def jobs_run_concurrently(features: AbstractSet[str], setting: bool | None) -> t
     """``(yes, why)``: whether the server answers ``/generate`` while its training job computes."""
     if setting is not None:
         return bool(setting), f"{CONCURRENT_JOBS_KEY}={str(bool(setting)).lower()}"
-    if Features.CONCURRENT_JOBS in features:
-        return True, f"the server lists {Features.CONCURRENT_JOBS!r}"
-    if features:
-        listed = ", ".join(sorted(features))
-        return False, f"the server does not list the {Features.CONCURRENT_JOBS!r} feature (it lists: {listed})"
+    if features:  # the reference server, or another that lists what it can
+        return concurrency_listed(features)
     return True, ("the server lists no features (the vendor's Arctic RL server): its routes await the training job's "
                   "workers and the sampling job's replica pool, which are separate")
 

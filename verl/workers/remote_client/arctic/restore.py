@@ -173,14 +173,15 @@ class Restorer:
         journal = self.journal
         target = self.state.sampler_step if sync_at is not None else None
         synced = False
-        earlier = journal.previous
-        if (target is not None and journal.base is not None and target < journal.base.step and earlier is not None
-                and (earlier[0] is None or earlier[0].step <= target)):
+        earlier_base, earlier_entries = journal.previous or (None, None)
+        if (target is not None and journal.base is not None and target < journal.base.step
+                and earlier_entries is not None and (earlier_base is None or earlier_base.step <= target)):
             try:  # the sampler's step, rebuilt on the way; then the newer base
-                _, synced = self._replay(training, earlier[0], earlier[1], target, sync_at, stop_when_synced=True)
+                _, synced = self._replay(training, earlier_base, earlier_entries, target, sync_at,
+                                         stop_when_synced=True)
             except RemoteServerError as exc:  # e.g. that checkpoint was pruned (recovery.checkpoint_keep)
                 logger.warning("arctic: could not rebuild step %d for the sampler from %s: %s", target,
-                               earlier[0] or "a fresh job", exc)
+                               earlier_base or "a fresh job", exc)
         step, at_target = self._replay(training, journal.base, journal.entries if journal.complete else None,
                                        None if synced else target, sync_at)
         return step, synced or at_target
