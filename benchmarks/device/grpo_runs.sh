@@ -3,9 +3,10 @@
 # and collect what benchmarks/real_model_report.py reads (metrics.jsonl, gpu_mem.csv, summary.json) per run.
 #
 #   bash benchmarks/device/grpo_runs.sh RESULTS_DIR SPEC [SPEC ...]
-#   SPEC = NAME:BACKEND:STYLE:ZORRO:SEED[:OVERRIDES]   BACKEND arl (remote_backend=arctic, reference server) or stock
-#          (stock verl, colocated FSDP + vLLM); STYLE short or fewshot; ZORRO true/false (ignored for stock); SEED an
-#          integer; OVERRIDES Hydra overrides for the script, comma-separated (e.g. verl's bypass mode:
+#   SPEC = NAME:BACKEND:STYLE:ZORRO:SEED[:OVERRIDES]   BACKEND arl (remote_backend=arctic, reference server), arl_async
+#          (the same in asynchronous mode, as ASYNC=true does for every arl run) or stock (stock verl, colocated
+#          FSDP + vLLM); STYLE short or fewshot; ZORRO true/false (ignored for stock); SEED an integer; OVERRIDES
+#          Hydra overrides for the script, comma-separated (e.g. verl's bypass mode:
 #          algorithm.rollout_correction.bypass_mode=true,actor_rollout_ref.rollout.calculate_log_probs=true)
 #   e.g. arl_off_short:arl:short:false:0 stock_short:stock:short:false:0 arl_on_fewshot:arl:fewshot:true:0
 #
@@ -60,13 +61,15 @@ cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference serv
 
 run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SMI=1: the GPU total in its gpu_mem.csv)
     local spec=$1 own_smi=$2 name backend style zorro seed extra script out smi="" start rc run_dir f steps
+    local async="${ASYNC:-false}"
     local -a overrides=()
     IFS=: read -r name backend style zorro seed extra <<<"$spec"
     [ -n "$extra" ] && IFS=, read -r -a overrides <<<"$extra"
     case "$backend" in
         arl) script=examples/grpo/run_arithmetic_grpo_smollm2.sh ;;
+        arl_async) script=examples/grpo/run_arithmetic_grpo_smollm2.sh async=true ;;
         stock) script=examples/grpo/run_arithmetic_grpo_smollm2_stock.sh ;;
-        *) echo "$name: unknown backend '$backend' (arl or stock)" >>"$results/status"; return ;;
+        *) echo "$name: unknown backend '$backend' (arl, arl_async or stock)" >>"$results/status"; return ;;
     esac
     out="$results/$name"
     mkdir -p "$out"
@@ -77,7 +80,7 @@ run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SM
     start=$(date +%s)
     echo "$(date -u +%H:%M:%S) start $name ($spec)" >>"$results/status"
     GRPO_RUN_NAME="$name" OUT_DIR="$OUT_BASE" RUN_NAME="$name" STEPS="${STEPS:-50}" SEED="$seed" PROMPT_STYLE="$style" \
-        ZORRO="$zorro" PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" "${overrides[@]}" >"$out/console.txt" 2>&1
+        ZORRO="$zorro" ASYNC="$async" PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" "${overrides[@]}" >"$out/console.txt" 2>&1
     rc=$?
     [ -n "$smi" ] && kill "$smi" 2>/dev/null
     run_dir="$OUT_BASE/runs/$name"
