@@ -129,7 +129,8 @@ class SamplerSleep(Protocol):
         may discard the weights (the next weight sync restores them). ``{"skipped": True}``: nothing slept (the
         backend's server keeps its sampler resident); the rollout server then stops asking. Optional
         ``"released_bytes"``: device memory the backend's server handed back beyond the sampler's own (e.g. a
-        caching allocator's unused blocks), reported as ``perf/remote_backend/sampler_released_gib``."""
+        caching allocator's unused blocks), reported as ``perf/remote_backend/sampler_released_gib``; an
+        ``update_weights`` answer may carry it too, where the sync woke the sleeping sampler's weights."""
 
     def wake_sampler(self, tags: list[str] | None = None) -> Mapping[str, Any]:
         """Restore the given parts (``weights``, ``kv_cache``; ``None`` = all); optional ``"released_bytes"`` as

@@ -47,6 +47,7 @@ from verl.remote_backend.settings import (
     TRAINER_MODE,
     apply_forced_settings,
 )
+from verl.remote_backend.workers.sampler_sleep import RELEASED_METRIC
 
 __all__ = [
     "CpuResourcePoolManager",
@@ -169,10 +170,14 @@ class RemoteBackendTrainer(PPOTrainerSync):
         super().__init__(config)
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
-        timing_raw.update(self._phase_timings())  # -> timing_s/<phase>/adapter, /http, /server beside verl's
+        phases = self._phase_timings()
+        released_at_syncs = phases.pop(RELEASED_METRIC, None)  # bytes, not seconds
+        timing_raw.update(phases)  # -> timing_s/<phase>/adapter, /http, /server beside verl's
         generation = self._generation_timings()
         calls = generation.pop("gen/backend_calls", None)
-        released = generation.pop("gen/sampler_released_bytes", None)
+        released = generation.pop(RELEASED_METRIC, None)
+        if released_at_syncs is not None:
+            released = (released or 0.0) + released_at_syncs
         timing_raw.update(generation)  # -> timing_s/gen/backend_busy, /http_sum, /server_sum
         if calls is not None:
             metrics["perf/remote_backend/gen_calls"] = calls

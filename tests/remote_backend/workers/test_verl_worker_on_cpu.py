@@ -82,6 +82,30 @@ def test_rollout_servers_are_attached_through_verls_worker_dict(monkeypatch):
     assert worker._rollout_servers == ["server-a"]
 
 
+def test_memory_released_as_a_weight_sync_wakes_the_sampler_is_reported_once(monkeypatch):
+    import asyncio
+
+    from verl.remote_backend.workers.sampler_sleep import RELEASED, RELEASED_METRIC
+
+    _worker_env(monkeypatch)
+    cfg = _main_config()
+    install_context(cfg, name="arctic", handle={"url": "u"})
+    worker = ArcticRLActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout_ref")
+    answers = [{RELEASED: 3 << 30}, {RELEASED: 1 << 30}, {}]
+
+    class Backend:  # a backend that says what its server released as the weights woke (the Arctic client's answer)
+        def update_weights(self):
+            return answers.pop(0)
+
+    worker._backend = Backend()
+    asyncio.run(worker.update_weights(global_steps=None))
+    asyncio.run(worker.update_weights(global_steps=None))
+    timings = worker.collect_phase_timings()
+    assert timings[RELEASED_METRIC] == float(4 << 30) and timings["update_weights/adapter"] >= 0
+    asyncio.run(worker.update_weights(global_steps=None))  # says nothing: no figure, not a zero
+    assert RELEASED_METRIC not in worker.collect_phase_timings()
+
+
 def test_checkpoint_step_from_marker_or_path(tmp_path):
     folder = tmp_path / "global_step_7" / "actor"
     assert checkpoint_step(str(folder)) == 7
@@ -150,7 +174,7 @@ def test_worker_group_forwards_every_call_unchanged(tmp_path, tiny_model_dir):
                 trained = wg.compute_log_prob(data)["log_probs"].values()
                 assert not torch.allclose(trained, old["log_probs"].values())  # the remote actor learned
 
-                ray.get(wg.update_weights(global_steps=1, mode="naive"))
+                ray.get(wg.update_weights(global_steps=1, mode="naive"))  # wakes the sleep-ready sampler's weights
                 ckpt = tmp_path / "ckpt" / "global_step_1" / "actor"
                 wg.save_checkpoint(str(ckpt), None, 1, max_ckpt_to_keep=None)
                 marker = json.loads((ckpt / CHECKPOINT_MARKER).read_text())
@@ -161,6 +185,7 @@ def test_worker_group_forwards_every_call_unchanged(tmp_path, tiny_model_dir):
                 for phase in ("old_log_prob", "ref", "update_actor", "update_weights"):
                     adapter, http, server = (timings[f"{phase}/{part}"] for part in ("adapter", "http", "server"))
                     assert 0 < server <= http <= adapter, (phase, timings)
+                assert timings["gen/sampler_released_bytes"] == 0.0  # the server's figure (a CPU releases none)
                 assert wg.collect_phase_timings()[0] == {}  # collected once
 
                 wg.update_actor(data)  # move on, then come back

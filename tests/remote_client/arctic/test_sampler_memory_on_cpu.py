@@ -31,7 +31,7 @@ def test_sleep_and_wake_reach_the_sampling_job(tmp_path_factory, tiny_model_dir)
             assert _asleep(srv.url, client) == []
             assert client.sleep_sampler(1)["released_bytes"] == 0  # the server's allocator figure (none on a CPU)
             assert _asleep(srv.url, client) == ["kv_cache", "weights"]
-            client.update_weights()  # wakes the weights before the sync
+            assert client.update_weights()["released_bytes"] == 0  # wakes the weights before the sync; none on a CPU
             assert _asleep(srv.url, client) == ["kv_cache"]
             client.wake_sampler(None)
             assert _asleep(srv.url, client) == []
@@ -56,7 +56,7 @@ def test_a_server_without_the_feature_is_not_called():
     memory = SamplerMemory(_Calls(), _State(), sleep_between_phases=True)
     assert memory.sleep(1) == {SKIPPED: True}  # the rollout server's sign of a sampler kept resident
     assert memory.wake(None) == {SKIPPED: True}
-    memory.before_weight_sync()
+    assert memory.before_weight_sync() is None  # nothing sent, nothing released
 
 
 def test_the_servers_released_bytes_become_the_generic_field():

@@ -47,6 +47,8 @@ SLEEP_LEVEL = 1
 SKIPPED = "skipped"
 #: the optional key of a sleep or wake answer: device memory the backend's server released around it, in bytes
 RELEASED = "released_bytes"
+#: the step metric those bytes are summed under (the rollout servers' sleeps and wakes, and the worker's weight syncs)
+RELEASED_METRIC = "gen/sampler_released_bytes"
 
 
 def sleep_settings(main_config: Any) -> tuple[bool, str]:
@@ -142,6 +144,6 @@ class SamplerNap:
             return {}
         out = {"gen/sampler_sleep": self._seconds["sleep"], "gen/sampler_wake": self._seconds["wake"]}
         if self._released is not None:
-            out["gen/sampler_released_bytes"] = self._released
+            out[RELEASED_METRIC] = self._released
         self._seconds, self._released = {"sleep": 0.0, "wake": 0.0}, None
         return out

@@ -38,6 +38,7 @@ from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_UPDATE_KEY, RemoteActor, ReportsCallTimes
 from verl.remote_backend.timings import PHASE_OF_METHOD, CallTotals, PhaseTimes
+from verl.remote_backend.workers.sampler_sleep import RELEASED, RELEASED_METRIC
 from verl.remote_backend.workers.weight_fence import fenced
 
 __all__ = ["CHECKPOINT_MARKER", "RemoteActorRolloutRefWorker", "attach_rollout_server", "checkpoint_step"]
@@ -71,6 +72,7 @@ class RemoteActorRolloutRefWorker(Worker):
         self._warned_modes: set[str] = set()
         self._phase_times = PhaseTimes()
         self._fence: bool | None = None  # decided at the first weight sync
+        self._released_bytes: float | None = None  # what the backend released as weight syncs woke its sampler
 
     # ------------------------------------------------------------------ lifecycle
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -137,8 +139,12 @@ class RemoteActorRolloutRefWorker(Worker):
     def collect_phase_timings(self) -> dict[str, float]:
         """Seconds per phase since the last collect, as verl ``timing_raw`` entries: ``<phase>/adapter`` (the
         forwarded call in this worker), ``<phase>/http`` (the backend's calls, when it reports them) and
-        ``<phase>/server`` (the server's own seconds, when the server reports them)."""
-        return self._phase_times.collect()
+        ``<phase>/server`` (the server's own seconds, when the server reports them); and, where the backend
+        released device memory as a weight sync woke its sampler, those bytes under ``RELEASED_METRIC``."""
+        out = self._phase_times.collect()
+        if self._released_bytes is not None:
+            out[RELEASED_METRIC], self._released_bytes = self._released_bytes, None
+        return out
 
     # ------------------------------------------------------------------ weights
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -162,6 +168,9 @@ class RemoteActorRolloutRefWorker(Worker):
             self._phase_times.add(PHASE_OF_METHOD["update_weights"], time.monotonic() - start,
                                   self._drain_call_times())
             sampler = result.get(SAMPLER_UPDATE_KEY) if isinstance(result, Mapping) else None
+            released = result.get(RELEASED) if isinstance(result, Mapping) else None
+            if isinstance(released, (int, float)) and not isinstance(released, bool):
+                self._released_bytes = (self._released_bytes or 0.0) + float(released)
             if sampler is not None and self._rollout_servers:
                 await asyncio.gather(*[s.adopt_sampler.remote(sampler) for s in self._rollout_servers])
             if global_steps is not None and self._rollout_servers:

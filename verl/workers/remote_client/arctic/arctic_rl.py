@@ -46,6 +46,7 @@ from tensordict import TensorDict
 from arctic_rl.protocol import Features, GenerateResult, HealthResponse, JobType, Paths, ProtocolVersion
 from verl.remote_backend.base import RemoteBackend
 from verl.remote_backend.errors import RemoteBackendError, RemoteJobNotFoundError
+from verl.remote_backend.workers.sampler_sleep import RELEASED
 
 from ..common.verl_settings import VerlSettings
 from .arctic_config import ArcticConfig
@@ -357,9 +358,11 @@ class ArcticRLClient(RemoteBackend):
 
     def update_weights(self) -> dict:
         """Push the training job's weights to the sampler (and to the log_prob job if configured), then
-        drop the sampler's prefix cache where the server has ``/reset-prefix-cache``."""
-        self._memory.before_weight_sync()
-        return self._checkpoints.update_weights()
+        drop the sampler's prefix cache where the server has ``/reset-prefix-cache``. The answer carries
+        ``released_bytes`` where the server released cached blocks as the weights woke."""
+        released = self._memory.before_weight_sync()
+        out = self._checkpoints.update_weights()
+        return out if released is None else {**out, RELEASED: released}
 
     def save_checkpoint(self, step: int | None = None, *, path: str | None = None, export_hf: bool = False,
                         save_total_limit: int | None = None) -> dict:

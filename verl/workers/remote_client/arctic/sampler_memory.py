@@ -95,7 +95,10 @@ class SamplerMemory:
             return self._skip(Paths.WAKE_INFERENCE)
         return with_released(self._post(Paths.WAKE_INFERENCE, {"tags": list(tags) if tags is not None else None}))
 
-    def before_weight_sync(self) -> None:
-        """Wake the sampler's weights before they are synced into (when the run sleeps it between phases)."""
-        if self.sleep_between_phases and self.supported:
-            self._post(Paths.WAKE_INFERENCE, {"tags": [_WEIGHTS]})
+    def before_weight_sync(self) -> int | None:
+        """Wake the sampler's weights before they are synced into (when the run sleeps it between phases); the
+        bytes the server released first, where it says (the first wake after training: training's cached
+        blocks go there, before the KV cache wakes), else ``None``."""
+        if not (self.sleep_between_phases and self.supported):
+            return None
+        return with_released(self._post(Paths.WAKE_INFERENCE, {"tags": [_WEIGHTS]})).get(RELEASED)
