@@ -179,6 +179,40 @@ def test_a_failed_warm_up_is_logged_and_the_job_runs_on(model_dir, tmp_path, mon
         engine.close()
 
 
+class _Allocator:
+    """A device whose caching allocator holds ``cached`` unused bytes until they are released."""
+
+    def __init__(self, cached: int) -> None:
+        self.cached, self.released = cached, []
+
+    def memory(self):
+        from arctic_rl.server.engines.device_memory import DeviceMemory
+
+        def empty_cache():
+            self.released.append(self.cached)
+            self.cached = 0
+
+        return DeviceMemory(reserved=lambda: self.cached, empty_cache=empty_cache)
+
+
+def test_the_warm_up_hands_its_cached_blocks_back(model_dir, tmp_path, monkeypatch, caplog):
+    engine = LogProbEngine(JobConfig(model_name=str(model_dir), job_type=JobType.LOG_PROB), ServerSettings())
+    try:
+        device = _Allocator(3 << 30)
+        with caplog.at_level("INFO", logger="arctic_rl.server"):
+            assert warmup.warm_up(engine, ServerSettings(warm_up="on"), device.memory()) is not None
+        assert device.released == [3 << 30] and "3.22 GB of cached blocks released" in caplog.text
+        device = _Allocator(1 << 30)  # a failed warm-up leaves nothing cached behind either
+        monkeypatch.setattr(engine, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no kernel")))
+        assert warmup.warm_up(engine, ServerSettings(warm_up="on"), device.memory()) is None
+        assert device.released == [1 << 30]
+        device = _Allocator(1 << 30)  # no warm-up, no release
+        assert warmup.warm_up(engine, ServerSettings(warm_up="off"), device.memory()) is None
+        assert device.released == []
+    finally:
+        engine.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zorro", [False, True])
 def test_the_warm_up_compiles_what_the_first_real_calls_need(model_dir, tmp_path, monkeypatch, zorro):
