@@ -15,7 +15,10 @@ Each engine keeps a :class:`JobMemory`. Its :meth:`JobMemory.report` lists, in b
 * on CUDA only: ``call_peak`` (the allocator's peak during the job's last call), ``call_transient`` (that
   peak minus what was allocated when the call began: the pass's activations, logits and temporaries) and,
   for the process, ``device_max_allocated``, ``device_allocated`` and ``device_reserved`` (the caching
-  allocator's reserve). On CPU these parts are absent, not zero: nothing measures them there.
+  allocator's reserve), and ``device_in_use``: the device's memory in use by everything, as the driver counts it
+  (CUDA contexts, memory no PyTorch allocator counts such as vLLM's sleep-mode pool, other processes);
+  ``device_in_use`` minus ``device_reserved`` is what the allocator's figures do not see. On CPU these parts are
+  absent, not zero: nothing measures them there.
 
 Each byte is counted once (views of one flat buffer count the union of their spans), in the first part
 that holds it, and a part no tensor backs is absent. Parts held on the
@@ -119,10 +122,12 @@ def device_report(device: torch.device | None) -> dict[str, int]:
         return {}
     with _DEVICE_LOCK:
         _DEVICE_PEAK["bytes"] = max(_DEVICE_PEAK["bytes"], int(torch.cuda.max_memory_allocated(device)))
+        free, total = torch.cuda.mem_get_info(device)
         return {
             "device_allocated": int(torch.cuda.memory_allocated(device)),
             "device_max_allocated": _DEVICE_PEAK["bytes"],
             "device_reserved": int(torch.cuda.memory_reserved(device)),
+            "device_in_use": int(total - free),
         }
 
 

@@ -85,7 +85,8 @@ def test_training_report_equals_the_bytes_of_parameters_gradients_and_adam_state
         assert "master_weights" not in report  # fp32 at stage 0: the optimizer steps the model's own parameters
         # the passes' largest logits: rows x response positions x vocab x 4 bytes (fp32 on CPU)
         assert report["largest_logits"] == ROWS * R * engine.vocab_size * 4
-        for gpu_only in ("call_peak", "call_transient", "device_max_allocated", "device_reserved", "offloaded"):
+        for gpu_only in ("call_peak", "call_transient", "device_max_allocated", "device_reserved", "device_in_use",
+                         "offloaded"):
             assert gpu_only not in report  # absent on CPU, not zero
         assert engine.info()["memory"] == engine.memory_report()
     finally:
