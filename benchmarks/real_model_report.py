@@ -6,13 +6,17 @@ markdown tables and writes one PNG with every run's reward curve:
 
 * reward (``critic/score/mean``) per block of 10 steps, first-10 -> last-10 gain;
 * median step time (``timing_s/step``) and the median of each phase verl times (``timing_s/gen``,
-  ``timing_s/old_log_prob``, ``timing_s/update_actor``, ...), each run's ratio to the baseline run (the
-  first ``--run`` unless ``--baseline`` names another);
+  ``timing_s/old_log_prob``, ``timing_s/update_actor``, ...) over the steps from ``--from-step`` on (default 3:
+  steps 1-2 are start-up -- compiles, the first generation, the asynchronous mode's first batch), each run's
+  ratio to the baseline run (the first ``--run`` unless ``--baseline`` names another), and the first step's time;
 * steps and seconds until the 5-step moving mean of the reward first reaches ``--threshold``;
 * GPU memory: the most in use on the device (``gpu_mem.csv``) and verl's ``perf/max_memory_allocated_gb``.
 
+The PNG plots reward against the step, or with ``--wall-clock`` against the seconds the steps took (the sum of
+``timing_s/step``: where an asynchronous run shows its worth).
+
     python benchmarks/real_model_report.py --run "stock verl, short=DIR" --run "arctic, ZoRRO off, short=DIR" \
-        [--baseline LABEL] [--threshold 0.5] [--png curves.png]
+        [--baseline LABEL] [--threshold 0.5] [--from-step 3] [--png curves.png [--wall-clock]]
 
 No GPU and no verl import: it only reads files (``--smoke`` runs it on generated metrics).
 """
@@ -46,9 +50,15 @@ class Run:
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(s, r[key]) for s, r in self.rows.items() if key in r and not math.isnan(r[key])]
 
-    def median(self, key: str) -> float | None:
-        values = [v for _, v in self.series(key)]
+    def median(self, key: str, from_step: int = 1) -> float | None:
+        """The median of ``key`` over steps ``from_step`` on (all steps when the run has none that late)."""
+        series = self.series(key)
+        values = [v for s, v in series if s >= from_step] or [v for _, v in series]
         return statistics.median(values) if values else None
+
+    def first(self, key: str) -> float | None:
+        series = self.series(key)
+        return series[0][1] if series else None
 
 
 def _load_metrics():
@@ -119,7 +129,7 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(runs: list[Run], baseline: Run, threshold: float) -> str:
+def report(runs: list[Run], baseline: Run, threshold: float, from_step: int = 3) -> str:
     lines = []
     width = max(len(blocks(r)) for r in runs)
     head = [f"steps {i * BLOCK + 1}-{(i + 1) * BLOCK}" for i in range(width)]
@@ -132,14 +142,14 @@ def report(runs: list[Run], baseline: Run, threshold: float) -> str:
         cells = [_fmt(x) for x in b] + ["-"] * (width - len(b))
         lines.append(f"| {r.label} | {len(series)} | " + " | ".join(cells) + f" | {_fmt(gain, '+.3f')} |")
     phases = sorted({k for r in runs for row in r.rows.values() for k in row if k.startswith("timing_s/")} - {STEP})
-    base_step = baseline.median(STEP)
-    lines += ["", "| run (medians, s) | step | vs " + baseline.label + " | " + " | ".join(p[9:] for p in phases) + " |",
-              "|---|---|---|" + "---|" * len(phases)]
+    base_step = baseline.median(STEP, from_step)
+    lines += ["", f"| run (medians from step {from_step}, s) | step | vs {baseline.label} | first step | "
+              + " | ".join(p[9:] for p in phases) + " |", "|---|---|---|---|" + "---|" * len(phases)]
     for r in runs:
-        step = r.median(STEP)
+        step = r.median(STEP, from_step)
         ratio = step / base_step if step and base_step else None
-        lines.append(f"| {r.label} | {_fmt(step, '.2f')} | {_fmt(ratio, '.2f')}x | "
-                     + " | ".join(_fmt(r.median(p), ".2f") for p in phases) + " |")
+        lines.append(f"| {r.label} | {_fmt(step, '.2f')} | {_fmt(ratio, '.2f')}x | {_fmt(r.first(STEP), '.1f')} | "
+                     + " | ".join(_fmt(r.median(p, from_step), ".2f") for p in phases) + " |")
     head = (f"| run | reward >= {threshold} (5-step mean) at | GPU memory in use, max (GiB) | "
             "verl max_memory_allocated (GiB) | all-zero advantages (of steps with 0 < reward < 1) |")
     lines += ["", head, "|---|---|---|---|---|"]
@@ -154,7 +164,17 @@ def report(runs: list[Run], baseline: Run, threshold: float) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[Run], path: Path, threshold: float) -> None:
+def wall_clock(run: Run) -> list[tuple[float, float]]:
+    """(seconds since the run's first step began, reward) at the end of each step that has both."""
+    step_s, elapsed, out = dict(run.series(STEP)), 0.0, []
+    for step, value in run.series(REWARD):
+        if step in step_s:
+            elapsed += step_s[step]
+            out.append((elapsed, value))
+    return out
+
+
+def plot(runs: list[Run], path: Path, threshold: float, wall: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,10 +182,11 @@ def plot(runs: list[Run], path: Path, threshold: float) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in runs:
-        steps, values = zip(*r.series(REWARD)) if r.series(REWARD) else ((), ())
-        ax.plot(steps, values, label=r.label, linewidth=1.2)
+        points = wall_clock(r) if wall else r.series(REWARD)
+        xs, values = zip(*points) if points else ((), ())
+        ax.plot(xs, values, label=r.label, linewidth=1.2)
     ax.axhline(threshold, color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xlabel("GRPO step")
+    ax.set_xlabel("seconds of steps (sum of timing_s/step)" if wall else "GRPO step")
     ax.set_ylabel(REWARD)
     ax.set_title("SmolLM2-135M-Instruct, arithmetic GRPO")
     ax.grid(alpha=0.3)
@@ -196,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", action="append", default=[], metavar="LABEL=DIR", help="a run directory (repeat)")
     p.add_argument("--baseline", help="the label step times are compared with (default: the first run)")
     p.add_argument("--threshold", type=float, default=0.5, help="reward to reach (5-step moving mean)")
+    p.add_argument("--from-step", type=int, default=3, help="medians over the steps from this one on (default 3)")
     p.add_argument("--png", type=Path, help="write every run's reward curve into this PNG")
+    p.add_argument("--wall-clock", action="store_true", help="the PNG's x axis: seconds of steps, not steps")
     p.add_argument("--smoke", action="store_true", help="run on two generated runs (CPU check)")
     args = p.parse_args(argv)
     tmp = None
@@ -215,10 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     by_label = {r.label: r for r in runs}
     if args.baseline is not None and args.baseline not in by_label:
         p.error(f"--baseline: expected one of {sorted(by_label)}, got {args.baseline!r}")
+    if args.from_step < 1:
+        p.error(f"--from-step: expected a step number >= 1, got {args.from_step}")
     baseline = by_label[args.baseline] if args.baseline else runs[0]
-    print(report(runs, baseline, args.threshold))
+    print(report(runs, baseline, args.threshold, args.from_step))
     if args.png:
-        plot(runs, args.png, args.threshold)
+        plot(runs, args.png, args.threshold, wall=args.wall_clock)
         print(f"\ncurves: {args.png}")
     if tmp is not None:
         tmp.cleanup()

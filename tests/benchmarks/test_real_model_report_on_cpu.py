@@ -32,7 +32,7 @@ def test_blocks_gain_threshold_and_ratio(tmp_path):
     assert rmr.time_to(fast, 0.5) is None
     text = rmr.report([base, fast], base, 0.5)
     assert "| base | 25 | 0.100 | 0.300 | 0.600 | +0.350 |" in text  # last 10: five 0.3, five 0.6
-    assert "| fast | 1.00 | 0.50x | 0.25 |" in text
+    assert "| fast | 1.00 | 0.50x | 1.0 | 0.25 |" in text  # step, ratio, first step, gen
     assert "step 24, 48 s" in text and "not reached" in text
 
 
@@ -40,13 +40,31 @@ def test_smoke_mode_runs_and_writes_the_png(tmp_path):
     png = tmp_path / "curves.png"
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_model_report.py"), "--smoke", "--png", str(png)],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "| candidate | 3.00 | 0.75x |" in out
+    assert "| candidate | 3.00 | 0.75x | 3.0 |" in out
     assert png.stat().st_size > 10_000
+
+
+def test_start_up_steps_stay_out_of_the_medians_and_the_wall_clock_plot(tmp_path):
+    d = _write(tmp_path / "w", [0.1, 0.2, 0.3, 0.4], 2.0)
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[0]["data"]["timing_s/step"], rows[1]["data"]["timing_s/step"] = 60.0, 30.0  # compiles, first batch
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = rmr.load_run("w", d)
+    assert run.median("timing_s/step", 3) == 2.0 and run.median("timing_s/step") == 16.0  # 60, 30, 2, 2
+    assert run.median("timing_s/step", 99) == 16.0  # no step that late: every step
+    text = rmr.report([run], run, 0.5)
+    assert "| run (medians from step 3, s) |" in text and "| w | 2.00 | 1.00x | 60.0 |" in text
+    assert "| w | 16.00 | 1.00x | 60.0 |" in rmr.report([run], run, 0.5, from_step=1)
+    assert rmr.wall_clock(run) == [(60.0, 0.1), (90.0, 0.2), (92.0, 0.3), (94.0, 0.4)]
+    png = tmp_path / "wall.png"
+    assert rmr.main(["--run", f"w={d}", "--png", str(png), "--wall-clock"]) == 0 and png.stat().st_size > 10_000
 
 
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(SystemExit):
         rmr.main(["--run", "no-equals-sign"])
+    with pytest.raises(SystemExit):
+        rmr.main(["--run", f"x={_write(tmp_path / 'x', [0.1], 1.0)}", "--from-step", "0"])
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         rmr.main(["--run", f"x={tmp_path}"])
 
