@@ -25,8 +25,12 @@ What is not here: losses (:mod:`arctic_rl.server.compute.losses`), HTTP or engin
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,8 @@ from arctic_rl.server.zorro.forward import causal_lm_logits, zorro_forward, zorr
 __all__ = [
     "TokenLogprobs",
     "chunked_head_supported",
+    "compile_chunk_fn",
+    "head_chunk_budget",
     "compiled_token_stats_on",
     "response_logprobs",
     "set_compiled_token_stats",
@@ -134,12 +140,49 @@ def set_compiled_token_stats(enabled: bool) -> None:
     """
     if enabled:
         if not _COMPILED_CHUNK_FNS:  # one compiled wrapper per process, however many engines ask
-            _COMPILED_CHUNK_FNS.update(
-                stats=torch.compile(_chunk_stats, dynamic=True), grad=torch.compile(_chunk_grad, dynamic=True)
-            )
+            _COMPILED_CHUNK_FNS.update(stats=compile_chunk_fn(_chunk_stats), grad=compile_chunk_fn(_chunk_grad))
         _CHUNK_FNS.update(_COMPILED_CHUNK_FNS)
     else:
         _CHUNK_FNS.update(stats=_chunk_stats, grad=_chunk_grad)
+
+
+def compile_chunk_fn(fn: Callable, **compile_kwargs: Any) -> Callable:
+    """``torch.compile(fn, dynamic=True)`` for the chunk functions, fed so that one graph serves every pass.
+
+    A pass splits its logits (or hidden states) into chunks of rows: the chunk functions get views whose rows
+    may equal those of the tensor they view (a pass of one chunk) or not (several chunks), and that require grad
+    or not (``/forward-backward`` or ``/forward``). Dynamo guards on all of it: duck sizing gives equal sizes one
+    symbol, a view's base is guarded, ``requires_grad`` is guarded -- each a recompile in verl's step 1 after the
+    warm-up (on an H200, 14 s each for the first ``/forward`` and ``/forward-backward``). So the functions are
+    traced without duck sizing and get detached aliases of their tensors (no copy: the same memory, no base, no
+    grad; they run inside autograd Functions, which compute the gradients themselves)."""
+    import torch.fx.experimental._config as fx_config
+
+    compiled = torch.compile(fn, dynamic=True, **compile_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*plain)
+
+    return call
+
+
+@contextlib.contextmanager
+def head_chunk_budget(nbytes: int) -> Iterator[None]:
+    """Within: the fp32 logits bytes of one LM-head chunk, and the logits above which the head runs chunk by chunk
+    (default ``_HEAD_CHUNK_BYTES``). The warm-up's way to run the chunked head -- the path of real passes whose
+    logits exceed the default -- on a small batch (:mod:`arctic_rl.server.engines.warmup`). Process-wide: no other
+    pass may run meanwhile."""
+    global _HEAD_CHUNK_BYTES
+    if int(nbytes) < 1:
+        raise ValueError(f"nbytes: expected a byte count >= 1, got {nbytes!r}")
+    saved, _HEAD_CHUNK_BYTES = _HEAD_CHUNK_BYTES, int(nbytes)
+    try:
+        yield
+    finally:
+        _HEAD_CHUNK_BYTES = saved
 
 
 def compiled_token_stats_on() -> bool:

@@ -22,10 +22,18 @@ and later sizes reuse that graph; the fused chunks are compiled with ``dynamic=T
 call path is run on **two** batches whose every varying size differs (rows, prompt groups, rows per prompt,
 prompt length, response length, their sums and FlexAttention's 128-padded lengths), and whose sizes within the
 second batch are pairwise distinct and above 1 (Dynamo specialises sizes 0 and 1, and gives equal sizes one
-symbol). A real batch then finds shape-generic graphs and does not recompile. What can still compile in step 1:
-the fused chunks specialise on the temperature (a Python float; the warm-up uses 1, or the job's ZoRRO
-``temperature``) and on whether entropy is asked (``/forward`` warms with entropy, ``/forward-backward`` without,
-as verl asks by default); a guard this warm-up does not foresee recompiles as before (logged by Dynamo).
+symbol). The batches' responses are right-padded as verl's are: without padding, the model's attention takes
+its unmasked path (``attention_mask`` ``None``), whose graphs real batches do not use. The fused chunks get
+detached aliases and are traced without duck sizing
+(:func:`~arctic_rl.server.compute.token_logprobs.compile_chunk_fn`), so that passes of one chunk and of several,
+with and without grad, share a graph. The first shape's passes run the plain LM head, the second's the chunked
+head (:data:`WARM_UP_HEAD_CHUNK_ROWS` positions a chunk): real passes take one or the other by the size of their
+logits. ``/forward`` runs with and without entropy. A real batch then finds shape-generic graphs and does not
+recompile (before these, on an H200, verl's step 1 still compiled: 14 s each for the first ``/forward`` and
+``/forward-backward`` after a 5 s warm-up, benchmarks/RESULTS.md §2o). What can still compile in step 1: the
+fused chunks specialise on the temperature (a Python float; the warm-up uses 1, or the job's ZoRRO
+``temperature``) and on whether the loss asks for entropy (``/forward-backward`` warms without, as verl asks by
+default: ``entropy_coeff`` 0); a guard this warm-up does not foresee recompiles as before (logged by Dynamo).
 
 **State.** The warm-up leaves the job as it found it: no ``/step`` runs, so the weights and optimizer state are
 untouched; gradients are discarded (``None`` again); DeepSpeed's counters (steps, samples, the un-stepped
@@ -55,6 +63,7 @@ import torch
 
 from arctic_rl.protocol import JobType
 from arctic_rl.server import memory as memory_mod
+from arctic_rl.server.compute.token_logprobs import head_chunk_budget
 from arctic_rl.server.engines.device_memory import DeviceMemory
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.settings import ServerSettings
@@ -69,6 +78,9 @@ logger = logging.getLogger("arctic_rl.server")
 #: size differs between them; in the second, the sizes and the 128-padded FlexAttention lengths (prompt 256,
 #: responses of a prompt 384, keys 640) are pairwise distinct
 WARM_UP_SHAPES = ((2, 2, 6, 5), (5, 3, 130, 90))
+#: positions per LM-head chunk while the second shape runs: its passes take the chunked head (several chunks, none
+#: of 1 row), the path of real passes whose logits exceed one chunk; the first takes the plain head
+WARM_UP_HEAD_CHUNK_ROWS = 97
 #: DeepSpeed engine counters a forward and backward may move (restored after the warm-up)
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps", "_unmanaged_backward_count")
 #: what ZeRO-1/2's optimizer keeps between backwards and the step that the gradients' reset leaves (with unmanaged
@@ -114,15 +126,21 @@ def synthetic_body(
     temperature: float = 1.0, entropy: bool = False, seed: int = 0,
 ) -> dict[str, Any]:
     """A decoded ``/forward-backward`` (``train``) or ``/forward`` body of ``shape`` (see :data:`WARM_UP_SHAPES`)
-    repeated ``micro_batches`` times: each prompt's rows are consecutive and share its tokens."""
+    repeated ``micro_batches`` times: each prompt's rows are consecutive and share its tokens. Like verl's, its
+    responses are right-padded: a prompt's first row is full-length, the others end 1 or 2 tokens early (a batch
+    without padding takes the model's other attention path, ``attention_mask`` ``None``: its compiled graphs would
+    not serve real batches)."""
     groups, n, p, r = shape
     groups *= micro_batches
     g = torch.Generator().manual_seed(seed)
     high = max(4, min(vocab_size, 1000))
     prompts = torch.randint(3, high, (groups, p), generator=g).repeat_interleave(n, dim=0)
     responses = torch.randint(3, high, (groups * n, r), generator=g)
+    short = (torch.arange(groups * n) % n).clamp(max=2)  # tokens of padding at the end of each row: 0, 1, 2, 2, ...
+    pad = torch.arange(r).unsqueeze(0) >= (r - short).unsqueeze(1)
+    responses[pad] = 0
     ids = torch.cat([prompts, responses], dim=1)
-    mask = torch.ones_like(ids)
+    mask = torch.cat([torch.ones_like(prompts), (~pad).long()], dim=1)
     batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "prompts": prompts, "responses": responses,
                              "response_mask": mask[:, p:].clone()}
     meta: dict[str, Any] = {"zorro_train_enable": zorro, "temperature": temperature, "calculate_entropy": entropy}
@@ -186,6 +204,13 @@ def _planner(call: str, zorro: bool) -> ZorroPlanner:
     return ZorroPlanner("warm-up", call, min_saving=0.0 if zorro else 2.0, trials=0)
 
 
+def _head_path(engine: Any, seed: int) -> contextlib.AbstractContextManager:
+    """The LM-head path of the warm-up's ``seed``-th shape: the plain head first, the chunked head second."""
+    if seed == 0:
+        return contextlib.nullcontext()
+    return head_chunk_budget(WARM_UP_HEAD_CHUNK_ROWS * max(1, int(engine.vocab_size)) * 4)
+
+
 def _warm_training(engine: Any) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
@@ -193,15 +218,17 @@ def _warm_training(engine: Any) -> int:
     for zorro in (False, True) if zorro_job else (False,):
         engine.zorro_planners = {call: _planner(call, zorro) for call in ("/forward", "/forward-backward")}
         for seed, shape in enumerate(WARM_UP_SHAPES):
-            body = synthetic_body(engine.vocab_size, shape, micro_batches=engine.gas, train=True, zorro=zorro_job,
-                                  temperature=temperature, seed=seed)
-            engine.forward_backward(parse_batch_body(body, vocab_size=engine.vocab_size, train=True))
-            engine.discard_gradients()
-            engine.pending = 0
-            body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
-                                  entropy=True, seed=seed)
-            engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
-            calls += 2
+            with _head_path(engine, seed):
+                body = synthetic_body(engine.vocab_size, shape, micro_batches=engine.gas, train=True,
+                                      zorro=zorro_job, temperature=temperature, seed=seed)
+                engine.forward_backward(parse_batch_body(body, vocab_size=engine.vocab_size, train=True))
+                engine.discard_gradients()
+                engine.pending = 0
+                for entropy in (True, False):
+                    body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job,
+                                          temperature=temperature, entropy=entropy, seed=seed)
+                    engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
+            calls += 3
     return calls
 
 
@@ -212,10 +239,12 @@ def _warm_logprob(engine: Any) -> int:
     for zorro in (False, True) if zorro_job else (False,):
         engine.zorro_planner = _planner("/forward", zorro)
         for seed, shape in enumerate(WARM_UP_SHAPES):
-            body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
-                                  entropy=True, seed=seed)
-            engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
-            calls += 1
+            for entropy in (True, False):
+                body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
+                                      entropy=entropy, seed=seed)
+                with _head_path(engine, seed):
+                    engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
+                calls += 1
     return calls
 
 

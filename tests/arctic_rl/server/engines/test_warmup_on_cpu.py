@@ -42,9 +42,12 @@ def _training(model_dir, tmp_path, name: str, *, zorro: bool = False, gas: int =
     return TrainingEngine(config, ServerSettings(checkpoint_root=tmp_path / "ck", **settings), tmp_path / name)
 
 
-def _real_batch(engine, *, train: bool, zorro: bool, seed: int = 7):
+def _real_batch(engine, *, train: bool, zorro: bool, seed: int = 7, entropy: bool = True):
     body = warmup.synthetic_body(engine.vocab_size, REAL_SHAPE, micro_batches=getattr(engine, "gas", 1), train=train,
-                                 zorro=zorro, entropy=not train, seed=seed)
+                                 zorro=zorro, entropy=entropy and not train, seed=seed)
+    batch = body["batch"]  # verl's right-padded responses: every other row 3 tokens short
+    for key in ("attention_mask", "response_mask"):
+        batch[key][1::2, -3:] = 0
     return parse_batch_body(body, vocab_size=engine.vocab_size, train=train)
 
 
@@ -91,10 +94,10 @@ def _assert_same(a: dict, b: dict) -> None:
             assert x == y, key
 
 
-def _first_step(engine: TrainingEngine, zorro: bool) -> tuple[dict, dict, dict]:
+def _first_step(engine: TrainingEngine, zorro: bool, *, entropy: bool = True) -> tuple[dict, dict, dict]:
     out = engine.forward_backward(_real_batch(engine, train=True, zorro=zorro))
     step = engine.step()
-    logprobs, _, _ = engine.forward(_real_batch(engine, train=False, zorro=zorro))
+    logprobs, _, _ = engine.forward(_real_batch(engine, train=False, zorro=zorro, entropy=entropy))
     return out["metrics"], step["metrics"], logprobs
 
 
@@ -133,7 +136,7 @@ def test_the_warm_up_of_a_log_prob_job_changes_nothing(model_dir, tmp_path, capl
         with caplog.at_level("INFO", logger="arctic_rl.server"):
             seconds = warmup.warm_up(engine, ServerSettings(warm_up="on"))
         assert seconds is not None and engine.info()["warm_up_s"] == seconds
-        assert "log_prob job: warm-up of 4 calls" in caplog.text
+        assert "log_prob job: warm-up of 8 calls" in caplog.text  # plain and ZoRRO, 2 shapes, with and without entropy
         assert engine.zorro_planner is planner and planner.tuner.trial_calls == trial_calls
         assert torch.equal(torch.get_rng_state(), rng)
         assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in weights.items())
@@ -224,10 +227,10 @@ def test_the_warm_up_compiles_what_the_first_real_calls_need(model_dir, tmp_path
     compile_ = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=counter, **kw))
 
-    def counted_token_stats(enabled: bool) -> None:  # the fused chunks, dynamic=True, through the same counter
+    def counted_token_stats(enabled: bool) -> None:  # the fused chunks, compiled as the server does, counted
         fns = {"stats": token_logprobs._chunk_stats, "grad": token_logprobs._chunk_grad}
         if enabled:
-            fns = {k: torch.compile(f, dynamic=True, backend=counter) for k, f in fns.items()}
+            fns = {k: token_logprobs.compile_chunk_fn(f, backend=counter) for k, f in fns.items()}
         token_logprobs._CHUNK_FNS.update(fns)
 
     monkeypatch.setattr(training_mod, "set_compiled_token_stats", counted_token_stats)
@@ -239,8 +242,14 @@ def test_the_warm_up_compiles_what_the_first_real_calls_need(model_dir, tmp_path
         assert warmup.warm_up(engine, ServerSettings()) is not None
         compiled = counter.frame_count
         assert compiled > 0
+        # real batches: padded responses (verl's), and several fp32 chunks per pass (16 rows of 9 positions: 6, 6, 4)
+        monkeypatch.setattr(token_logprobs, "_FP32_CHUNK_BYTES", 6 * REAL_SHAPE[3] * engine.vocab_size * 4)
         _first_step(engine, zorro)
-        assert counter.frame_count == compiled, "a real batch recompiled after the warm-up"
+        assert counter.frame_count == compiled, "a real batch recompiled after the warm-up (plain LM head)"
+        # logits above one head chunk (as SmolLM2's 16 x 128 response positions are on a GPU): the chunked head
+        monkeypatch.setattr(token_logprobs, "_HEAD_CHUNK_BYTES", 10 * engine.vocab_size * 4)
+        _first_step(engine, zorro, entropy=False)  # an old-log-prob /forward that asks no entropy
+        assert counter.frame_count == compiled, "a real batch recompiled after the warm-up (chunked LM head)"
     finally:
         engine.close()
         token_logprobs.set_compiled_token_stats(False)
@@ -305,5 +314,5 @@ def test_a_job_warms_up_when_the_server_creates_it(model_dir, tmp_path, caplog):
     with caplog.at_level("INFO", logger="arctic_rl.server"):
         info = asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "on", warm_up="on")))
     assert info["warm_up_s"] > 0 and info["global_step"] == 0 and info["pending_forward_backward"] == 0
-    assert "training job: warm-up of 4 calls on synthetic batches" in caplog.text
+    assert "training job: warm-up of 6 calls on synthetic batches" in caplog.text
     assert asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "auto")))["warm_up_s"] is None  # CPU: eager
