@@ -8,7 +8,13 @@ appends the run's total in MiB to ``RESULTS/NAME/gpu_mem.csv`` -- the file and f
 whole GPU's use goes to ``RESULTS/gpu_mem_total.csv``. Stdlib only; stops when ``RESULTS/status``
 says ``ALLDONE`` or on SIGTERM.
 
+With ``--procs FILE`` it traces every process that holds GPU memory instead (a run alone on the GPU: which of
+its processes holds what): one row per process and sample, ``seconds,pid,MiB,command`` (the command line's
+first 100 characters, as Ray's and vLLM's process titles show them: ``ray::WorkerDict...``,
+``VLLM::EngineCore``), until SIGTERM.
+
     python3 benchmarks/device/gpu_mem_by_run.py RESULTS [--interval 2]
+    python3 benchmarks/device/gpu_mem_by_run.py --procs FILE [--interval 2]
 """
 
 from __future__ import annotations
@@ -62,6 +68,29 @@ def sample(results: Path) -> None:
         append(results / "gpu_mem_total.csv", sum(int(r[0]) for r in total if r and r[0].isdigit()))
 
 
+def command_of(pid: int) -> str:
+    """A process's command line, its first 100 characters, commas and newlines left out ("?" when gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    text = raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    return " ".join(text.replace(",", ";").split())[:100] or "?"
+
+
+def sample_procs(path: Path, started: float) -> None:
+    """One sample of every process holding GPU memory, appended to ``path`` (CSV with a header)."""
+    rows = [r for r in query("pid,used_memory", "compute-apps") if len(r) == 2 and r[0].isdigit() and r[1].isdigit()]
+    if not rows:
+        return
+    new = not path.exists()
+    with path.open("a", encoding="utf-8") as f:
+        if new:
+            f.write("seconds,pid,mib,command\n")
+        for pid, mib in rows:
+            f.write(f"{time.monotonic() - started:.0f},{pid},{mib},{command_of(int(pid))}\n")
+
+
 def append(path: Path, mib: int) -> None:
     new = not path.exists()
     with path.open("a", encoding="utf-8") as f:
@@ -72,13 +101,22 @@ def append(path: Path, mib: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, help="the runner's RESULTS directory (one folder per run)")
+    parser.add_argument("results", type=Path, nargs="?", help="the runner's RESULTS directory (one folder per run)")
+    parser.add_argument("--procs", type=Path, help="trace every process holding GPU memory into this CSV instead")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples (default 2)")
     args = parser.parse_args()
     if args.interval <= 0:
         parser.error(f"--interval: expected a positive number of seconds, got {args.interval}")
+    if (args.results is None) == (args.procs is None):
+        parser.error("give either RESULTS (memory by run) or --procs FILE (memory by process), not both or neither")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    if args.procs is not None:
+        started = time.monotonic()
+        while not stopping:
+            sample_procs(args.procs, started)
+            time.sleep(args.interval)
+        return
     status = args.results / "status"
     while not stopping:
         sample(args.results)

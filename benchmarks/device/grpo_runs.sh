@@ -15,7 +15,8 @@
 # ends, and ALLDONE at the end. The repository is copied first, so a later call that lays a new working tree does
 # not change the scripts under a running job. One invocation at a time (a lock): a second queues behind the first.
 #
-# PARALLEL=0 (default): the runs one after another, each alone on the GPU; gpu_mem.csv is the GPU's total.
+# PARALLEL=0 (default): the runs one after another, each alone on the GPU; gpu_mem.csv is the GPU's total, and
+#   gpu_procs.csv each process's share every 5 s (gpu_mem_by_run.py --procs).
 # PARALLEL=1: all runs at once on the one GPU, started STAGGER_S seconds apart (default 15), after the model and
 #   every data set are built (runs must not build them concurrently). A SPEC of `--` ends a wave: the runs after
 #   it start when those before it have ended (keeps the GPU's memory within bounds). Each run gets GRPO_RUN_NAME in its
@@ -60,7 +61,7 @@ cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference serv
 }
 
 run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SMI=1: the GPU total in its gpu_mem.csv)
-    local spec=$1 own_smi=$2 name backend style zorro seed extra script out smi="" start rc run_dir f steps
+    local spec=$1 own_smi=$2 name backend style zorro seed extra script out smi="" procs="" start rc run_dir f steps
     local async="${ASYNC:-false}"
     local -a overrides=()
     IFS=: read -r name backend style zorro seed extra <<<"$spec"
@@ -76,6 +77,9 @@ run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SM
     if [ "$own_smi" = 1 ]; then
         nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 2 >"$out/gpu_mem.csv" 2>/dev/null &
         smi=$!
+        # which process holds what (the run is alone on the GPU): gpu_procs.csv
+        python3 benchmarks/device/gpu_mem_by_run.py --procs "$out/gpu_procs.csv" --interval 5 &
+        procs=$!
     fi
     start=$(date +%s)
     echo "$(date -u +%H:%M:%S) start $name ($spec)" >>"$results/status"
@@ -83,6 +87,7 @@ run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SM
         ZORRO="$zorro" ASYNC="$async" PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" "${overrides[@]}" >"$out/console.txt" 2>&1
     rc=$?
     [ -n "$smi" ] && kill "$smi" 2>/dev/null
+    [ -n "$procs" ] && kill "$procs" 2>/dev/null
     run_dir="$OUT_BASE/runs/$name"
     for f in metrics.jsonl metrics.csv summary.json reward_curve.png; do
         [ -f "$run_dir/$f" ] && cp "$run_dir/$f" "$out/"

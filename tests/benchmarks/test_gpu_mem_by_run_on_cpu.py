@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,38 @@ def test_bad_interval_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/device/gpu_mem_by_run.py", str(tmp_path), "--interval", "0"],
                           check=False, capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "--interval: expected a positive number of seconds, got 0.0" in proc.stderr
+
+
+def test_procs_mode_traces_each_process_with_its_command(gmr, sleepers, tmp_path, monkeypatch):
+    a1, _, other = sleepers
+    apps = f"{a1.pid}, 1000\\n{other.pid}, 7000\\nnot a row\\n"
+    fake_smi(tmp_path, monkeypatch, apps, "8000\\n")
+    trace = tmp_path / "gpu_procs.csv"
+    gmr.sample_procs(trace, started=0.0)
+    lines = trace.read_text().splitlines()
+    assert lines[0] == "seconds,pid,mib,command" and len(lines) == 3
+    rows = [line.split(",", 3) for line in lines[1:]]
+    assert [(r[1], r[2]) for r in rows] == [(str(a1.pid), "1000"), (str(other.pid), "7000")]
+    assert all(r[3].startswith(sys.executable) and "time.sleep(60)" in r[3] for r in rows)
+    assert gmr.command_of(999999999) == "?"
+
+
+def test_procs_mode_runs_until_sigterm_and_takes_one_target(tmp_path, monkeypatch):
+    fake_smi(tmp_path, monkeypatch, "1, 5\\n", "5\\n")
+    trace = tmp_path / "p.csv"
+    proc = subprocess.Popen([sys.executable, "benchmarks/device/gpu_mem_by_run.py", "--procs", str(trace),
+                             "--interval", "0.2"], cwd=REPO, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            if trace.exists() and len(trace.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.1)
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+    assert trace.read_text().splitlines()[1].split(",")[1:3] == ["1", "5"]
+    both = subprocess.run([sys.executable, "benchmarks/device/gpu_mem_by_run.py", str(tmp_path), "--procs",
+                           str(trace)], check=False, capture_output=True, text=True, cwd=REPO)
+    assert both.returncode == 2 and "give either RESULTS" in both.stderr
