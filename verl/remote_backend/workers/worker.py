@@ -30,7 +30,7 @@ from typing import Any
 from omegaconf import DictConfig
 from tensordict import TensorDict
 from verl.single_controller.base import Worker
-from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.single_controller.base.decorator import Dispatch, register
 
 from verl.remote_backend.async_trainer import async_running, keeps_answers_whole
 from verl.remote_backend.context import BackendContext, attach_backend, read_context
@@ -39,6 +39,7 @@ from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import ACTOR_METHODS, SAMPLER_UPDATE_KEY, RemoteActor, ReportsCallTimes
 from verl.remote_backend.timings import PHASE_OF_METHOD, CallTotals, PhaseTimes
 from verl.remote_backend.workers.sampler_sleep import RELEASED, RELEASED_METRIC
+from verl.remote_backend.workers.tensor_fields import tensor_fields_dispatch
 from verl.remote_backend.workers.weight_fence import fenced
 
 __all__ = ["CHECKPOINT_MARKER", "RemoteActorRolloutRefWorker", "attach_rollout_server", "checkpoint_step"]
@@ -105,17 +106,17 @@ class RemoteActorRolloutRefWorker(Worker):
             self._rollout_servers.append(server)
 
     # ------------------------------------------------------------------ compute
-    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    @register(dispatch_mode=tensor_fields_dispatch("actor"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
         """Old-policy log-probs (and entropy) under the current training weights."""
         return self._forward("compute_log_prob", data)
 
-    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="ref"))
+    @register(dispatch_mode=tensor_fields_dispatch("ref"))
     def compute_ref_log_prob(self, data: TensorDict) -> TensorDict:
         """Reference-policy (initial weights) log-probs."""
         return self._forward("compute_ref_log_prob", data)
 
-    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    @register(dispatch_mode=tensor_fields_dispatch("actor"))
     def update_actor(self, data: TensorDict) -> TensorDict:
         """PPO/GRPO update of the remote actor; returns verl's ``metrics`` (incl. ``mfu``)."""
         return self._forward("update_actor", data)

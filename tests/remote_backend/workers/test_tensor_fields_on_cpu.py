@@ -1,0 +1,87 @@
+"""``workers/tensor_fields.py``: the forwarder worker's compute methods dispatch verl's way with the batch narrowed
+to its tensor fields. The field schemas are TransferQueue's own (``extract_field_schema`` of a TensorDict shaped as
+verl's batches are); the metas are TransferQueue's ``KVBatchMeta``. The whole path through Ray and a running
+TransferQueue runs in every GRPO e2e test."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+from transfer_queue import KVBatchMeta
+from transfer_queue.metadata import extract_field_schema
+from verl.single_controller.base.decorator import MAGIC_ATTR, make_nd_compute_dataproto_dispatch_fn
+
+from verl.remote_backend.workers import tensor_fields as tf
+from verl.remote_backend.workers.worker import RemoteActorRolloutRefWorker
+
+
+def verl_like_batch(rows: int = 4) -> TensorDict:
+    ids = torch.nested.as_nested_tensor([torch.arange(3 + i) for i in range(rows)], layout=torch.jagged)
+    return TensorDict({
+        "input_ids": ids,
+        "advantages": torch.nested.as_nested_tensor([torch.ones(2 + i) for i in range(rows)], layout=torch.jagged),
+        "rewards": torch.zeros(rows),
+        "raw_prompt": NonTensorStack(*[[{"role": "user", "content": f"q{i}"}] for i in range(rows)]),
+        "data_source": NonTensorStack(*["arithmetic"] * rows),
+    }, batch_size=[rows])
+
+
+def kv_meta(rows: int = 4, fields=None) -> KVBatchMeta:
+    return KVBatchMeta(keys=[f"k{i}" for i in range(rows)], tags=[{"i": i} for i in range(rows)], partition_id="train",
+                       fields=fields, extra_info={"temperature": 0.7, "global_batch_size": rows})
+
+
+def test_the_schema_of_a_verl_batch_keeps_its_tensors_only():
+    schema = extract_field_schema(verl_like_batch())
+    assert set(schema) == {"input_ids", "advantages", "rewards", "raw_prompt", "data_source"}
+    assert tf.tensor_fields(schema) == ["input_ids", "advantages", "rewards"]
+
+
+def test_a_meta_without_fields_names_the_tensor_fields_and_keeps_the_rest():
+    schema = extract_field_schema(verl_like_batch())
+    asked = []
+    meta = kv_meta()
+    out = tf.with_tensor_fields(meta, lambda m: asked.append(m) or schema)
+    assert asked == [meta]
+    assert out.fields == ["input_ids", "advantages", "rewards"]
+    assert (out.keys, out.tags, out.partition_id, out.extra_info) == (meta.keys, meta.tags, "train", meta.extra_info)
+    assert meta.fields is None  # the caller's meta is not changed
+
+
+def test_what_needs_no_narrowing_is_passed_on_unread():
+    def no_read(_):
+        raise AssertionError("the schema was read")
+
+    named = kv_meta(fields=["input_ids"])
+    assert tf.with_tensor_fields(named, no_read) is named
+    empty = KVBatchMeta(keys=[], tags=[], partition_id="train")
+    assert tf.with_tensor_fields(empty, no_read) is empty
+    for other in ("x", 3, None, verl_like_batch()):
+        assert tf.with_tensor_fields(other, no_read) is other
+    tensors_only = extract_field_schema(verl_like_batch().exclude("raw_prompt", "data_source"))
+    meta = kv_meta()
+    assert tf.with_tensor_fields(meta, lambda _: tensors_only) is meta
+
+
+def test_the_dispatch_narrows_then_calls_verls_and_collects_verls_way(monkeypatch):
+    schema = extract_field_schema(verl_like_batch())
+    monkeypatch.setattr(tf, "_schema_from_queue", lambda meta: schema)
+    mode = tf.tensor_fields_dispatch("actor")
+    verl_mode = make_nd_compute_dataproto_dispatch_fn("actor")
+    assert mode["collect_fn"].func is verl_mode["collect_fn"].func and mode["collect_fn"].args == ("actor",)
+    assert mode["dispatch_fn"].args[0].func is verl_mode["dispatch_fn"].func
+    seen = []
+    group = object()
+    out = tf._dispatch(lambda wg, *a, **k: seen.append((wg, a, k)) or "dispatched", group, kv_meta(), 5,
+                       data=kv_meta(), other="y")
+    assert out == "dispatched"
+    (wg, args, kwargs), = seen
+    assert wg is group and args[1] == 5 and kwargs["other"] == "y"
+    assert args[0].fields == kwargs["data"].fields == ["input_ids", "advantages", "rewards"]
+
+
+def test_the_worker_compute_methods_use_it():
+    for name, mesh in (("compute_log_prob", "actor"), ("compute_ref_log_prob", "ref"), ("update_actor", "actor")):
+        mode = getattr(getattr(RemoteActorRolloutRefWorker, name), MAGIC_ATTR)["dispatch_mode"]
+        assert mode["dispatch_fn"].func is tf._dispatch, name
+        assert mode["collect_fn"].args == (mesh,), name
