@@ -51,15 +51,19 @@ def query(fields: str, what: str) -> list[list[str]]:
     return [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
+def gpu_processes() -> list[tuple[int, int]]:
+    """``(pid, MiB)`` of every process holding GPU memory (malformed rows skipped; [] when nvidia-smi fails)."""
+    return [(int(r[0]), int(r[1])) for r in query("pid,used_memory", "compute-apps")
+            if len(r) == 2 and r[0].isdigit() and r[1].isdigit()]
+
+
 def sample(results: Path) -> None:
     """One sample: every run's total and the GPU's total, appended to their files."""
     per_run: dict[str, int] = {}
-    for row in query("pid,used_memory", "compute-apps"):
-        if len(row) != 2 or not row[0].isdigit() or not row[1].isdigit():
-            continue
-        name = run_of(int(row[0]))
+    for pid, mib in gpu_processes():
+        name = run_of(pid)
         if name is not None:
-            per_run[name] = per_run.get(name, 0) + int(row[1])
+            per_run[name] = per_run.get(name, 0) + mib
     for name, mib in per_run.items():
         if (results / name).is_dir():
             append(results / name / "gpu_mem.csv", mib)
@@ -80,7 +84,7 @@ def command_of(pid: int) -> str:
 
 def sample_procs(path: Path, started: float) -> None:
     """One sample of every process holding GPU memory, appended to ``path`` (CSV with a header)."""
-    rows = [r for r in query("pid,used_memory", "compute-apps") if len(r) == 2 and r[0].isdigit() and r[1].isdigit()]
+    rows = gpu_processes()
     if not rows:
         return
     new = not path.exists()
@@ -88,7 +92,7 @@ def sample_procs(path: Path, started: float) -> None:
         if new:
             f.write("seconds,pid,mib,command\n")
         for pid, mib in rows:
-            f.write(f"{time.monotonic() - started:.0f},{pid},{mib},{command_of(int(pid))}\n")
+            f.write(f"{time.monotonic() - started:.0f},{pid},{mib},{command_of(pid)}\n")
 
 
 def append(path: Path, mib: int) -> None:
