@@ -27,6 +27,7 @@ ZORRO_TRIALS_ENV = "ARCTIC_RL_ZORRO_TRIALS"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from arctic_rl.server.memory_probe import PROBE_ENV  # light: torch only once the probe starts
     from arctic_rl.server.settings import (  # light: no torch, no FastAPI
         IN_FLIGHT_ON_WEIGHT_LOAD,
         SAMPLERS,
@@ -89,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="shut down (as on SIGTERM) once process PID is gone: a driver that starts a private server "
                    "passes its own pid so that even a SIGKILLed driver leaves no server behind")
+    p.add_argument("--memory-probe", type=Path, default=os.environ.get(PROBE_ENV) or None, metavar="FILE",
+                   help="a diagnostic: on CUDA, append where the process's GPU memory is to FILE after HTTP calls "
+                   f"(arctic_rl/server/memory_probe.py; slows allocations; or ${PROBE_ENV})")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     args = p.parse_args(argv)
     if args.zorro_min_saving is None:
@@ -211,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         zorro_min_saving=args.zorro_min_saving,
         zorro_trials=args.zorro_trials,
         in_flight_on_weight_load=args.in_flight_on_weight_load,
+        memory_probe=Path(args.memory_probe) if args.memory_probe else None,
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     from arctic_rl.server.app import create_app

@@ -39,6 +39,7 @@ from arctic_rl.server.http.auth import BearerTokenMiddleware
 from arctic_rl.server.http.control import install_control_routes
 from arctic_rl.server.http.idempotency import CachedResponse, payload_hash
 from arctic_rl.server.jobs.service import SERVER_NAME, ServerState
+from arctic_rl.server.memory_probe import MemoryProbe, MemoryProbeMiddleware
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server_timing import ServerTimingMiddleware
 
@@ -62,6 +63,10 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     install_error_handlers(app)
     if settings.token:
         app.add_middleware(BearerTokenMiddleware, token=settings.token)
+    if settings.memory_probe is not None and settings.device == "cuda":
+        probe = MemoryProbe(settings.memory_probe)
+        if probe.start():  # before any job builds an engine: every allocation's stack is recorded
+            app.add_middleware(MemoryProbeMiddleware, probe=probe)
     app.add_middleware(ServerTimingMiddleware)  # outermost: a refused call's answer carries it too
     limit = settings.max_body_bytes
     body_timeout = settings.body_timeout_s

@@ -79,6 +79,8 @@ class ServerSettings:
     warm_up: str = "auto"
     #: the sampler's weight load and the ``/generate`` calls in flight (:data:`IN_FLIGHT_ON_WEIGHT_LOAD`)
     in_flight_on_weight_load: str = "wait"
+    #: where the GPU memory probe writes (:mod:`arctic_rl.server.memory_probe`; a diagnostic); None = off
+    memory_probe: Path | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
