@@ -7,6 +7,7 @@ not see (``outside``: CUDA contexts, NCCL and other libraries; negative while a 
 is while it sleeps). Then the largest allocation sites at the rows with the most and the least memory in use.
 
     python benchmarks/memory_probe_report.py FILE [--sites 12] [--from-seconds 0]
+    python benchmarks/memory_probe_report.py --smoke      # a file written by the probe from made-up snapshots
 
 No GPU: it only reads the file (arctic_rl/server/memory_probe.py writes it).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +60,37 @@ def sites(row: dict[str, Any], count: int) -> list[str]:
     return out
 
 
+def smoke_file(folder: Path) -> Path:
+    """A probe file written by the server's own probe from two made-up snapshots (awake, then asleep)."""
+    from arctic_rl.server.memory_probe import MemoryProbe
+
+    gib = 1 << 30
+
+    def segment(pool: tuple[int, int], size: int, where: str) -> dict[str, Any]:
+        frames = [{"filename": f"/site-packages/{where}.py", "line": 1, "name": "f"}]
+        return {"total_size": size, "segment_pool_id": pool,
+                "blocks": [{"size": size, "state": "active_allocated", "frames": frames}]}
+
+    snapshot = {"segments": [segment((0, 0), 2 * gib, "deepspeed/optimizer"), segment((0, 1), 4 * gib, "vllm/kv")]}
+    path = folder / "probe.jsonl"
+    probe = MemoryProbe(path)
+    probe.record("POST /generate", snapshot, in_use=10 * gib, total=140 * gib)
+    probe.record("POST /sleep-inference", snapshot, in_use=6 * gib, total=140 * gib)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("file", type=Path)
+    p.add_argument("file", type=Path, nargs="?", help="the probe's file (--memory-probe FILE)")
+    p.add_argument("--smoke", action="store_true", help="report a file the probe writes from made-up snapshots")
     p.add_argument("--sites", type=int, default=12, help="allocation sites to list per extreme row (default 12)")
     p.add_argument("--from-seconds", type=float, default=0.0, help="skip rows before this many seconds (start-up)")
     args = p.parse_args(argv)
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as folder:
+            return main([str(smoke_file(Path(folder))), "--sites", str(args.sites)])
+    if args.file is None:
+        p.error("FILE: the probe's file is required (or --smoke)")
     rows = load(args.file)
     if not rows:
         print(f"{args.file}: no probe lines", file=sys.stderr)
