@@ -11,6 +11,9 @@ samplers' sleep and wake answers.
 :meth:`DeviceMemory.of` gives CUDA's functions for a CUDA device and, on CPU, functions that read 0 and do
 nothing (the answers carry the fields, all 0). Tests inject their own (an engine's ``device_memory``).
 
+:meth:`DeviceMemory.grown_outside_allocator` measures what a span of work (the vLLM engine's start) left in use on the
+device that the allocator's figures cannot show.
+
 What is not here: the engines' sleep and wake (:mod:`.vllm_sampler`, :mod:`.sampling`).
 """
 
@@ -63,6 +66,19 @@ class DeviceMemory:
         after = int(self.reserved())
         return {"allocator_reserved_before_bytes": before, "allocator_reserved_after_bytes": after,
                 "allocator_released_bytes": max(0, before - after)}
+
+    def mark(self) -> tuple[int, int]:
+        """``(free, reserved)`` now: the start of a span :meth:`grown_outside_allocator` measures."""
+        self.synchronize()
+        return int(self.free()), int(self.reserved())
+
+    def grown_outside_allocator(self, mark: tuple[int, int]) -> int:
+        """Bytes the device's use grew by since ``mark`` that the caching allocator does not hold (CUDA graphs,
+        CUDA modules, NCCL's and other libraries' own buffers): the drop in free memory minus the growth of the
+        allocator's reserve."""
+        self.synchronize()
+        free_before, reserved_before = mark
+        return (free_before - int(self.free())) - (int(self.reserved()) - reserved_before)
 
     def unchanged(self) -> dict[str, int]:
         """The same fields when nothing is released (nothing woke)."""

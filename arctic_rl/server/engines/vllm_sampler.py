@@ -115,6 +115,8 @@ class VllmSamplingEngine:
     device_memory: DeviceMemory | None = None  #: sleep and wake's memory functions (None: the device's)
     #: ``restart`` or ``wait``: the calls in flight at a weight load (``--in-flight-on-weight-load``)
     in_flight_on_weight_load = "wait"
+    #: device bytes vLLM's start left outside PyTorch's allocator (:meth:`DeviceMemory.grown_outside_allocator`)
+    startup_outside_allocator: int | None = None
 
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
         multiprocessing = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -136,6 +138,8 @@ class VllmSamplingEngine:
         self.tokenizer = load_tokenizer(config.model_name)
         # Training, log-prob and vLLM share one world-size-1 process group whichever job comes first.
         ensure_process_group(self.device)
+        mem = self._memory()
+        start = mem.mark()
         t0 = time.perf_counter()
         self.llm = LLM(
             model=_model_source(config.model_name),
@@ -163,11 +167,13 @@ class VllmSamplingEngine:
         self.sleep_level = 0
         self.weights_discarded = False
         # the engine's start-up passes (profiling, CUDA-graph capture) leave cached blocks: back before jobs train
-        released = self._memory().release_unused()["allocator_released_bytes"]
+        released = mem.release_unused()["allocator_released_bytes"]
+        self.startup_outside_allocator = mem.grown_outside_allocator(start)
         logger.info(
             "vLLM sampler ready in %.1fs (gpu_memory_utilization=%s, max_model_len=%d, options=%s); %.2f GB of "
-            "cached blocks released", time.perf_counter() - t0, self.options["gpu_memory_utilization"],
-            self.max_model_len, self.options, released / 1e9,
+            "cached blocks released; %.2f GiB of device memory its start left outside PyTorch's allocator",
+            time.perf_counter() - t0, self.options["gpu_memory_utilization"], self.max_model_len, self.options,
+            released / 1e9, self.startup_outside_allocator / (1 << 30),
         )
 
     def _memory(self) -> DeviceMemory:
@@ -363,7 +369,10 @@ class VllmSamplingEngine:
     def memory_report(self) -> dict[str, int]:
         """Bytes by part (:mod:`arctic_rl.server.memory`): the worker's weights and KV cache (reached through
         ``collective_rpc``), plus the device's figures."""
-        return {**self.llm.collective_rpc(vllm_worker_parts)[0], **device_report(self.device)}
+        parts = {**self.llm.collective_rpc(vllm_worker_parts)[0], **device_report(self.device)}
+        if self.startup_outside_allocator is not None and parts.get("device_in_use") is not None:
+            parts["startup_outside_allocator"] = int(self.startup_outside_allocator)  # a CUDA figure, as the others
+        return parts
 
     def info(self) -> dict[str, Any]:
         return {

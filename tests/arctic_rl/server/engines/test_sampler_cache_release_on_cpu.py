@@ -106,3 +106,17 @@ def test_transformers_sampler_releases_cached_blocks_around_sleep():
     assert woke["status"] == "partly_awake" and woke["asleep"] == ["weights"]
     assert woke["allocator_reserved_after_bytes"] == int(7.5 * GIB) and events == ["empty_cache", "empty_cache"]
     assert engine.wake_up(["kv_cache"])["allocator_released_bytes"] == 0  # nothing left to wake there
+
+
+def test_growth_outside_the_allocator_is_the_devices_growth_minus_the_reserves():
+    """What vLLM's start leaves outside PyTorch's allocator: 3 GiB more in use on the device, 1 GiB of it reserved."""
+    events: list[str] = []
+    state = {"free": 100 * GIB, "reserved": 2 * GIB}
+    mem = DeviceMemory(reserved=lambda: state["reserved"], free=lambda: state["free"],
+                       synchronize=lambda: events.append("synchronize"))
+    start = mem.mark()
+    state["free"] -= 3 * GIB
+    state["reserved"] += 1 * GIB
+    assert mem.grown_outside_allocator(start) == 2 * GIB
+    assert events == ["synchronize", "synchronize"]  # both readings after the device's work
+    assert DeviceMemory().grown_outside_allocator(DeviceMemory().mark()) == 0  # the CPU's: nothing to measure
