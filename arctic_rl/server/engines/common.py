@@ -36,6 +36,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "model_vocab_size",
+    "process_group_backend",
     "resolve_compile_mode",
     "resolve_device",
 ]
@@ -189,8 +190,20 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     return int(model.get_input_embeddings().weight.shape[0])
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The backend of the server's world-size-1 process group: nccl on CUDA, gloo elsewhere.
+
+    The group is created without a ``device_id``, so NCCL communicators are made lazily, at a group's first
+    collective. With a bound device PyTorch makes every group's communicator at once, and every group split
+    from it too: vLLM's engine creates its world, tensor-, pipeline-, data- and context-parallel groups in
+    this process (world size 1: they never communicate), and each eager communicator held ~0.45 GiB of
+    device memory outside PyTorch's allocator -- 3.2 GiB at vLLM's start on an H200 (benchmarks/RESULTS.md §2q).
+    """
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def ensure_process_group(device: torch.device) -> None:
-    """A world-size-1 process group (gloo on CPU, nccl on CUDA), created once per process.
+    """A world-size-1 process group (:func:`process_group_backend`), created once per process.
 
     Its rendezvous store is in-process (``HashStore``): no TCP port is opened, so an inherited
     ``MASTER_PORT`` (a parent that runs engines itself, a launcher's leftovers) cannot collide with
@@ -204,12 +217,9 @@ def ensure_process_group(device: torch.device) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "0")
-        store = dist.HashStore()
-        if device.type == "cuda":
-            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
-        else:
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        logger.info("process group: %s, world size 1 (in-process store)", dist.get_backend())
+        dist.init_process_group(process_group_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+        logger.info("process group: %s, world size 1 (in-process store; communicators made at first use)",
+                    dist.get_backend())
 
 
 def forward_logprobs(
