@@ -21,6 +21,7 @@ module                                 what it is
 :mod:`.app`                            the FastAPI app: the protocol's v2 routes and the v1 ones
 :mod:`.errors`                         the HTTP error tree and the handlers that answer every failure in JSON
 :mod:`.memory`                         where a job's memory goes, by part, in bytes
+:mod:`.memory_probe`                   a diagnostic: where the process's GPU memory is after HTTP calls (``--memory-probe``)
 **http/** -- requests
 :mod:`.http.bodies`                    reading a body (JSON or DSSST1) under a size and time limit
 :mod:`.http.validation`                a ``/forward-backward`` or ``/forward`` body checked into a batch

@@ -115,8 +115,7 @@ class VllmSamplingEngine:
     device_memory: DeviceMemory | None = None  #: sleep and wake's memory functions (None: the device's)
     #: ``restart`` or ``wait``: the calls in flight at a weight load (``--in-flight-on-weight-load``)
     in_flight_on_weight_load = "wait"
-    #: device bytes vLLM's start left outside PyTorch's allocator (:meth:`DeviceMemory.grown_outside_allocator`)
-    startup_outside_allocator: int | None = None
+    startup_outside_allocator: int | None = None  #: bytes vLLM's start left outside PyTorch's allocator
 
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
         multiprocessing = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -138,9 +137,8 @@ class VllmSamplingEngine:
         self.tokenizer = load_tokenizer(config.model_name)
         # Training, log-prob and vLLM share one world-size-1 process group whichever job comes first.
         ensure_process_group(self.device)
-        mem = self._memory()
+        mem, t0 = self._memory(), time.perf_counter()
         start = mem.mark()
-        t0 = time.perf_counter()
         self.llm = LLM(
             model=_model_source(config.model_name),
             skip_tokenizer_init=True,
@@ -370,8 +368,8 @@ class VllmSamplingEngine:
         """Bytes by part (:mod:`arctic_rl.server.memory`): the worker's weights and KV cache (reached through
         ``collective_rpc``), plus the device's figures."""
         parts = {**self.llm.collective_rpc(vllm_worker_parts)[0], **device_report(self.device)}
-        if self.startup_outside_allocator is not None and parts.get("device_in_use") is not None:
-            parts["startup_outside_allocator"] = int(self.startup_outside_allocator)  # a CUDA figure, as the others
+        if self.startup_outside_allocator is not None and "device_in_use" in parts:  # a CUDA figure, as those
+            parts["startup_outside_allocator"] = int(self.startup_outside_allocator)
         return parts
 
     def info(self) -> dict[str, Any]:
