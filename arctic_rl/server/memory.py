@@ -25,8 +25,8 @@ that holds it, and a part no tensor backs is absent. Parts held on the
 host (offloaded optimizer state or parameters) are counted with the rest and listed under ``offloaded``
 too. The peaks are per process: calls of two jobs that run at the same time share them. A sampling job
 reports ``weights`` (and, for the vLLM sampler, ``kv_cache``: the cache tensors its worker allocated, and
-``startup_outside_allocator``: what vLLM's start left in use on the device outside PyTorch's allocator -- CUDA
-graphs, modules, libraries' own buffers) plus the device figures.
+``startup_outside_allocator``: what vLLM's start left in use on the device outside PyTorch's allocator -- NCCL
+communicators, CUDA graphs, modules, libraries' own buffers) plus the device figures.
 
 What is not here: HTTP (``/status`` and the call metrics carry :meth:`JobMemory.report`), the engines.
 """
