@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         zorro_min_saving=args.zorro_min_saving,
         zorro_trials=args.zorro_trials,
         in_flight_on_weight_load=args.in_flight_on_weight_load,
-        memory_probe=Path(args.memory_probe) if args.memory_probe else None,
+        memory_probe=args.memory_probe,  # a Path (argparse converts the env default too) or None
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)
     from arctic_rl.server.app import create_app
