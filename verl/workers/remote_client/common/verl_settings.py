@@ -20,11 +20,29 @@ from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.strict_config import select
 from verl.remote_backend.workers.sampler_sleep import sleep_settings
 
-__all__ = ["KL_TYPE_ALIASES", "OptimSettings", "VerlSettings"]
+__all__ = ["KL_TYPE_ALIASES", "ROLLOUT_ENGINE_KEYS", "OptimSettings", "VerlSettings"]
 
 #: verl's ``kl_loss_type`` spellings -> the protocol's ``KL_TYPES``
 KL_TYPE_ALIASES = {"kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse", "k2": "mse", "low_var_kl": "low_var_kl",
                    "k3": "low_var_kl"}
+
+
+#: ``actor_rollout_ref.rollout`` keys that stock verl 0.9.1 passes to its vLLM engine under the same name
+ROLLOUT_ENGINE_KEYS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                       "enforce_eager", "enable_chunked_prefill", "enable_prefix_caching", "quantization")
+
+
+def _rollout_engine(cfg: Any, rollout: str) -> dict[str, Any]:
+    """The sampling engine's options as stock verl builds them from ``rollout.*``: each key of
+    :data:`ROLLOUT_ENGINE_KEYS` that is set (null ones are left to the engine), then
+    ``rollout.engine_kwargs.vllm`` on top, as verl applies it last too."""
+    engine = {key: value for key in ROLLOUT_ENGINE_KEYS if (value := select(cfg, f"{rollout}.{key}", None)) is not None}
+    extra = select(cfg, f"{rollout}.engine_kwargs.vllm", None)
+    if extra is not None and not isinstance(extra, dict):
+        raise RemoteBackendConfigError(f"{rollout}.engine_kwargs.vllm", "expected a mapping of vLLM engine arguments",
+                                       allowed="a mapping", received=extra)
+    engine.update({key: value for key, value in (extra or {}).items() if value is not None})
+    return engine
 
 
 def _clip_grad(cfg: Any, actor: str) -> float:
@@ -84,6 +102,8 @@ class VerlSettings:
     rollout_full_determinism: bool = False
     #: the rollout server sleeps the sampler after each generation phase (``rollout.free_cache_engine``, sync mode)
     rollout_sleeps_between_phases: bool = False
+    #: the sampling engine's options from ``rollout.*`` and ``rollout.engine_kwargs.vllm`` (:func:`_rollout_engine`)
+    rollout_engine: dict[str, Any] = field(default_factory=dict)
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1
@@ -150,6 +170,7 @@ class VerlSettings:
             rollout_seed=int(select(cfg, f"{arr}.rollout.seed", 42) or 0),
             rollout_full_determinism=bool(select(cfg, f"{arr}.rollout.full_determinism", False)),
             rollout_sleeps_between_phases=sleep_settings(cfg)[0],
+            rollout_engine=_rollout_engine(cfg, f"{arr}.rollout"),
             max_prompt_length=int(select(cfg, "data.max_prompt_length", 512)),
             max_response_length=int(select(cfg, "data.max_response_length", 512)),
             train_batch_size=int(select(cfg, "data.train_batch_size", 1)),
