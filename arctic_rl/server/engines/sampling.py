@@ -278,6 +278,11 @@ class SamplingEngine:
         self.asleep -= todo
         return {"status": "awake" if not self.asleep else "partly_awake", "asleep": sorted(self.asleep), **released}
 
+    @property
+    def awake(self) -> bool:
+        """Whether no part is marked asleep."""
+        return not self.asleep
+
     def reset_prefix_cache(self) -> dict[str, Any]:
         """Drop cached prompt prefixes (none are kept between requests by this sampler)."""
         self.prefix_cache_resets += 1

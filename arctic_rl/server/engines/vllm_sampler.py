@@ -342,7 +342,7 @@ class VllmSamplingEngine:
             self.llm.wake_up(tags=todo)
             for tag in todo:
                 self.sleeping[tag] = False
-        if not any(self.sleeping.values()):
+        if self.awake:
             self.sleep_level = 0
         seconds = time.perf_counter() - t0
         logger.info("vLLM sampler woke %s in %.2fs (%.2f GB of unused cached blocks released first)",
@@ -351,10 +351,15 @@ class VllmSamplingEngine:
         return {"status": "partly_awake" if asleep else "awake", "asleep": asleep, "woken": todo,
                 "seconds": seconds, "weights_discarded": self.weights_discarded, **released}
 
+    @property
+    def awake(self) -> bool:
+        """Whether every part (weights, KV cache) is awake."""
+        return not any(self.sleeping.values())
+
     def reset_prefix_cache(self) -> dict[str, Any]:
         """Drop vLLM's cached prompt blocks (asleep, the KV cache is already gone: nothing to drop) at the next step
         boundary (policy ``wait``: once the calls in flight have finished)."""
-        ok = self._control(lambda: bool(self.llm.reset_prefix_cache()) if not any(self.sleeping.values()) else True,
+        ok = self._control(lambda: bool(self.llm.reset_prefix_cache()) if self.awake else True,
                            self._weights_when("step"))
         return {"status": "ok" if ok else "busy", "reset": ok}
 
@@ -380,7 +385,7 @@ class VllmSamplingEngine:
             "dtype": str(self.dtype),
             "max_model_len": self.max_model_len,
             "gpu_memory_utilization": self.options["gpu_memory_utilization"],
-            "sleeping": any(self.sleeping.values()),
+            "sleeping": not self.awake,
             "sleep_level": self.sleep_level,
             "continuous_batching": True,
             "generate_in_flight": self._loop().in_flight() if "_generation_loop" in self.__dict__ else 0,

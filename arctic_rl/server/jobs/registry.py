@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 __all__ = ["Job", "JobRegistry", "JobState"]
 
 
+def _set_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 class JobState:
     INITIALIZING = "INITIALIZING"
     RUNNING = "RUNNING"
@@ -48,6 +54,9 @@ class Job:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     #: ``/generate`` calls in flight on a sampler that batches continuously (they take no lock)
     generating: int = 0
+    #: set while the job admits ``/generate`` calls; cleared while its sampler sleeps for another job's building
+    #: (:mod:`.setup_hold`): calls that arrive then wait instead of being refused
+    admitting: asyncio.Event = field(default_factory=_set_event)
 
     def info(self) -> dict[str, Any]:
         """``GET /job/{id}`` (:class:`arctic_rl.protocol.JobInfo` plus engine details)."""

@@ -52,6 +52,7 @@ from arctic_rl.server.http.idempotency import IdempotencyCache
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import checkpoint as ckpt
 from arctic_rl.server.jobs.registry import Job, JobRegistry, JobState
+from arctic_rl.server.jobs.setup_hold import samplers_asleep
 from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
 
@@ -168,6 +169,7 @@ class ServerState:
         from arctic_rl.server.engines import create_engine
         from arctic_rl.server.engines.warmup import warm_up
 
+        others = self.jobs.all()
         job_dir = None
         if config.job_type == JobType.TRAINING:
             job_dir = ckpt.job_directory(self.settings.checkpoint_root, config.checkpoint_path, "training")
@@ -175,7 +177,7 @@ class ServerState:
         logger.info("initialize: job %d (%s) from %s", job.job_id, job.job_type.value, config.model_name)
         t0 = time.perf_counter()
         try:
-            async with job.lock:
+            async with job.lock, samplers_asleep(others, job.job_type, self._in_thread):
                 if job_dir is not None:
                     job_dir.mkdir(parents=True, exist_ok=True)
                 job.engine = await self._in_thread(create_engine, config, self.settings, job_dir)
@@ -378,6 +380,7 @@ class ServerState:
         job.calls += 1
         job.generating += 1
         try:
+            await job.admitting.wait()  # the sampler may sleep while another job is built (.setup_hold)
             pending = await self._in_thread(job.engine.submit_generate, request, params)
             try:
                 raw = await asyncio.wrap_future(pending.future)
