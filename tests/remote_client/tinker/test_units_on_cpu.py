@@ -107,6 +107,7 @@ def test_plan_maps_clip_ratios_rank_and_mini_batches():
     ({"actor_rollout_ref": {"actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}}},
      "actor_rollout_ref.actor.loss_agg_mode"),
     ({"actor_rollout_ref": {"rollout": {"temperature": 0.7}}}, "actor_rollout_ref.rollout.temperature"),
+    ({"actor_rollout_ref": {"rollout": {"quantization": "fp8"}}}, "actor_rollout_ref.rollout.quantization"),
     ({"remote_backend": {"train": {"lora_rank": 4}}}, "remote_backend.train.lora_rank"),
     ({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "linear"}}}},
      "actor_rollout_ref.actor.optim.lr_scheduler_type"),
@@ -116,6 +117,22 @@ def test_options_tinker_cannot_honour_are_refused_naming_the_key(overrides, fiel
     with pytest.raises(RemoteBackendConfigError) as info:
         plan_run(main, TinkerConfig.from_main_config(main))
     assert info.value.field == field
+
+
+def test_verls_rollout_engine_keys_away_from_its_defaults_are_named_in_one_warning(caplog):
+    """They size the local vLLM stock verl would start: not applied on Tinker, and the log says which."""
+    defaults = {"gpu_memory_utilization": 0.5, "max_num_seqs": 256, "enforce_eager": False}  # verl 0.9.1's yaml
+    quiet = _main(actor_rollout_ref={"rollout": defaults})
+    with caplog.at_level("WARNING"):
+        plan_run(quiet, TinkerConfig.from_main_config(quiet))
+    assert "local vLLM" not in caplog.text
+    sized = _main(actor_rollout_ref={"rollout": {"gpu_memory_utilization": 0.7, "max_num_seqs": 256,
+                                                 "engine_kwargs": {"vllm": {"kv_cache_memory_bytes": 1 << 30}}}})
+    with caplog.at_level("WARNING"):
+        plan_run(sized, TinkerConfig.from_main_config(sized))
+    lines = [r.getMessage() for r in caplog.records if "local vLLM" in r.getMessage()]
+    assert len(lines) == 1 and "gpu_memory_utilization=0.7" in lines[0]
+    assert "engine_kwargs.vllm.kv_cache_memory_bytes=1073741824" in lines[0] and "max_num_seqs" not in lines[0]
 
 
 def test_learning_rate_follows_verls_warmup_and_cosine():

@@ -19,14 +19,20 @@ naming the verl key it cannot honour:
   :data:`~.batch.LOSS_AGG_MODES`, ``rollout.temperature`` != 1 (Tinker's forward scores at
   temperature 1, so old log-probs would not match the sampler);
 * **not applied, with a warning**: verl's dual-clip ``clip_ratio_c`` (the built-in ``ppo`` loss
-  has no dual clip).
+  has no dual clip); verl's rollout engine keys (``rollout.gpu_memory_utilization``, ``max_num_seqs``,
+  ``max_model_len``, ``engine_kwargs.vllm``, ...: :data:`~verl.workers.remote_client.common.verl_settings.ROLLOUT_ENGINE_KEYS`)
+  set away from verl's own defaults -- they size the local vLLM engine stock verl would start, and Tinker's
+  service samples on its own; except ``rollout.quantization``, which would change what is sampled: refused.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
+from importlib import resources
+from typing import Any
 
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.strict_config import select
@@ -69,6 +75,29 @@ def _refuse(ok: bool, key: str, message: str, allowed: object, received: object)
         raise RemoteBackendConfigError(key, message, allowed=allowed, received=received)
 
 
+@functools.lru_cache(maxsize=1)
+def _verl_rollout_defaults() -> dict[str, Any]:
+    """verl's own defaults of the rollout group (its packaged ``rollout/rollout.yaml``)."""
+    from omegaconf import OmegaConf
+
+    text = resources.files("verl.trainer.config").joinpath("rollout", "rollout.yaml").read_text()
+    return dict(OmegaConf.to_container(OmegaConf.create(text), resolve=False))
+
+
+def _check_engine_keys(engine: dict[str, Any]) -> None:
+    """Refuse ``rollout.quantization``; warn once about the other engine keys set away from verl's defaults."""
+    rollout = "actor_rollout_ref.rollout"
+    _refuse(engine.get("quantization") is None, f"{rollout}.quantization", "Tinker samples with the service's own "
+            "weights; a quantized sampler has no counterpart there", None, engine.get("quantization"))
+    defaults = _verl_rollout_defaults()
+    changed = {key: value for key, value in engine.items() if key in defaults and value != defaults[key]}
+    changed.update({f"engine_kwargs.vllm.{key}": value for key, value in engine.items() if key not in defaults})
+    if changed:
+        logger.warning("%s: %s not applied: they size the local vLLM engine stock verl would start, and Tinker's "
+                       "service samples on its own", rollout,
+                       ", ".join(f"{key}={value!r}" for key, value in sorted(changed.items())))
+
+
 def plan_run(main_config: object, tinker: TinkerConfig) -> TinkerRun:
     """Check verl's options against what Tinker can do; see the module docstring."""
     verl = VerlSettings.from_main_config(main_config)
@@ -94,6 +123,7 @@ def plan_run(main_config: object, tinker: TinkerConfig) -> TinkerRun:
     _refuse(verl.rollout_temperature == 1.0, "actor_rollout_ref.rollout.temperature", "Tinker scores log-probs at "
             "temperature 1; another sampling temperature would make the old log-probs disagree with the sampler",
             1.0, verl.rollout_temperature)
+    _check_engine_keys(verl.rollout_engine)
     low = verl.clip_ratio_low if verl.clip_ratio_low is not None else verl.clip_ratio
     high = verl.clip_ratio_high if verl.clip_ratio_high is not None else verl.clip_ratio
     _refuse(0 <= low < 1, f"{_ACTOR}.clip_ratio_low", "a PPO clip ratio", "0 <= value < 1", low)
