@@ -90,6 +90,7 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
         assert (computed < total) if zorro else (computed >= total), (computed, total)
     assert "[remote_backend] actor_rollout_ref.rollout.name=vllm replaced by actor_rollout_ref.rollout.name=arctic" in output
     assert "remote backend 'arctic' destroyed" in output
+    assert re.search(r"\d+ agent-loop workers started in [\d.]+s \(before step 1\)", output), "no wait before step 1"
     server_logs = list((tmp_path / "run" / "checkpoints" / "arctic_server").glob("*.log"))
     assert server_logs, "the local reference server wrote no log"
     server_log = "\n".join(p.read_text(errors="replace") for p in server_logs)
@@ -97,4 +98,6 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
     if zorro:
         assert "ZoRRO requested but not possible" not in server_log
     check_sampler_sleeps(server_log)
+    for job_type in ("log_prob", "training"):  # created after the sampler: it sleeps while they are built
+        assert f"asleep while a {job_type} job is built" in server_log, job_type
     assert re.search(r"\[remote_backend\] step 2/2 \| reward -?\d", output), "no progress line"

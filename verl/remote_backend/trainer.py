@@ -12,7 +12,10 @@
   ``trainer.v1.remote_backend.async_mode=true`` the trainer is the asynchronous one of
   :mod:`verl.remote_backend.async_trainer` (verl's async replay buffer, no sleeping of the sampler).
 * :data:`RemoteBackendTaskRunnerV1` -- verl's V1 task runner, but imported from here so that the
-  trainer mode is registered in the runner process without ``VERL_USE_EXTERNAL_MODULES``.
+  trainer mode is registered in the runner process without ``VERL_USE_EXTERNAL_MODULES``. It waits for verl's
+  agent-loop worker actors to start before step 1 (verl creates them after ``trainer.init()``, and the first
+  ``generate_sequences`` would otherwise wait for their processes and imports inside step 1's timers: 10 s on a
+  CPU, ~20 s on an H200), and logs how long that took.
 * :data:`RemoteBackendTaskRunnerV0` -- the legacy ``RayPPOTrainer`` route (``trainer.use_v1=False``)
   with the same worker and pools.
 
@@ -21,6 +24,7 @@ Not here: config derivation (``settings.py``), backend lifetime (``lifecycle.py`
 
 from __future__ import annotations
 
+import time
 from typing import Any, Self
 
 import numpy as np
@@ -273,6 +277,16 @@ class RemoteBackendAsyncTrainer(AsyncModeMixin, RemoteBackendTrainer):
 
 class _TaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
     """verl's V1 task runner; defined here so that unpickling it registers our trainer mode."""
+
+    def init_agent_loop_manager(self) -> None:
+        """verl's, then wait until its worker actors have started (module docstring)."""
+        super().init_agent_loop_manager()
+        workers = list(getattr(self.agent_loop_manager, "agent_loop_workers", None) or [])
+        if workers:
+            t0 = time.perf_counter()
+            ray.get([worker.__ray_ready__.remote() for worker in workers])
+            logger.info("%d agent-loop workers started in %.1fs (before step 1)", len(workers),
+                        time.perf_counter() - t0)
 
 
 RemoteBackendTaskRunnerV1 = ray.remote(_TaskRunnerV1)
