@@ -77,7 +77,7 @@ from arctic_rl.server.engines.vllm_options import (
     prompt_seeds,
 )
 from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore, settle
-from arctic_rl.server.engines.weights import weight_norm
+from arctic_rl.server.engines.weights import vllm_worker_load, vllm_worker_weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.memory import device_report, vllm_worker_parts
 from arctic_rl.server.settings import ServerSettings
@@ -90,22 +90,11 @@ logger = logging.getLogger("arctic_rl.server")
 _WAKE_TAGS = ("weights", "kv_cache")
 
 
-def _model_weight_norm(worker: Any) -> dict[str, float | int]:
-    """Runs inside vLLM's worker: :func:`~.weights.weight_norm` of the live model."""
-    return weight_norm(worker.model_runner.model)
-
-
 def _final_only(params: Any) -> None:
     """Ask vLLM for a request's final output only (as ``LLM.generate`` does): one ``RequestOutput`` per prompt."""
     from vllm.sampling_params import RequestOutputKind
 
     params.output_kind = RequestOutputKind.FINAL_ONLY
-
-
-def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside vLLM's worker (this process): copy ``weights`` into the live model."""
-    loaded = worker.model_runner.model.load_weights(weights=weights)
-    return len(loaded) if loaded is not None else len(weights)
 
 
 class VllmSamplingEngine:
@@ -283,7 +272,7 @@ class VllmSamplingEngine:
             self.sleeping["weights"] = False
         items = [(name, tensor.detach()) for name, tensor in weights.items()]
         try:
-            self.llm.collective_rpc(_load_into_model, args=(items,))
+            self.llm.collective_rpc(vllm_worker_load, args=(items,))
         except (KeyError, ValueError, AssertionError, RuntimeError) as exc:
             raise BadRequest(
                 f"target_sub_job_ids: the sampling job's model does not take the training model's weights: {exc}",
@@ -367,7 +356,7 @@ class VllmSamplingEngine:
         if self.sleeping["weights"]:
             raise Conflict("the vLLM sampler's weights are asleep; call /wake-inference first", field="job_id",
                            allowed="an awake sampling job", received="asleep")
-        return self._control(lambda: self.llm.collective_rpc(_model_weight_norm)[0], "step")
+        return self._control(lambda: self.llm.collective_rpc(vllm_worker_weight_norm)[0], "step")
 
     def memory_report(self) -> dict[str, int]:
         """Bytes by part (:mod:`arctic_rl.server.memory`): the worker's weights and KV cache (reached through

@@ -6,16 +6,19 @@ device). Names and shapes must match exactly -- a target built from another mode
 target (``partitioned=True``) is written one parameter at a time, each gathered whole for its copy and
 partitioned again after it.
 The real Arctic server does this over NCCL or CUDA IPC between processes; that is not here.
-:func:`weight_norm` is what ``/weight-norm`` compares after a sync.
+:func:`weight_norm` is what ``/weight-norm`` compares after a sync. The vLLM sampler's copy and norm run inside
+vLLM's worker (in this process, through ``collective_rpc``): :func:`vllm_worker_load`, :func:`vllm_worker_weight_norm`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from arctic_rl.server.errors import BadRequest
 
-__all__ = ["copy_weights", "weight_norm"]
+__all__ = ["copy_weights", "vllm_worker_load", "vllm_worker_weight_norm", "weight_norm"]
 
 
 def copy_weights(target: torch.nn.Module, weights: dict[str, torch.Tensor], *, partitioned: bool = False) -> int:
@@ -65,3 +68,14 @@ def weight_norm(model: torch.nn.Module) -> dict[str, float | int]:
             sq_sum += float(p.detach().double().pow(2).sum())
             count += 1
     return {"norm": sq_sum**0.5, "sq_sum": sq_sum, "num_params": count}
+
+
+def vllm_worker_load(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
+    """Runs inside vLLM's worker: copy ``weights`` into its live model; the number of tensors loaded."""
+    loaded = worker.model_runner.model.load_weights(weights=weights)
+    return len(loaded) if loaded is not None else len(weights)
+
+
+def vllm_worker_weight_norm(worker: Any) -> dict[str, float | int]:
+    """Runs inside vLLM's worker: :func:`weight_norm` of its live model."""
+    return weight_norm(worker.model_runner.model)
