@@ -9,8 +9,9 @@ measures the inner three so that every run's metrics show the split:
   (the reference server's ``Server-Timing`` header), the server's own seconds; the worker drains it after each
   forwarded call;
 * :class:`PhaseTimes` -- the worker's per-phase sums since the driver last asked, as ``timing_raw`` entries
-  ``<phase>/adapter``, ``<phase>/http`` and ``<phase>/server`` (verl's ``compute_timing_metrics`` turns them
-  into ``timing_s/<phase>/adapter`` ...);
+  ``<phase>/worker`` (the worker method as Ray runs it: verl's TransferQueue bridge reading the batch and writing
+  the answer back, around the adapter's call), ``<phase>/adapter``, ``<phase>/http`` and ``<phase>/server``
+  (verl's ``compute_timing_metrics`` turns them into ``timing_s/<phase>/worker`` ...);
 * :class:`BusyClock` -- for calls that overlap (a rollout server's generate calls): the time during which at
   least one call was in flight, which is what the backend cost the generation phase.
 
@@ -105,6 +106,11 @@ class PhaseTimes:
                 self._bump(f"{phase}/http", calls.wall_s)
                 if calls.server_reported:
                     self._bump(f"{phase}/server", calls.server_s)
+
+    def add_worker(self, phase: str, seconds: float) -> None:
+        """One call of the worker method serving ``phase``, verl's TransferQueue bridge included."""
+        with self._lock:
+            self._bump(f"{phase}/worker", seconds)
 
     def _bump(self, key: str, seconds: float) -> None:
         self._sums[key] = self._sums.get(key, 0.0) + seconds

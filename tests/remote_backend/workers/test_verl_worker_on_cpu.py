@@ -106,6 +106,37 @@ def test_memory_released_as_a_weight_sync_wakes_the_sampler_is_reported_once(mon
     assert RELEASED_METRIC not in worker.collect_phase_timings()
 
 
+def test_compute_calls_are_timed_around_verls_bridge_and_keep_their_registration(monkeypatch):
+    import time
+
+    from tensordict import TensorDict
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+
+    _worker_env(monkeypatch)
+    cfg = _main_config()
+    install_context(cfg, name="arctic", handle={"url": "u"})
+    worker = ArcticRLActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout_ref")
+    for name in ("compute_log_prob", "compute_ref_log_prob", "update_actor"):  # verl binds these by the attribute
+        assert getattr(type(worker), name).__dict__[MAGIC_ATTR]["blocking"] is True, name
+
+    class Backend:  # the adapter's compute: 50 ms each
+        def compute_log_prob(self, data):
+            time.sleep(0.05)
+            return data
+
+        update_actor = compute_log_prob
+
+    worker._backend = Backend()
+    batch = TensorDict({"x": torch.zeros(4, 3)}, batch_size=[4])
+    worker.compute_log_prob(batch)
+    worker.update_actor(batch)
+    worker.update_actor(batch)
+    timings = worker.collect_phase_timings()
+    for phase, calls in (("old_log_prob", 1), ("update_actor", 2)):
+        assert timings[f"{phase}/worker"] >= timings[f"{phase}/adapter"] >= 0.05 * calls, (phase, timings)
+    assert "ref/worker" not in timings and worker.collect_phase_timings() == {}  # drained
+
+
 def test_checkpoint_step_from_marker_or_path(tmp_path):
     folder = tmp_path / "global_step_7" / "actor"
     assert checkpoint_step(str(folder)) == 7

@@ -19,12 +19,13 @@ replica (``replica.py``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omegaconf import DictConfig
@@ -49,6 +50,26 @@ logger = module_logger(__name__)
 #: file written into verl's ``global_step_N/actor`` folder: says where the remote checkpoint is
 CHECKPOINT_MARKER = "remote_backend_checkpoint.json"
 _ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+def _timed_in_worker(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Time a registered compute method as Ray runs it -- verl's TransferQueue bridge reading the batch and writing
+    the answer back, around the forwarded call -- under ``<phase>/worker``. Applied outside ``@register``: the
+    registration's attributes reach the wrapper through ``functools.wraps``."""
+    phase = PHASE_OF_METHOD[method]
+
+    def decorate(registered: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(registered)
+        def timed(self: RemoteActorRolloutRefWorker, *args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return registered(self, *args, **kwargs)
+            finally:
+                self._phase_times.add_worker(phase, time.monotonic() - start)
+
+        return timed
+
+    return decorate
 
 
 class RemoteActorRolloutRefWorker(Worker):
@@ -106,17 +127,20 @@ class RemoteActorRolloutRefWorker(Worker):
             self._rollout_servers.append(server)
 
     # ------------------------------------------------------------------ compute
-    @register(dispatch_mode=tensor_fields_dispatch("actor"))
+    @_timed_in_worker("compute_log_prob")
+    @register(dispatch_mode=tensor_fields_dispatch("actor", "compute_log_prob"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
         """Old-policy log-probs (and entropy) under the current training weights."""
         return self._forward("compute_log_prob", data)
 
-    @register(dispatch_mode=tensor_fields_dispatch("ref"))
+    @_timed_in_worker("compute_ref_log_prob")
+    @register(dispatch_mode=tensor_fields_dispatch("ref", "compute_ref_log_prob"))
     def compute_ref_log_prob(self, data: TensorDict) -> TensorDict:
         """Reference-policy (initial weights) log-probs."""
         return self._forward("compute_ref_log_prob", data)
 
-    @register(dispatch_mode=tensor_fields_dispatch("actor"))
+    @_timed_in_worker("update_actor")
+    @register(dispatch_mode=tensor_fields_dispatch("actor", "update_actor"))
     def update_actor(self, data: TensorDict) -> TensorDict:
         """PPO/GRPO update of the remote actor; returns verl's ``metrics`` (incl. ``mfu``)."""
         return self._forward("update_actor", data)
@@ -138,8 +162,8 @@ class RemoteActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def collect_phase_timings(self) -> dict[str, float]:
-        """Seconds per phase since the last collect, as verl ``timing_raw`` entries: ``<phase>/adapter`` (the
-        forwarded call in this worker), ``<phase>/http`` (the backend's calls, when it reports them) and
+        """Seconds per phase since the last collect, as verl ``timing_raw`` entries: ``<phase>/worker`` (the
+        worker method, verl's TransferQueue bridge included), ``<phase>/adapter`` (the forwarded call in it), ``<phase>/http`` (the backend's calls, when it reports them) and
         ``<phase>/server`` (the server's own seconds, when the server reports them); and, where the backend
         released device memory as a weight sync woke its sampler, those bytes under ``RELEASED_METRIC``."""
         out = self._phase_times.collect()
