@@ -20,6 +20,7 @@ from verl.remote_backend.base import RemoteBackend
 from verl.remote_backend.contract import (
     LIFECYCLE_METHODS,
     ContractError,
+    as_read,
     check_backend_class,
     fake_batch,
     fake_prompts,
@@ -178,7 +179,50 @@ class UndeclaredAdopter(Unigram):
         pass
 
 
+class DeclaresItsFields(Unigram):
+    """Reads ``input_ids`` to compute; to update, ``prompts``, ``responses`` and ``attention_mask`` (verl's
+    ``no_padding_2_padding``), ``response_mask`` and ``advantages`` besides: says so."""
+
+    @classmethod
+    def tensor_fields_read(cls, method):
+        if method != "update_actor":
+            return {"input_ids"}
+        return {"input_ids", "prompts", "responses", "attention_mask", "response_mask", "advantages"}
+
+
+class DeclaresTooFewToUpdate(DeclaresItsFields):
+    @classmethod
+    def tensor_fields_read(cls, method):
+        return {"input_ids"}
+
+
+class ReadsAnUndeclaredFieldSilently(DeclaresItsFields):
+    def compute_log_prob(self, data):  # an optional field: absent, the answer changes without an error
+        tilt = torch.arange(VOCAB) / VOCAB if data.get("advantages", None) is not None else torch.zeros(VOCAB)
+        return self._log_probs(data, self.logits + tilt)
+
+
+class DeclaresAString(Unigram):
+    @classmethod
+    def tensor_fields_read(cls, method):
+        return "input_ids"
+
+
+def test_a_backend_that_declares_the_fields_it_reads_passes_on_the_narrowed_batch():
+    check_backend_class(DeclaresItsFields)
+    data = fake_batch(prompts=2, n=2)
+    narrowed = as_read(DeclaresItsFields(), "compute_log_prob", data)
+    others = {k for k in data.keys() if not isinstance(data.get(k), torch.Tensor)}  # noqa: SIM118 (a TensorDict)
+    assert set(narrowed.keys()) == {"input_ids", *others}
+    assert as_read(Unigram(), "compute_log_prob", data) is data  # declares nothing: the whole batch
+    report = run_contract(DeclaresItsFields(), prompts=2, n=3, mini_batch_rows=3)
+    assert report.update_metrics == ["actor/pg_loss"]
+
+
 @pytest.mark.parametrize("broken, method", [
+    (DeclaresTooFewToUpdate, "update_actor"),
+    (ReadsAnUndeclaredFieldSilently, "compute_log_prob"),
+    (DeclaresAString, "tensor_fields_read('compute_log_prob')"),
     (WrongOffsets, "compute_log_prob"),
     (PositiveLogProbs, "compute_ref_log_prob"),
     (OneMetricPerCall, "update_actor"),

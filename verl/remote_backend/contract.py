@@ -11,7 +11,9 @@ A backend -- ours or a third vendor's, in its own CI -- runs two checks:
   calls them, on a verl-0.9.1-shaped batch from :func:`fake_batch` (nested ``input_ids``, response-padded
   RL tensors, the non-tensor keys verl's trainer sets), and each answer checked: log-probs nested like
   ``input_ids``, finite and at most 0; one metric value per mini-batch from ``update_actor``; ``n``
-  samples per prompt from ``generate``; JSON data from ``reconnect_handle`` and the checkpoints.
+  samples per prompt from ``generate``; JSON data from ``reconnect_handle`` and the checkpoints. A backend that
+  declares the tensor fields each compute method reads (``ReadsTensorFields``) gets the batch narrowed to them,
+  as the forwarder hands it over, and its log-probs must equal those of the whole batch.
 
 A failed check raises :class:`ContractError` naming the method and what came back. Usage::
 
@@ -40,6 +42,7 @@ import torch
 from verl.remote_backend.base import RemoteBackend
 from verl.remote_backend.protocols import (
     ACTOR_METHODS,
+    COMPUTE_METHODS,
     SAMPLER_METHODS,
     RemoteActor,
     RemoteSampler,
@@ -47,8 +50,8 @@ from verl.remote_backend.protocols import (
     result_field,
 )
 
-__all__ = ["LIFECYCLE_METHODS", "ContractError", "ContractReport", "check_backend_class", "fake_batch",
-           "run_contract"]
+__all__ = ["LIFECYCLE_METHODS", "ContractError", "ContractReport", "as_read",
+           "check_backend_class", "fake_batch", "run_contract"]
 
 #: the lifecycle methods of the ABC (every one abstract: a backend declares each)
 LIFECYCLE_METHODS = tuple(sorted(RemoteBackend.__abstractmethods__))
@@ -103,6 +106,37 @@ def check_backend_class(cls: type) -> None:
     if callable(getattr(cls, "adopt_sampler", None)):
         _require(SamplerAdopter in cls.__mro__, f"{name}.adopt_sampler",
                  "an optional capability must be declared: list protocols.SamplerAdopter among the bases")
+    if isinstance(cls, type) and callable(getattr(cls, "tensor_fields_read", None)):
+        for method in COMPUTE_METHODS:
+            fields = cls.tensor_fields_read(method)  # on the class: verl's driver asks before any instance exists
+            _require(fields is None or (not isinstance(fields, str) and all(isinstance(f, str) for f in fields)
+                                        and "input_ids" in fields), f"{name}.tensor_fields_read({method!r})",
+                     f"expected None or a collection of field names with input_ids, got {fields!r:.200}")
+
+
+def as_read(backend: Any, method: str, data: Any) -> Any:
+    """``data`` as the forwarder hands it to ``method`` of ``backend``: its tensor fields narrowed to those the
+    backend's class declares the method reads (:class:`~verl.remote_backend.protocols.ReadsTensorFields`), every
+    non-tensor entry kept; ``data`` itself where it declares none."""
+    read = getattr(type(backend), "tensor_fields_read", None)
+    fields = read(method) if callable(read) else None
+    if fields is None:
+        return data
+    keep = [k for k in data.keys() if k in fields or not isinstance(data.get(k), torch.Tensor)]  # noqa: SIM118
+    return data.select(*keep)
+
+
+def _narrowed(report: ContractReport, backend: Any, method: str, data: Any) -> Any:
+    """``method`` called on :func:`as_read` of ``data``; a failure names the declared fields."""
+    narrowed = as_read(backend, method, data)
+    try:
+        return _timed(report, method, getattr(backend, method), narrowed)
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        if narrowed is data:
+            raise
+        kept = sorted(k for k in narrowed.keys() if isinstance(narrowed.get(k), torch.Tensor))  # noqa: SIM118
+        raise ContractError(method, f"failed on the batch narrowed to its declared tensor fields {kept}: "
+                            f"{type(exc).__name__}: {exc}") from exc
 
 
 def fake_batch(*, prompts: int, n: int, mini_batch_rows: int | None = None, temperature: float = 1.0,
@@ -214,11 +248,15 @@ def run_contract(backend: RemoteBackend, main_config: Any | None = None, *, prom
     single = _timed(report, "requires_single_forwarder", backend.requires_single_forwarder)
     _require(isinstance(single, bool), "requires_single_forwarder", f"expected a bool, got {single!r}")
 
-    old = _check_log_probs("compute_log_prob", _timed(report, "compute_log_prob", backend.compute_log_prob, data), data)
-    ref = _check_log_probs("compute_ref_log_prob",
-                           _timed(report, "compute_ref_log_prob", backend.compute_ref_log_prob, data), data)
+    old = _check_log_probs("compute_log_prob", _narrowed(report, backend, "compute_log_prob", data), data)
+    if as_read(backend, "compute_log_prob", data) is not data:  # a field read but not declared shows here
+        whole = _check_log_probs("compute_log_prob", backend.compute_log_prob(data), data)
+        _require(torch.allclose(whole, old, atol=1e-5), "compute_log_prob",
+                 "log_probs differ between the whole batch and the batch narrowed to the declared tensor fields: "
+                 "tensor_fields_read leaves out a field the method reads")
+    ref = _check_log_probs("compute_ref_log_prob", _narrowed(report, backend, "compute_ref_log_prob", data), data)
     data["old_log_probs"], data["ref_log_prob"] = old, ref
-    out = _timed(report, "update_actor", backend.update_actor, data)
+    out = _narrowed(report, backend, "update_actor", data)
     metrics = tu.get(out, "metrics", None) if hasattr(out, "keys") else None
     _require(isinstance(metrics, Mapping) and bool(metrics), "update_actor",
              f"expected a TensorDict whose non-tensor 'metrics' maps names to values, got {metrics!r:.200}")

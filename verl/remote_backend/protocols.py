@@ -17,7 +17,8 @@ worker at attach time can check that a registered backend offers them. A backend
 the lifecycle ABC. An optional capability is a Protocol of its own, checked with ``isinstance``:
 :class:`SamplerAdopter` (a sampler that lives client-side and follows the actor side's weight updates),
 :class:`ReportsCallTimes` (a transport that reports its calls' seconds and the server's) and
-:class:`SamplerSleep` (a sampler that frees its memory between generation phases).
+:class:`SamplerSleep` (a sampler that frees its memory between generation phases) and :class:`ReadsTensorFields`
+(the tensor fields of verl's batch each compute method reads, so that the forwarder reads no others).
 
 TensorDict conventions (verl 0.9.1's engine workers): ``input_ids``/``position_ids`` are nested
 (prompt + response per row, no padding); ``compute_log_prob`` / ``compute_ref_log_prob`` return a
@@ -28,15 +29,17 @@ TensorDict with nested ``log_probs`` (value ``k`` of a row = log p(token ``k+1``
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from tensordict import TensorDict
 
 __all__ = [
     "ACTOR_METHODS",
+    "COMPUTE_METHODS",
     "SAMPLER_METHODS",
     "SAMPLER_UPDATE_KEY",
+    "ReadsTensorFields",
     "RemoteActor",
     "RemoteSampler",
     "ReportsCallTimes",
@@ -137,6 +140,20 @@ class SamplerSleep(Protocol):
         for :meth:`sleep_sampler` (released before the parts came back)."""
 
 
+@runtime_checkable
+class ReadsTensorFields(Protocol):
+    """Optional capability, declared on the backend's class: the tensor fields of verl's batch that each compute
+    method (``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor``) may read. The forwarder worker's
+    dispatch then has verl's TransferQueue bridge fetch only those (:mod:`verl.remote_backend.workers.tensor_fields`):
+    at 64 prompts x 8 samples a batch holds ~15 tensor fields and a backend reads 5-10 of them. The answer must
+    name every field the method can read under any configuration (a field it would look for and not find changes
+    nothing loudly: an optional one, such as ``rollout_is_weights``, would silently be absent); ``None`` reads all."""
+
+    @classmethod
+    def tensor_fields_read(cls, method: str) -> Collection[str] | None:
+        """The field names ``method`` may read, or ``None`` for all."""
+
+
 def sleeper_of(backend: object) -> SamplerSleep | None:
     """``backend`` as a :class:`SamplerSleep`, or ``None`` when it does not declare the capability."""
     return backend if isinstance(backend, SamplerSleep) else None
@@ -149,6 +166,8 @@ def adopter_of(backend: object) -> SamplerAdopter | None:
 
 #: method names per protocol (what the worker checks at attach time and the contract kit on every backend)
 ACTOR_METHODS = ("compute_log_prob", "compute_ref_log_prob", "update_actor", "load_checkpoint")
+#: the actor methods that take verl's batch (whose tensor fields a :class:`ReadsTensorFields` backend names)
+COMPUTE_METHODS = ACTOR_METHODS[:3]
 SAMPLER_METHODS = ("generate",)
 
 

@@ -52,6 +52,7 @@ from verl.remote_backend.settings import (
     apply_forced_settings,
 )
 from verl.remote_backend.workers.sampler_sleep import RELEASED_METRIC
+from verl.remote_backend.workers.tensor_fields import declare_fields_read
 
 __all__ = [
     "CpuResourcePoolManager",
@@ -167,6 +168,11 @@ class RemoteBackendTrainer(PPOTrainerSync):
 
     def __init__(self, config: DictConfig):
         self.backend_name = prepare_remote_backend_config(config)
+        ensure_backends_registered()
+        read = declare_fields_read(RemoteBackendRegistry.get(self.backend_name))  # this process's dispatches
+        if read:
+            logger.info("backend %r reads these tensor fields per call: %s", self.backend_name,
+                        {method: sorted(fields) for method, fields in read.items()})
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"  # verl's sync semantics everywhere it branches on the name
         self._owner: BackendOwner | None = None

@@ -5,12 +5,14 @@ TransferQueue runs in every GRPO e2e test."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 from transfer_queue import KVBatchMeta
 from transfer_queue.metadata import extract_field_schema
 from verl.single_controller.base.decorator import MAGIC_ATTR, make_nd_compute_dataproto_dispatch_fn
 
+from verl.remote_backend.protocols import COMPUTE_METHODS, ReadsTensorFields
 from verl.remote_backend.workers import tensor_fields as tf
 from verl.remote_backend.workers.worker import RemoteActorRolloutRefWorker
 
@@ -52,8 +54,6 @@ def test_what_needs_no_narrowing_is_passed_on_unread():
     def no_read(_):
         raise AssertionError("the schema was read")
 
-    named = kv_meta(fields=["input_ids"])
-    assert tf.with_tensor_fields(named, no_read) is named
     empty = KVBatchMeta(keys=[], tags=[], partition_id="train")
     assert tf.with_tensor_fields(empty, no_read) is empty
     for other in ("x", 3, None, verl_like_batch()):
@@ -63,17 +63,37 @@ def test_what_needs_no_narrowing_is_passed_on_unread():
     assert tf.with_tensor_fields(meta, lambda _: tensors_only) is meta
 
 
+def test_a_meta_that_names_its_fields_keeps_those_that_are_tensors_and_read():
+    batch = verl_like_batch()
+    asked = []
+
+    def schema_of(meta):  # TransferQueue's schema of the fields a meta names
+        asked.append(meta)
+        return extract_field_schema(batch.select(*meta.fields))
+
+    # what verl hands update_actor: the meta of its last write, naming every field the samples hold
+    every = kv_meta(fields=["input_ids", "raw_prompt", "advantages", "data_source", "rewards"])
+    out = tf.with_tensor_fields(every, schema_of)
+    assert out.fields == ["input_ids", "advantages", "rewards"] and asked == [every]
+    assert tf.with_tensor_fields(every, schema_of, read={"advantages", "input_ids", "old_log_probs"}).fields == [
+        "input_ids", "advantages"]
+    already = kv_meta(fields=["input_ids", "rewards"])
+    assert tf.with_tensor_fields(already, schema_of) is already  # nothing to leave out: passed on as it is
+
+
 def test_the_dispatch_narrows_then_calls_verls_and_collects_verls_way(monkeypatch):
     schema = extract_field_schema(verl_like_batch())
     monkeypatch.setattr(tf, "_schema_from_queue", lambda meta: schema)
-    mode = tf.tensor_fields_dispatch("actor")
+    mode = tf.tensor_fields_dispatch("actor", "update_actor")
     verl_mode = make_nd_compute_dataproto_dispatch_fn("actor")
     assert mode["collect_fn"].func is verl_mode["collect_fn"].func and mode["collect_fn"].args == ("actor",)
     assert mode["dispatch_fn"].args[0].func is verl_mode["dispatch_fn"].func
+    assert mode["dispatch_fn"].args[1] == "update_actor"
     seen = []
     group = object()
-    out = tf._dispatch(lambda wg, *a, **k: seen.append((wg, a, k)) or "dispatched", group, kv_meta(), 5,
-                       data=kv_meta(), other="y")
+    monkeypatch.setattr(tf, "_read_by_method", {})  # no backend declared its fields
+    out = tf._dispatch(lambda wg, *a, **k: seen.append((wg, a, k)) or "dispatched", "update_actor", group,
+                       kv_meta(), 5, data=kv_meta(), other="y")
     assert out == "dispatched"
     (wg, args, kwargs), = seen
     assert wg is group and args[1] == 5 and kwargs["other"] == "y"
@@ -84,4 +104,50 @@ def test_the_worker_compute_methods_use_it():
     for name, mesh in (("compute_log_prob", "actor"), ("compute_ref_log_prob", "ref"), ("update_actor", "actor")):
         mode = getattr(getattr(RemoteActorRolloutRefWorker, name), MAGIC_ATTR)["dispatch_mode"]
         assert mode["dispatch_fn"].func is tf._dispatch, name
+        assert mode["dispatch_fn"].args[1] == name
         assert mode["collect_fn"].args == (mesh,), name
+    with pytest.raises(ValueError, match="generate"):
+        tf.tensor_fields_dispatch("actor", "generate")
+
+
+class _Declares:
+    """A backend class that reads ``input_ids`` and ``advantages`` in its update, and declares nothing else."""
+
+    @classmethod
+    def tensor_fields_read(cls, method):
+        return {"input_ids", "advantages"} if method == "update_actor" else None
+
+
+def test_a_backend_that_declares_its_fields_gets_only_those_per_method(monkeypatch):
+    schema = extract_field_schema(verl_like_batch())
+    monkeypatch.setattr(tf, "_schema_from_queue", lambda meta: schema)
+    monkeypatch.setattr(tf, "_read_by_method", {})
+    assert tf.declare_fields_read(_Declares) == {"update_actor": frozenset({"input_ids", "advantages"})}
+    sent = {}
+    for method in COMPUTE_METHODS:
+        tf._dispatch(lambda wg, meta, m=method: sent.setdefault(m, meta.fields), method, None, kv_meta())
+    assert sent["update_actor"] == ["input_ids", "advantages"]  # in the schema's order; rewards not read
+    assert sent["compute_log_prob"] == sent["compute_ref_log_prob"] == ["input_ids", "advantages", "rewards"]
+    assert tf.declare_fields_read(object) == {} and tf._read_by_method == {}  # a class that declares nothing
+
+
+def test_a_declaration_that_is_not_names_is_refused(monkeypatch):
+    monkeypatch.setattr(tf, "_read_by_method", {})
+
+    class Bad:
+        @classmethod
+        def tensor_fields_read(cls, method):
+            return "input_ids"  # a string, not a collection of names
+
+    with pytest.raises(TypeError, match=r"Bad.tensor_fields_read\('compute_log_prob'\)"):
+        tf.declare_fields_read(Bad)
+
+
+def test_the_arctic_adapter_declares_what_its_layout_and_update_read():
+    from verl.workers.remote_client.arctic.arctic_rl import ArcticRLClient
+    from verl.workers.remote_client.arctic.layout import LAYOUT_KEYS
+
+    assert ArcticRLClient.tensor_fields_read("compute_log_prob") == frozenset(LAYOUT_KEYS)
+    assert ArcticRLClient.tensor_fields_read("update_actor") >= {"old_log_probs", "advantages", "response_mask",
+                                                                 "ref_log_prob", "rollout_is_weights", "input_ids"}
+    assert isinstance(ArcticRLClient, type) and issubclass(ArcticRLClient, ReadsTensorFields)

@@ -67,6 +67,7 @@ from .jobs import (
     read_health,
     tagged_jobs,
 )
+from .layout import LAYOUT_KEYS, RESPONSE_KEYS
 from .local_server import LocalServer, start_local_server
 from .log_probs import LogProbs
 from .loss_config import build_loss_config, check_loss_support
@@ -326,6 +327,16 @@ class ArcticRLClient(RemoteBackend):
         return self._tokens.pad_token_id
 
     # ------------------------------------------------------------------------------ compute (delegated by role)
+
+    @classmethod
+    def tensor_fields_read(cls, method: str) -> frozenset[str] | None:
+        """The fields of verl's batch each compute method may read (``ReadsTensorFields``): the token layout's,
+        and for ``update_actor`` the response-shaped RL tensors too. The forwarder's dispatch fetches no others."""
+        if method in ("compute_log_prob", "compute_ref_log_prob"):
+            return frozenset(LAYOUT_KEYS)
+        if method == "update_actor":
+            return frozenset(LAYOUT_KEYS + RESPONSE_KEYS)
+        return None
 
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
         """Log-probs of the current policy (``/forward`` on the training job)."""

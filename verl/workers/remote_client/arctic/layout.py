@@ -40,6 +40,7 @@ from arctic_rl.protocol import LogprobAlignment
 from verl.remote_backend.errors import RemoteBackendConfigError, RemoteProtocolError
 
 __all__ = [
+    "LAYOUT_KEYS",
     "RESPONSE_KEYS",
     "RowLayout",
     "dense_batch",
@@ -53,6 +54,9 @@ __all__ = [
 
 #: response-shaped RL tensors sent left-padded to ``[B, P+R]`` (when present in the batch)
 RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights")
+#: the fields :func:`plan_layout` and :func:`dense_batch` read to lay the tokens out (``prompts``/``responses``/
+#: ``attention_mask``: whichever tells prompt from response; ``position_ids``: recomputed where absent)
+LAYOUT_KEYS = ("input_ids", "position_ids", "prompts", "responses", "attention_mask")
 
 
 @dataclass(frozen=True)
