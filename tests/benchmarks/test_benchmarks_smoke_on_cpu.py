@@ -46,6 +46,8 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "real_model_report.py": (["--smoke"], ["curves:"]),
     "step_overhead.py": (["--smoke"], ["Part A: GRPO step through ArcticRLClient", "client: DSSST1 encode",
                                        "Part B: rollout replica server", "concurrent vs sequential"]),
+    "transfer_queue_fields.py": (["--rows", "8", "--prompt", "6", "--response", "8", "--repeats", "1"],
+                                 ["every field (baseline)", "Arctic update_actor's", "  advantages alone"]),
     "wire.py": (["--batch", "4", "--seq", "64", "--repeats", "2"], ["dssst1 (bytearray in)", "torch.save+load"]),
     "zorro.py": (["--quick"], ["CHECK max relative error ZoRRO vs plain (log-probs, gradients)"]),
     "zorro_gpu_passes.py": (["--cpu-smoke"], ["| 8 | fwd+bwd |", "max |ZoRRO - plain| log-prob"]),

@@ -10,9 +10,10 @@ travels beside the fields and is kept.
 
 A backend whose class declares the fields each compute method reads
 (:class:`~verl.remote_backend.protocols.ReadsTensorFields`, taken by :func:`declare_fields_read` in the driver)
-narrows it further, to those: the bridge's read grows faster than linearly in the fields it fetches (a
-TransferQueue batch of 512 samples, 14 verl-shaped tensor fields: 0.47 s for all of them, 0.08 s for the 6 an
-update reads, on a 2-core machine), and by an ``update_actor`` a batch holds every field the step has written.
+narrows it further, to those: the bridge's read grows with the fields it fetches (``benchmarks/
+transfer_queue_fields.py``, 512 samples and 14 verl-shaped tensor fields on a 2-core machine: 0.13 s for all of them,
+0.06 s for the 7 the Arctic adapter's update reads), and by an ``update_actor`` a batch holds every field the step
+has written.
 
 :func:`tensor_fields_dispatch` is verl's ``make_nd_compute_dataproto_dispatch_fn(mesh)`` whose dispatch function
 first names the tensor fields in every ``KVBatchMeta`` argument (one metadata read from TransferQueue on the
