@@ -93,6 +93,11 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
     assert "[remote_backend] actor_rollout_ref.rollout.name=vllm replaced by actor_rollout_ref.rollout.name=arctic" in output
     assert "remote backend 'arctic' destroyed" in output
     assert re.search(r"\d+ agent-loop workers started in [\d.]+s \(before step 1\)", output), "no wait before step 1"
+    # verl hands update_actor a meta naming every field; the dispatch narrows it to what the adapter reads
+    update_read = re.search(r"forwarder update_actor reads the batch's \d+ tensor fields (\[[^\]]*\]); left out: "
+                            r"\d+ not read by the backend \[[^\]]*\], (\d+) not tensors", output)
+    assert update_read and "'advantages'" in update_read[1] and "'rm_scores'" not in update_read[1], update_read
+    assert int(update_read[2]) > 0
     server_logs = list((tmp_path / "run" / "checkpoints" / "arctic_server").glob("*.log"))
     assert server_logs, "the local reference server wrote no log"
     server_log = "\n".join(p.read_text(errors="replace") for p in server_logs)
