@@ -151,3 +151,13 @@ def test_the_arctic_adapter_declares_what_its_layout_and_update_read():
     assert ArcticRLClient.tensor_fields_read("update_actor") >= {"old_log_probs", "advantages", "response_mask",
                                                                  "ref_log_prob", "rollout_is_weights", "input_ids"}
     assert isinstance(ArcticRLClient, type) and issubclass(ArcticRLClient, ReadsTensorFields)
+
+
+def test_the_tinker_adapter_declares_what_its_rows_and_update_read():
+    from verl.workers.remote_client.tinker import batch as tb
+    from verl.workers.remote_client.tinker.client import TinkerClient
+
+    assert TinkerClient.tensor_fields_read("compute_ref_log_prob") == frozenset(tb.ROW_KEYS)
+    assert TinkerClient.tensor_fields_read("update_actor") >= {"input_ids", "response_mask", "old_log_probs",
+                                                                "advantages", "rollout_is_weights"}
+    assert TinkerClient.tensor_fields_read("generate") is None

@@ -31,6 +31,8 @@ from verl.remote_backend.errors import RemoteBackendConfigError
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "ROW_KEYS",
+    "UPDATE_KEYS",
     "Rows",
     "nested_like",
     "response_values",
@@ -55,6 +57,12 @@ class Rows:
     def __len__(self) -> int:
         return len(self.tokens)
 
+
+#: the fields :func:`split_rows` reads (``prompts``/``responses``/``attention_mask``: whichever tells prompt from
+#: response tokens)
+ROW_KEYS = ("input_ids", "prompts", "responses", "attention_mask")
+#: the response-shaped fields an update reads (:func:`response_values`; ``rollout_is_weights`` where present)
+UPDATE_KEYS = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights")
 
 def _nested_lens(t: torch.Tensor) -> list[int]:
     return [int(x) for x in t.offsets().diff().tolist()]

@@ -146,6 +146,16 @@ class TinkerClient(RemoteBackend, SamplerAdopter):
         return self._step
 
     # ------------------------------------------------------------------ RemoteActor
+    @classmethod
+    def tensor_fields_read(cls, method: str) -> frozenset[str] | None:
+        """The fields of verl's batch each compute method may read (``ReadsTensorFields``): the rows' tokens and
+        lengths, and for ``update_actor`` the response-shaped RL tensors too."""
+        if method in ("compute_log_prob", "compute_ref_log_prob"):
+            return frozenset(tb.ROW_KEYS)
+        if method == "update_actor":
+            return frozenset(tb.ROW_KEYS + tb.UPDATE_KEYS)
+        return None
+
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
         """Log-probs under the current training weights (``forward``); entropy as ``-log p``.
 
