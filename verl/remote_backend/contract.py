@@ -47,6 +47,7 @@ from verl.remote_backend.protocols import (
     RemoteActor,
     RemoteSampler,
     SamplerAdopter,
+    fields_read,
     result_field,
 )
 
@@ -106,20 +107,21 @@ def check_backend_class(cls: type) -> None:
     if callable(getattr(cls, "adopt_sampler", None)):
         _require(SamplerAdopter in cls.__mro__, f"{name}.adopt_sampler",
                  "an optional capability must be declared: list protocols.SamplerAdopter among the bases")
-    if isinstance(cls, type) and callable(getattr(cls, "tensor_fields_read", None)):
-        for method in COMPUTE_METHODS:
-            fields = cls.tensor_fields_read(method)  # on the class: verl's driver asks before any instance exists
-            _require(fields is None or (not isinstance(fields, str) and all(isinstance(f, str) for f in fields)
-                                        and "input_ids" in fields), f"{name}.tensor_fields_read({method!r})",
-                     f"expected None or a collection of field names with input_ids, got {fields!r:.200}")
+    for method in COMPUTE_METHODS:  # on the class: verl's driver asks before any instance exists
+        where = f"{name}.tensor_fields_read({method!r})"
+        try:
+            fields = fields_read(cls, method)
+        except TypeError as exc:
+            raise ContractError(where, str(exc)) from None
+        _require(fields is None or "input_ids" in fields, where,
+                 f"the fields of every call include input_ids; got {sorted(fields or ())}")
 
 
 def as_read(backend: Any, method: str, data: Any) -> Any:
     """``data`` as the forwarder hands it to ``method`` of ``backend``: its tensor fields narrowed to those the
     backend's class declares the method reads (:class:`~verl.remote_backend.protocols.ReadsTensorFields`), every
     non-tensor entry kept; ``data`` itself where it declares none."""
-    read = getattr(type(backend), "tensor_fields_read", None)
-    fields = read(method) if callable(read) else None
+    fields = fields_read(type(backend), method)
     if fields is None:
         return data
     keep = [k for k in data.keys() if k in fields or not isinstance(data.get(k), torch.Tensor)]  # noqa: SIM118

@@ -48,6 +48,8 @@ __all__ = [
     "SamplerSleep",
     "SamplingParams",
     "adopter_of",
+    "fields_read",
+    "fields_read_by",
     "result_field",
     "sleeper_of",
 ]
@@ -152,6 +154,26 @@ class ReadsTensorFields(Protocol):
     @classmethod
     def tensor_fields_read(cls, method: str) -> Collection[str] | None:
         """The field names ``method`` may read, or ``None`` for all."""
+
+
+def fields_read(backend_cls: type, method: str) -> frozenset[str] | None:
+    """The fields ``backend_cls`` declares ``method`` reads (:class:`ReadsTensorFields`), or ``None`` (all of them,
+    also for a class that declares nothing). An answer that is not ``None`` or a collection of names is a
+    ``TypeError`` naming the class and the method."""
+    read = getattr(backend_cls, "tensor_fields_read", None)
+    fields = read(method) if callable(read) else None
+    if fields is None:
+        return None
+    if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+        raise TypeError(f"{backend_cls.__name__}.tensor_fields_read({method!r}): expected a collection of field "
+                        f"names or None, got {fields!r:.200}")
+    return frozenset(fields)
+
+
+def fields_read_by(backend_cls: type) -> dict[str, frozenset[str]]:
+    """:func:`fields_read` of every compute method that ``backend_cls`` names fields for."""
+    declared = {method: fields_read(backend_cls, method) for method in COMPUTE_METHODS}
+    return {method: fields for method, fields in declared.items() if fields is not None}
 
 
 def sleeper_of(backend: object) -> SamplerSleep | None:

@@ -33,12 +33,12 @@ from verl.single_controller.base.decorator import make_nd_compute_dataproto_disp
 from verl.utils.transferqueue_utils import KVBatchMeta, kv_batch_meta2batch_meta
 
 from verl.remote_backend.logs import module_logger
-from verl.remote_backend.protocols import COMPUTE_METHODS
+from verl.remote_backend.protocols import COMPUTE_METHODS, fields_read_by
 
 __all__ = ["declare_fields_read", "tensor_fields", "tensor_fields_dispatch", "with_tensor_fields"]
 
 logger = module_logger(__name__)
-_said: set[tuple[str, ...]] = set()  # the left-out sets already logged (once each)
+_said: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()  # (method, left-out sets) already logged
 
 #: method -> the tensor fields the backend declared it reads, for the dispatches of this process
 _read_by_method: dict[str, frozenset[str]] = {}
@@ -46,21 +46,12 @@ _read_by_method: dict[str, frozenset[str]] = {}
 
 def declare_fields_read(backend_cls: type) -> dict[str, frozenset[str]]:
     """From now on, in this process, dispatch each compute method with the tensor fields ``backend_cls`` declares
-    it reads (:class:`~verl.remote_backend.protocols.ReadsTensorFields`); a method it answers ``None`` for, or a
-    class that declares nothing, gets every tensor field. Returns what was taken."""
+    it reads (:func:`~verl.remote_backend.protocols.fields_read_by`); a method it answers ``None`` for, or a class
+    that declares nothing, gets every tensor field. Returns what was taken."""
+    declared = fields_read_by(backend_cls)
     _read_by_method.clear()
-    read = getattr(backend_cls, "tensor_fields_read", None)
-    if not callable(read):
-        return {}
-    for method in COMPUTE_METHODS:
-        fields = read(method)
-        if fields is None:
-            continue
-        if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
-            raise TypeError(f"{backend_cls.__name__}.tensor_fields_read({method!r}): expected a collection of field "
-                            f"names or None, got {fields!r:.200}")
-        _read_by_method[method] = frozenset(fields)
-    return dict(_read_by_method)
+    _read_by_method.update(declared)
+    return declared
 
 
 def tensor_fields(field_schema: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -81,9 +72,7 @@ def with_tensor_fields(meta: Any, schema_of: Callable[[KVBatchMeta], Mapping[str
     named = list(schema) if meta.fields is None else [meta.fields] if isinstance(meta.fields, str) else list(meta.fields)
     tensors = set(tensor_fields(schema))
     keep = [name for name in named if name in tensors and (read is None or name in read)]
-    if meta.fields is not None and keep == named:
-        return meta
-    if meta.fields is None and len(keep) == len(schema):
+    if keep == named:  # nothing to leave out
         return meta
     not_tensors = sorted(set(named) - tensors)
     not_read = sorted(set(named) & tensors - set(keep))

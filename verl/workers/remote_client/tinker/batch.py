@@ -64,6 +64,7 @@ ROW_KEYS = ("input_ids", "prompts", "responses", "attention_mask")
 #: the response-shaped fields an update reads (:func:`response_values`; ``rollout_is_weights`` where present)
 UPDATE_KEYS = ("response_mask", "old_log_probs", "advantages", "rollout_is_weights")
 
+
 def _nested_lens(t: torch.Tensor) -> list[int]:
     return [int(x) for x in t.offsets().diff().tolist()]
 
