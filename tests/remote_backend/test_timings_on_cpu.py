@@ -6,7 +6,15 @@ import threading
 
 import pytest
 
-from verl.remote_backend.timings import PHASE_OF_METHOD, BusyClock, CallTimes, CallTotals, PhaseTimes
+from verl.remote_backend.timings import (
+    PHASE_OF_METHOD,
+    BusyClock,
+    CallTimes,
+    CallTotals,
+    CallWindow,
+    GenerationWindow,
+    PhaseTimes,
+)
 
 
 def test_call_times_sum_and_drain():
@@ -85,3 +93,42 @@ def test_busy_clock_counts_overlaps_once():
 def test_busy_clock_refuses_an_unmatched_end():
     with pytest.raises(RuntimeError, match="without a matching begin"):
         BusyClock().end()
+
+
+def test_call_window_stamps_the_first_arrival_and_the_last_answer():
+    clock = _Clock()
+    window = CallWindow(clock)
+    assert window.drain() == {}
+    clock.now = 1.0
+    window.arrived()        # A arrives
+    clock.now = 1.5
+    window.arrived()        # B arrives: not the first
+    clock.now = 2.0
+    window.answered()       # A answered
+    clock.now = 4.0
+    window.answered()       # B answered: the last
+    assert window.drain() == {"first_call": 1.0, "last_answer": 4.0, "answered": 2.0}
+    assert window.drain() == {}  # drained
+    clock.now = 5.0
+    window.arrived()        # still running at the drain: no answer yet, no window
+    assert window.drain() == {}
+
+
+def test_generation_window_splits_the_phase_by_its_stamps():
+    window = GenerationWindow(submit_began=10.0, submit_ended=10.2)
+    assert window.timings() == {}  # not closed
+    window.close(14.0, [{"first_call": 10.5, "last_answer": 13.0, "answered": 4.0},
+                        {"first_call": 10.4, "last_answer": 13.5, "answered": 4.0}, {}])
+    assert window.timings() == pytest.approx({"gen/submit": 0.2, "gen/to_first_call": 0.4,
+                                              "gen/calls_span": 3.1, "gen/after_last_answer": 0.5})
+
+
+@pytest.mark.parametrize("windows", [
+    [],                                                   # no server answered (another replica kind)
+    [{"first_call": 9.0, "last_answer": 13.0}],           # a call from before the hand-over (not this phase's)
+    [{"first_call": 10.5, "last_answer": 15.0}],          # answered after the samples were back (asynchronous)
+])
+def test_generation_window_says_nothing_for_calls_outside_the_phase(windows):
+    window = GenerationWindow(submit_began=10.0, submit_ended=10.2)
+    window.close(14.0, windows)
+    assert window.timings() == {}

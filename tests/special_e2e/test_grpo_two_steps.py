@@ -79,6 +79,11 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
         # generation: the time the server had at least one of the step's /generate calls, within verl's phase
         assert 0 < metrics["timing_s/gen/backend_busy"] <= metrics["timing_s/gen"]
         assert metrics["perf/remote_backend/gen_calls"] >= 1 and metrics["timing_s/gen/server_sum"] > 0
+        # the phase's window: hand-over, first call, last answer, samples back; the calls within it
+        window = [metrics[f"timing_s/gen/{part}"] for part in ("to_first_call", "calls_span", "after_last_answer")]
+        assert min(window) >= 0 and metrics["timing_s/gen/submit"] >= 0, window
+        assert sum(window) <= metrics["timing_s/gen/submit"] + metrics["timing_s/gen"], window
+        assert metrics["timing_s/gen/backend_busy"] <= window[1] + 0.05, window
         # the sampler slept after the phase and woke before it (verl's free_cache_engine, sync mode)
         assert metrics["timing_s/gen/sampler_sleep"] > 0 and metrics["timing_s/gen/sampler_wake"] > 0
         assert 0 < metrics["response_length/mean"] <= 8

@@ -13,7 +13,11 @@ measures the inner three so that every run's metrics show the split:
   the answer back, around the adapter's call), ``<phase>/adapter``, ``<phase>/http`` and ``<phase>/server``
   (verl's ``compute_timing_metrics`` turns them into ``timing_s/<phase>/worker`` ...);
 * :class:`BusyClock` -- for calls that overlap (a rollout server's generate calls): the time during which at
-  least one call was in flight, which is what the backend cost the generation phase.
+  least one call was in flight, which is what the backend cost the generation phase;
+* :class:`CallWindow` and :class:`GenerationWindow` -- where the rest of a synchronous generation phase goes: a
+  rollout server stamps the first of verl's calls to reach it and its last answer (wall clock), and the trainer
+  sets them against the moments it handed the batch to verl's agent loop and got the samples back
+  (``gen/submit``, ``gen/to_first_call``, ``gen/calls_span``, ``gen/after_last_answer``).
 
 A backend offers its transport's times through :class:`~verl.remote_backend.protocols.ReportsCallTimes`;
 one that does not still gets ``<phase>/adapter``. A server that does not report its seconds (the vendor's)
@@ -27,7 +31,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["PHASE_OF_METHOD", "BusyClock", "CallTimes", "CallTotals", "PhaseTimes"]
+__all__ = ["PHASE_OF_METHOD", "BusyClock", "CallTimes", "CallTotals", "CallWindow", "GenerationWindow", "PhaseTimes"]
 
 #: forwarder worker method -> verl's name of the phase it serves (the driver's ``marked_timer`` names)
 PHASE_OF_METHOD = {
@@ -158,3 +162,76 @@ class BusyClock:
             if self._in_flight:
                 self._since = now
         return busy, calls
+
+
+class CallWindow:
+    """Wall-clock stamps of a rollout server's calls since the last drain: when the first arrived and when the
+    last was answered (``time.time``, comparable with the trainer's stamps on one machine)."""
+
+    def __init__(self, clock=time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._answered = 0
+
+    def arrived(self) -> None:
+        with self._lock:
+            if self._first is None:
+                self._first = self._clock()
+
+    def answered(self) -> None:
+        with self._lock:
+            self._last = self._clock()
+            self._answered += 1
+
+    def drain(self) -> dict[str, float]:
+        """``{"first_call": t, "last_answer": t, "answered": n}`` since the last drain (``{}`` when no call was
+        answered), and start again."""
+        with self._lock:
+            first, last, answered = self._first, self._last, self._answered
+            self._first, self._last, self._answered = None, None, 0
+        if first is None or last is None:
+            return {}
+        return {"first_call": first, "last_answer": last, "answered": float(answered)}
+
+
+@dataclass
+class GenerationWindow:
+    """One synchronous generation phase seen from the trainer (wall clock, seconds since the epoch).
+
+    ``submit_began``/``submit_ended`` bracket verl's hand-over of the batch to its agent loop (``prepare_step``, in
+    the step but before verl's ``gen`` timer starts); ``sampled`` is when verl's replay buffer returned the samples
+    (``on_sample_end``, before the sampler is put to sleep); ``first_call``/``last_answer`` come from the rollout
+    servers' :class:`CallWindow` (earliest and latest over servers)."""
+
+    submit_began: float
+    submit_ended: float
+    sampled: float | None = None
+    first_call: float | None = None
+    last_answer: float | None = None
+
+    def close(self, sampled: float, windows: list[Mapping[str, float]]) -> None:
+        """The samples are back at ``sampled``; ``windows`` are the servers' drained :class:`CallWindow` s."""
+        self.sampled = sampled
+        firsts = [w["first_call"] for w in windows if "first_call" in w]
+        lasts = [w["last_answer"] for w in windows if "last_answer" in w]
+        self.first_call = min(firsts) if firsts else None
+        self.last_answer = max(lasts) if lasts else None
+
+    def timings(self) -> dict[str, float]:
+        """``timing_raw`` entries: ``gen/submit`` (verl handing the batch over), ``gen/to_first_call`` (from the
+        hand-over's start to the first call reaching a server: verl's agent loop before its first request),
+        ``gen/calls_span`` (first call to last answer) and ``gen/after_last_answer`` (last answer to verl's replay
+        buffer returning the samples: verl's post-processing, TransferQueue writes and polling). Empty until the
+        phase closed with calls inside it (a phase whose calls straddle it, as in asynchronous mode, says nothing)."""
+        if self.sampled is None or self.first_call is None or self.last_answer is None:
+            return {}
+        if not self.submit_began <= self.first_call <= self.last_answer <= self.sampled:
+            return {}
+        return {
+            "gen/submit": self.submit_ended - self.submit_began,
+            "gen/to_first_call": self.first_call - self.submit_began,
+            "gen/calls_span": self.last_answer - self.first_call,
+            "gen/after_last_answer": self.sampled - self.last_answer,
+        }

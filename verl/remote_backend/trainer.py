@@ -7,7 +7,9 @@
   to the worker and the rollout replica through the config (:mod:`verl.remote_backend.context`),
   creates the backend itself when nobody did (plugin route) and then destroys it at the end, and
   polls the replay buffer every ``poll_interval_s`` instead of verl's fixed 2 s, and prints one
-  progress line per step with an ETA (``verl.remote_backend.progress``) next to verl's long metric line.
+  progress line per step with an ETA (``verl.remote_backend.progress``) next to verl's long metric line. It
+  stamps each generation phase (hand-over to verl's agent loop, samples back) and sets the stamps against the
+  rollout servers' first call and last answer (:class:`~verl.remote_backend.timings.GenerationWindow`).
   Semantics are verl's ``sync`` mode: ``trainer.v1.trainer_mode`` is only the registry name; with
   ``trainer.v1.remote_backend.async_mode=true`` the trainer is the asynchronous one of
   :mod:`verl.remote_backend.async_trainer` (verl's async replay buffer, no sleeping of the sampler).
@@ -51,6 +53,7 @@ from verl.remote_backend.settings import (
     TRAINER_MODE,
     apply_forced_settings,
 )
+from verl.remote_backend.timings import GenerationWindow
 from verl.remote_backend.workers.sampler_sleep import RELEASED_METRIC
 from verl.remote_backend.workers.tensor_fields import declare_fields_read
 
@@ -158,6 +161,8 @@ class RemoteBackendTrainer(PPOTrainerSync):
 
     #: seconds between the replay buffer's checks for finished rollouts (verl: fixed 2.0)
     poll_interval_s: float = 0.05
+    #: the current step's generation phase, stamped (``timing_s/gen/submit``, ``/to_first_call``, ...)
+    _gen_window: GenerationWindow | None = None
 
     def __new__(cls, config: DictConfig, *args: Any, **kwargs: Any) -> Self:
         """``trainer.v1.remote_backend.async_mode=true`` makes this mode's trainer the asynchronous one
@@ -188,7 +193,7 @@ class RemoteBackendTrainer(PPOTrainerSync):
         released = generation.pop(RELEASED_METRIC, None)
         if released_at_syncs is not None:
             released = (released or 0.0) + released_at_syncs
-        timing_raw.update(generation)  # -> timing_s/gen/backend_busy, /http_sum, /server_sum
+        timing_raw.update(generation)  # -> timing_s/gen/backend_busy, /http_sum, /server_sum, /calls_span, ...
         if calls is not None:
             metrics["perf/remote_backend/gen_calls"] = calls
         if released is not None:  # memory, not time: beside the counts
@@ -213,24 +218,44 @@ class RemoteBackendTrainer(PPOTrainerSync):
                 totals[key] = totals.get(key, 0.0) + float(seconds)
         return totals
 
+    def prepare_step(self) -> dict:
+        """verl's hand-over of the step's batch to its agent loop, stamped for :class:`GenerationWindow`."""
+        self._ask_rollout_servers("drain_call_window")  # calls since the last phase (validation's) are not this one's
+        began = time.time()
+        out = super().prepare_step()
+        self._gen_window = GenerationWindow(submit_began=began, submit_ended=time.time())
+        return out
+
+    def on_sample_end(self) -> None:
+        """The samples are back: close the phase's window (before verl puts the sampler to sleep)."""
+        window = self._gen_window
+        if window is not None and window.sampled is None:
+            window.close(time.time(), self._ask_rollout_servers("drain_call_window"))
+        super().on_sample_end()
+
     def _generation_timings(self) -> dict[str, float]:
         """The rollout servers' generation figures since the last step (summed over servers; see
-        :meth:`~verl.remote_backend.workers.replica.RemoteRolloutServer.collect_generation_timings`)."""
+        :meth:`~verl.remote_backend.workers.replica.RemoteRolloutServer.collect_generation_timings`), and the
+        phase's window (:class:`GenerationWindow`; sync mode)."""
+        window, self._gen_window = self._gen_window, None
+        totals: dict[str, float] = window.timings() if window is not None else {}
+        for part in self._ask_rollout_servers("collect_generation_timings"):
+            for key, value in (part or {}).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        return totals
+
+    def _ask_rollout_servers(self, method: str) -> list[dict[str, float]]:
+        """Each rollout server's answer to ``method`` (none for replicas of another kind)."""
         manager = getattr(self, "llm_server_manager", None)
         replicas = manager.get_replicas() if manager is not None and hasattr(manager, "get_replicas") else []
         servers = [s for r in replicas for s in getattr(r, "servers", [])]
         if not servers:
-            return {}
-        totals: dict[str, float] = {}
+            return []
         try:
-            parts = ray.get([s.collect_generation_timings.remote() for s in servers], timeout=30)
+            return list(ray.get([getattr(s, method).remote() for s in servers], timeout=30))
         except (AttributeError, ray.exceptions.RayError) as exc:  # a replica of another kind: no figures
-            logger.debug("no generation timings from the rollout servers: %s", exc)
-            return {}
-        for part in parts:
-            for key, value in (part or {}).items():
-                totals[key] = totals.get(key, 0.0) + float(value)
-        return totals
+            logger.debug("no %s from the rollout servers: %s", method, exc)
+            return []
 
     def _build_replay_buffer(self):
         buffer = super()._build_replay_buffer()

@@ -301,6 +301,9 @@ def test_server_actor_generates_token_ids_one_request_per_prompts_samples(tmp_pa
                 # our server batches continuously and takes n: the rollout.n = 2 samples of a prompt went as one
                 # request with n = 2 (3 for the sampled calls, 1 for the greedy pair), each sent once complete
                 assert stats["samples"] == 8 and stats["batches"] == 4
+                window = ray.get(server.drain_call_window.remote())  # verl's 8 calls: first arrival, last answer
+                assert window["answered"] == 8 and window["first_call"] <= window["last_answer"], window
+                assert ray.get(server.drain_call_window.remote()) == {}
 
                 ray.get(server.set_global_steps.remote(3))
                 assert ray.get(server.generate.remote("s", tokenizer_prompt, greedy)).extra_fields["global_steps"] == 3

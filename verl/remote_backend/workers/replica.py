@@ -44,7 +44,7 @@ from verl.remote_backend.context import BackendContext, attach_backend, read_con
 from verl.remote_backend.errors import RemoteBackendConfigError
 from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import RemoteSampler, ReportsCallTimes, adopter_of, result_field
-from verl.remote_backend.timings import BusyClock, CallTotals
+from verl.remote_backend.timings import BusyClock, CallTotals, CallWindow
 from verl.remote_backend.workers.batching import RolloutBatching
 from verl.remote_backend.workers.coalescer import RequestAborted, RequestCoalescer
 from verl.remote_backend.workers.dispatch import rollout_dispatcher
@@ -141,6 +141,7 @@ class RemoteRolloutServer:
         self.batches = 0
         self.samples = 0
         self._busy = BusyClock()  # the time the backend had at least one of this server's calls
+        self._window = CallWindow()  # when verl's first call arrived and its last was answered (the trainer asks)
         enabled, why = sleep_settings(main)
         self.nap = SamplerNap(backend, enabled=enabled, why=why)
         self.fence = GenerationFence()
@@ -202,6 +203,7 @@ class RemoteRolloutServer:
         """Generate one sample for ``prompt_ids`` (token ids in, token ids out)."""
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
             raise RemoteBackendConfigError("generate.image_data/video_data", f"multimodal prompts are not supported by the {self._context.name} rollout", received="multimodal data")
+        self._window.arrived()
         if not self._admit.is_set():
             if self._reject:
                 return self._aborted()
@@ -217,6 +219,7 @@ class RemoteRolloutServer:
                 return self._aborted()
         logprobs = result_field(result, "logprobs")
         log_probs = [float(x) for x in logprobs] if params.get("logprobs") and logprobs is not None else None
+        self._window.answered()
         return TokenOutput(
             token_ids=[int(t) for t in result_field(result, "token_ids")],
             log_probs=log_probs,
@@ -301,6 +304,12 @@ class RemoteRolloutServer:
             if totals.server_reported:
                 out["gen/server_sum"] = totals.server_s
         return out
+
+    def drain_call_window(self) -> dict[str, float]:
+        """Since the last drain: when the first of verl's calls reached this server and when the last was answered
+        (wall clock; :class:`~verl.remote_backend.timings.CallWindow`). The trainer drains it before it hands a batch
+        over and when the samples are back, and sets both against its own stamps."""
+        return self._window.drain()
 
     def stats(self) -> dict[str, int]:
         """Batches and samples sent so far (for logs and tests)."""
