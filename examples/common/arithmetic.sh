@@ -23,6 +23,9 @@
 #   RESP_LEN  max response tokens (128 / 48)   PROMPT_LEN  max prompt tokens (256; fewshot 1600: its prompts are 1,516-1,518)
 #   LR  learning rate (1e-5, constant)         TEMPERATURE  sampling temperature (1.0)
 #   N_TRAIN / N_VAL  rows of the generated data (4096 / 256)
+#   AGENT_WORKERS  verl's agent-loop worker processes, the same on every side (1): they turn samples into
+#          generation requests and answers into TransferQueue rows; one of them sets the pace of a GPU's
+#          generation phase at 64 x 8 (benchmarks/RESULTS.md §2s). Changes nothing that is learned.
 #   MODEL_BUILD  auto: build SmolLM2 into MODEL_DIR unless its provenance file is there; never: MODEL_DIR is a
 #          finished model directory of another kind (its config.json is checked), used as it is
 #   MODEL_LABEL  the model's name in the run's console header (SmolLM2-135M-Instruct; a runner that brings
@@ -64,8 +67,9 @@ arithmetic_settings() {
     TEMPERATURE="${TEMPERATURE:-1.0}"
     N_TRAIN="${N_TRAIN:-4096}"
     N_VAL="${N_VAL:-256}"
+    AGENT_WORKERS="${AGENT_WORKERS:-1}"
     local name
-    for name in BATCH N MINI_BATCH RESP_LEN PROMPT_LEN N_TRAIN N_VAL; do
+    for name in BATCH N MINI_BATCH RESP_LEN PROMPT_LEN N_TRAIN N_VAL AGENT_WORKERS; do
         if ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then
             echo "${name}: expected a positive integer, got '${!name}'" >&2; exit 2
         fi
@@ -148,7 +152,7 @@ arithmetic_groups() {
         actor_rollout_ref.rollout.top_p=1.0
         actor_rollout_ref.rollout.top_k=-1
         actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="${MICRO}"
-        actor_rollout_ref.rollout.agent.num_workers=1
+        actor_rollout_ref.rollout.agent.num_workers="${AGENT_WORKERS}"
         actor_rollout_ref.rollout.seed="${SEED}"
     )
     REF=(

@@ -19,7 +19,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "examples" / "grpo" / "run_arithmetic_grpo_smollm2.sh"
 KNOBS = {"ZORRO", "STEPS", "SEED", "MODEL_DIR", "DATA_DIR", "OUT_DIR", "ARCTIC_RL_URL", "RUN_NAME", "RUN_DIR",
          "DEVICE", "PROMPT_STYLE", "BATCH", "N", "MINI_BATCH", "MICRO", "RESP_LEN", "PROMPT_LEN", "LR",
-         "TEMPERATURE", "N_TRAIN", "N_VAL", "VERL_FILE_LOGGER_PATH", "SMOLLM2_WHEEL"}
+         "TEMPERATURE", "N_TRAIN", "N_VAL", "AGENT_WORKERS", "VERL_FILE_LOGGER_PATH", "SMOLLM2_WHEEL"}
 
 
 def _run(env_extra: dict[str, str], tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
@@ -86,7 +86,7 @@ def test_cpu_and_gpu_sizes_and_backend_keys(tmp_path):
 @pytest.mark.slow  # the composition runs a Python process that imports verl: ~20 s and more
 def test_env_knobs_then_hydra_overrides_win(tmp_path):
     cfg = _compose({"DEVICE": "cpu", "BATCH": "6", "N": "3", "MINI_BATCH": "2", "RESP_LEN": "20", "LR": "3e-6",
-                    "SEED": "5"}, tmp_path, "actor_rollout_ref.rollout.n=5")
+                    "SEED": "5", "AGENT_WORKERS": "3"}, tmp_path, "actor_rollout_ref.rollout.n=5")
     assert _get(cfg, "data.train_batch_size") == 6
     assert _get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size") == 2
     # the micro-batch divides a mini-batch's 2 x 3 rows: the largest such size up to the CPU default 32
@@ -94,6 +94,7 @@ def test_env_knobs_then_hydra_overrides_win(tmp_path):
     assert _get(cfg, "data.max_response_length") == 20
     assert _get(cfg, "actor_rollout_ref.actor.optim.lr") == 3e-6
     assert _get(cfg, "data.seed") == 5 and _get(cfg, "actor_rollout_ref.rollout.seed") == 5
+    assert _get(cfg, "actor_rollout_ref.rollout.agent.num_workers") == 3
     assert _get(cfg, "actor_rollout_ref.rollout.n") == 5  # the command line's override comes last
 
 
@@ -106,6 +107,7 @@ def test_env_knobs_then_hydra_overrides_win(tmp_path):
         ({"DEVICE": "cpu", "BATCH": "8", "MINI_BATCH": "3"}, "MINI_BATCH: expected a divisor of BATCH=8, got 3"),
         ({"ZORRO": "yes"}, "ZORRO: expected true or false, got 'yes'"),
         ({"DEVICE": "cpu", "MICRO": "5"}, "MICRO: expected a positive divisor of MINI_BATCH x N = 32, got '5'"),
+        ({"DEVICE": "cpu", "AGENT_WORKERS": "0"}, "AGENT_WORKERS: expected a positive integer, got '0'"),
     ],
 )
 def test_bad_knobs_stop_the_script_with_the_reason(tmp_path, env, message):
