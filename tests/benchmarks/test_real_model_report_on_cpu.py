@@ -84,3 +84,16 @@ def test_steps_without_a_learning_signal_are_counted(tmp_path):
     assert "| flat | not reached | - | - | 2 of 3 |" in rmr.report([flat], flat, 0.9)
     plain = rmr.load_run("plain", _write(tmp_path / "p", [0.2] * 3, 1.0))
     assert rmr.zero_signal_steps(plain) is None
+
+
+def test_checkpoint_saves_stay_out_of_the_step_column(tmp_path):
+    """A run that saves at its last step (the remote recipe) compares with one that saves at none on its steps' work."""
+    d = _write(tmp_path / "ckpt", [0.1] * 5, 2.0)
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[4]["data"]["timing_s/step"], rows[4]["data"]["timing_s/save_checkpoint"] = 6.0, 4.0
+    rows[3]["data"]["timing_s/step"] = 3.0
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = rmr.load_run("ckpt", d)
+    assert run.step_series()[-1] == (5, 2.0) and run.step_median(3) == 2.0  # 2, 3, 6 - 4
+    assert run.median("timing_s/step", 3) == 3.0  # the raw series keeps the save
+    assert "| ckpt | 2.00 | 1.00x | 2.0 |" in rmr.report([run], run, 0.5)
