@@ -22,6 +22,9 @@
 #
 # By default `ray job submit` follows the job and prints its output (the recipe's header, one line per
 # step, its summary); NO_WAIT=1 returns once the job is submitted. VERBOSE=1 traces this script.
+# A head started moments ago may answer "No available agent to submit job, please try again later" (its
+# job agent is not registered yet, Ray waits 10 s for it): the submission is retried every 5 s for up to
+# SUBMIT_RETRY_S seconds (default 120); any other failure ends the script at once with Ray's exit status.
 set -euo pipefail
 if [ "${VERBOSE:-0}" = 1 ]; then set -x; fi
 
@@ -43,6 +46,12 @@ SUBMISSION_ID="${SUBMISSION_ID:-verl_grpo_arl_$(date -u +%Y%m%dT%H%M%SZ)}"
 DRY_RUN="${DRY_RUN:-0}"
 # NO_WAIT=1: return once submitted (follow with `ray job logs --follow`, or Ray's job API).
 NO_WAIT="${NO_WAIT:-0}"
+# How long to keep retrying while the head has no job agent yet (seconds; 0: never retry).
+SUBMIT_RETRY_S="${SUBMIT_RETRY_S:-120}"
+case "${SUBMIT_RETRY_S}" in
+    ''|*[!0-9]*) echo "SUBMIT_RETRY_S: expected a whole number of seconds (0: never retry), got '${SUBMIT_RETRY_S}'" >&2
+                 exit 2 ;;
+esac
 : "${ARCTIC_RL_URL:?set ARCTIC_RL_URL to the Arctic RL server (e.g. http://arctic-head:7000)}"
 PYTHON="${PYTHON:-python3}"
 
@@ -94,22 +103,38 @@ for knob in "${RECIPE_KNOBS[@]}"; do
 done
 echo "[submit] ${RAY_ADDRESS}: ${SUBMISSION_ID}: env ${JOB_ENV[*]} bash ${RECIPE} $*"
 if [ "${DRY_RUN}" = 1 ]; then exit 0; fi
+# Ray's stderr is copied here (and still shown) to tell "no job agent yet" from every other failure.
+SUBMIT_ERR="$(mktemp "${TMPDIR:-/tmp}/submit_err.XXXXXX")"
+RUNTIME_ENV_FILE=""
+trap 'rm -f "${SUBMIT_ERR}" ${RUNTIME_ENV_FILE:+"${RUNTIME_ENV_FILE}"}' EXIT
 # With a token, the runtime_env goes through a private file (--runtime-env) rather than the command line
 # (--runtime-env-json), where any user of the submitting machine could read it in `ps`.
 RUNTIME_ENV_ARGS=(--runtime-env-json "${RUNTIME_ENV_JSON}")
 if [ -n "${ARCTIC_RL_TOKEN:-}" ]; then
     RUNTIME_ENV_FILE="$(mktemp "${TMPDIR:-/tmp}/runtime_env.XXXXXX.json")"  # mode 600
-    trap 'rm -f "${RUNTIME_ENV_FILE}"' EXIT
     printf '%s' "${RUNTIME_ENV_JSON}" > "${RUNTIME_ENV_FILE}"
     RUNTIME_ENV_ARGS=(--runtime-env "${RUNTIME_ENV_FILE}")
 fi
 WAIT_ARGS=()
 if [ "${NO_WAIT}" = 1 ]; then WAIT_ARGS=(--no-wait); fi
-ray job submit \
-    --address "${RAY_ADDRESS}" \
-    --submission-id "${SUBMISSION_ID}" \
-    "${RUNTIME_ENV_ARGS[@]}" \
-    "${WAIT_ARGS[@]}" \
-    -- env "${JOB_ENV[@]}" \
-    bash "${RECIPE}" \
-    "$@"
+RETRY_UNTIL=$((SECONDS + SUBMIT_RETRY_S))
+while true; do
+    # stdout goes straight to the terminal; stderr through tee into SUBMIT_ERR (the pipeline waits for tee)
+    rc=0
+    { ray job submit \
+        --address "${RAY_ADDRESS}" \
+        --submission-id "${SUBMISSION_ID}" \
+        "${RUNTIME_ENV_ARGS[@]}" \
+        "${WAIT_ARGS[@]}" \
+        -- env "${JOB_ENV[@]}" \
+        bash "${RECIPE}" \
+        "$@" 2>&1 1>&3 3>&- | tee "${SUBMIT_ERR}" >&2; } 3>&1 || rc=$?
+    if [ "${rc}" = 0 ]; then exit 0; fi
+    # the refusal comes before any job exists, so the same submission id can be submitted again
+    if grep -q "No available agent to submit job" "${SUBMIT_ERR}" && [ "${SECONDS}" -lt "${RETRY_UNTIL}" ]; then
+        echo "[submit] the Ray head has no job agent yet (it answered 'No available agent to submit job'); retrying in 5 s, for up to ${SUBMIT_RETRY_S} s in all (SUBMIT_RETRY_S)" >&2
+        sleep 5
+        continue
+    fi
+    exit "${rc}"
+done
