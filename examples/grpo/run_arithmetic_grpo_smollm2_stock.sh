@@ -38,7 +38,7 @@ SMOLLM2_WHEEL="${SMOLLM2_WHEEL:-}"
 # vLLM's share of the GPU (the same in the remote script; arithmetic_vllm_sizing).
 GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.4}"
 # A fixed KV-cache size in bytes instead of what vLLM's memory profiling leaves (empty: profile); lets several runs
-# start side by side on one GPU.
+# start side by side on one GPU. batch: the size one step's BATCH x N full-length sequences need (arithmetic.sh).
 KV_CACHE_BYTES="${KV_CACHE_BYTES:-}"
 # Attention of the FSDP actor: auto = flash_attention_2 when flash_attn imports, else sdpa (the H200 image has none).
 ATTN="${ATTN:-auto}"
@@ -53,7 +53,7 @@ DEVICE="${DEVICE:-cuda}"
 
 source "${SCRIPT_DIR}/../common/arithmetic.sh"  # with recipe.sh and console.sh
 recipe_local_env
-recipe_optional_count KV_CACHE_BYTES "${KV_CACHE_BYTES}"
+arithmetic_kv_cache_knob
 PRINT_ONLY="$(recipe_print_only "$@")"
 if [ "${PRINT_ONLY}" = false ]; then
     if [ "${DEVICE}" != cuda ] \

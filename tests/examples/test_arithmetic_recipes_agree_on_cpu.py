@@ -13,6 +13,7 @@ setting and expects the comparison to name it.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -106,7 +107,8 @@ def compose(side: str, tmp: pathlib.Path, overrides: tuple[str, ...] = (), env_e
     env = {k: v for k, v in os.environ.items()
            if k not in {"ZORRO", "STEPS", "SEED", "MODEL_DIR", "DATA_DIR", "OUT_DIR", "ARCTIC_RL_URL", "RUN_NAME",
                         "RUN_DIR", "DEVICE", "PROMPT_STYLE", "BATCH", "N", "MINI_BATCH", "MICRO", "RESP_LEN",
-                        "PROMPT_LEN", "LR", "TEMPERATURE", "VERL_FILE_LOGGER_PATH"}}
+                        "PROMPT_LEN", "LR", "TEMPERATURE", "VERL_FILE_LOGGER_PATH", "KV_CACHE_BYTES",
+                        "GPU_MEMORY_UTILIZATION"}}
     env.update(KNOBS, PYTHON=sys.executable, OUT_DIR=str(tmp / "out"), MODEL_DIR=str(tmp / "model"),
                PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", **(env_extra or {}))
     proc = subprocess.run(["bash", str(GRPO_DIR / SCRIPTS[side]), *overrides, "--cfg", "job"], cwd=tmp, env=env,
@@ -252,3 +254,23 @@ def test_verls_fused_log_prob_path_computes_the_plain_log_probs():
     proc = subprocess.run([sys.executable, "-c", _FUSED_CHECK], capture_output=True, text=True, timeout=300,
                           check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "FUSED_OK" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+
+
+# SmolLM2-135M's attention shape (its config.json): 30 layers, 9 query heads over 3 key/value heads, width 576.
+SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+
+
+@pytest.mark.slow
+def test_kv_cache_sized_to_the_batch_is_the_same_on_both_sides(tmp_path):
+    """KV_CACHE_BYTES=batch gives stock's vLLM and the remote sampler one cache that holds a step's 16 x 8
+    sequences of 256 + 128 tokens: 128 x (24 + 1) blocks of 16 tokens, 30 layers x K and V x 3 heads x 64 x 2 bytes."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    expected = 128 * 25 * 16 * (30 * 2 * 3 * 64 * 2)
+    assert expected == 1_179_648_000
+    knobs = {"KV_CACHE_BYTES": "batch", "BATCH": "16", "N": "8"}
+    for side in SCRIPTS:
+        cfg = compose(side, tmp_path, env_extra=knobs)
+        rollout = cfg["actor_rollout_ref"]["rollout"]
+        assert rollout["engine_kwargs"]["vllm"]["kv_cache_memory_bytes"] == expected, side
+        assert rollout["max_num_seqs"] == 128 and rollout["max_model_len"] == 384, side

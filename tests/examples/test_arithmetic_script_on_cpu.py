@@ -19,7 +19,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "examples" / "grpo" / "run_arithmetic_grpo_smollm2.sh"
 KNOBS = {"ZORRO", "STEPS", "SEED", "MODEL_DIR", "DATA_DIR", "OUT_DIR", "ARCTIC_RL_URL", "RUN_NAME", "RUN_DIR",
          "DEVICE", "PROMPT_STYLE", "BATCH", "N", "MINI_BATCH", "MICRO", "RESP_LEN", "PROMPT_LEN", "LR",
-         "TEMPERATURE", "N_TRAIN", "N_VAL", "AGENT_WORKERS", "VERL_FILE_LOGGER_PATH", "SMOLLM2_WHEEL"}
+         "TEMPERATURE", "N_TRAIN", "N_VAL", "AGENT_WORKERS", "VERL_FILE_LOGGER_PATH", "SMOLLM2_WHEEL",
+         "KV_CACHE_BYTES", "GPU_MEMORY_UTILIZATION"}
 
 
 def _run(env_extra: dict[str, str], tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
@@ -108,9 +109,19 @@ def test_env_knobs_then_hydra_overrides_win(tmp_path):
         ({"ZORRO": "yes"}, "ZORRO: expected true or false, got 'yes'"),
         ({"DEVICE": "cpu", "MICRO": "5"}, "MICRO: expected a positive divisor of MINI_BATCH x N = 32, got '5'"),
         ({"DEVICE": "cpu", "AGENT_WORKERS": "0"}, "AGENT_WORKERS: expected a positive integer, got '0'"),
+        ({"DEVICE": "cuda", "KV_CACHE_BYTES": "4G"},
+         "KV_CACHE_BYTES: expected a positive number of bytes, batch, or nothing, got '4G'"),
     ],
 )
 def test_bad_knobs_stop_the_script_with_the_reason(tmp_path, env, message):
     proc = _run(env, tmp_path, "--cfg", "job")
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()  # nothing was built
+
+
+def test_kv_cache_sized_to_the_batch_needs_the_models_config(tmp_path):
+    """KV_CACHE_BYTES=batch reads MODEL_DIR's config.json; without one the script stops naming the knob and file."""
+    model_dir = tmp_path / "no_model"
+    proc = _run({"DEVICE": "cuda", "KV_CACHE_BYTES": "batch", "MODEL_DIR": str(model_dir)}, tmp_path, "--cfg", "job")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "KV_CACHE_BYTES=batch" in proc.stderr and str(model_dir / "config.json") in proc.stderr

@@ -1,0 +1,79 @@
+"""The KV-cache size, in bytes, that holds one step's whole batch at full length for a model directory.
+
+vLLM splits a fixed ``kv_cache_memory_bytes`` into blocks of ``block_size`` token slots; one block of one layer
+holds keys and values for ``block_size`` tokens: ``2 x num_key_value_heads x head_dim x dtype bytes`` each. A
+step's batch needs ``ceil(max_model_len / block_size)`` blocks per sequence for ``seqs`` sequences at once, plus
+one block per sequence of slack (vLLM keeps a reserved null block, and a sequence may straddle one more block).
+Sizing the cache to that, rather than to a share of the GPU, keeps an always-awake sampler (asynchronous GRPO,
+docs/ASYNC.md) from holding memory the batch never uses; a smaller cache still works, with fewer sequences in
+flight.
+
+    python examples/common/kv_cache_bytes.py MODEL_DIR --seqs 128 --max-model-len 384          # prints the bytes
+    KV_CACHE_BYTES=batch bash examples/grpo/run_arithmetic_grpo_smollm2.sh                    # the recipes' use
+
+Only the model's ``config.json`` is read (Llama/Qwen-style keys: ``num_hidden_layers``, ``num_attention_heads``,
+``num_key_value_heads``, ``hidden_size``, ``head_dim``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def kv_elements_per_token(config: dict) -> int:
+    """Key and value elements one token occupies across every layer (times the dtype's bytes: its bytes)."""
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except KeyError as missing:
+        raise ValueError(f"config.json: expected the key {missing.args[0]!r} (a decoder's attention shape)") from None
+    for name, value in (("num_hidden_layers", layers), ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
+        if value <= 0:
+            raise ValueError(f"config.json: {name} must be positive, got {value}")
+    return layers * 2 * kv_heads * head_dim
+
+
+def batch_kv_cache_bytes(config: dict, *, seqs: int, max_model_len: int, dtype: str = "bfloat16",
+                         block_size: int = 16) -> int:
+    """The cache that holds ``seqs`` sequences of ``max_model_len`` tokens at once, in whole blocks."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    for name, value in (("seqs", seqs), ("max_model_len", max_model_len), ("block_size", block_size)):
+        if value <= 0:
+            raise ValueError(f"{name}: expected a positive integer, got {value}")
+    blocks = seqs * (math.ceil(max_model_len / block_size) + 1)
+    return blocks * block_size * kv_elements_per_token(config) * DTYPE_BYTES[dtype]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("model_dir", type=Path, help="a model directory holding config.json")
+    parser.add_argument("--seqs", type=int, required=True, help="sequences of one step (prompts x samples)")
+    parser.add_argument("--max-model-len", type=int, required=True, help="prompt + response tokens")
+    parser.add_argument("--dtype", default="bfloat16", help="the KV cache's dtype (the model's on a GPU)")
+    parser.add_argument("--block-size", type=int, default=16, help="vLLM's block size")
+    args = parser.parse_args(argv)
+    config_path = args.model_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        print(batch_kv_cache_bytes(config, seqs=args.seqs, max_model_len=args.max_model_len, dtype=args.dtype,
+                                   block_size=args.block_size))
+    except (OSError, json.JSONDecodeError) as err:
+        print(f"KV_CACHE_BYTES=batch: cannot read the model's {config_path}: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"KV_CACHE_BYTES=batch: {config_path}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
