@@ -13,7 +13,6 @@
 #                                           #   RUN_NAME or RUN_DIR is given
 #   recipe_claim_run_dir                    # creates RUN_DIR (never reuses another run's unless OVERWRITE=true) and
 #                                           #   points PARENT/latest at it
-#   recipe_optional_count NAME "${VALUE}"   # exits 2 unless VALUE is empty or a positive integer, naming NAME
 #   recipe_trainer_group PROJECT           # TRAINER=(verl's trainer options every example sets; a file logger)
 #   recipe_generated_task_groups PROJECT   # ALGO, REWARD (TASK_DIR/reward.py) and TRAINER of a task generated
 #                                           #   here (GRPO, no KL in the reward, run by steps, no checkpoints)
@@ -72,12 +71,6 @@ recipe_async_correction() {
     [ "$1" = true ] || return 0
     printf '%s\n' actor_rollout_ref.rollout.calculate_log_probs=true algorithm.rollout_correction.rollout_is=token \
         algorithm.rollout_correction.rollout_is_threshold=2.0
-}
-
-recipe_optional_count() {
-    if [ -n "$2" ] && ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then
-        echo "$1: expected a positive integer or nothing, got '$2'" >&2; exit 2
-    fi
 }
 
 # Every run gets a directory of its own, so that no run erases another's files. Without RUN_NAME and RUN_DIR it is
