@@ -27,17 +27,19 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def kv_elements_per_token(config: dict) -> int:
-    """Key and value elements one token occupies across every layer (times the dtype's bytes: its bytes)."""
+    """Key and value elements one token occupies across every layer (multiply by the dtype's size for bytes)."""
+    def positive(name: str, value: object) -> int:
+        if int(value) <= 0:
+            raise ValueError(f"config.json: {name} must be positive, got {value}")
+        return int(value)
+
     try:
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        layers = positive("num_hidden_layers", config["num_hidden_layers"])
+        heads = positive("num_attention_heads", config["num_attention_heads"])
+        kv_heads = positive("num_key_value_heads", config.get("num_key_value_heads") or heads)
+        head_dim = positive("head_dim", config.get("head_dim") or int(config["hidden_size"]) // heads)
     except KeyError as missing:
         raise ValueError(f"config.json: expected the key {missing.args[0]!r} (a decoder's attention shape)") from None
-    for name, value in (("num_hidden_layers", layers), ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
-        if value <= 0:
-            raise ValueError(f"config.json: {name} must be positive, got {value}")
     return layers * 2 * kv_heads * head_dim
 
 

@@ -47,6 +47,8 @@ def test_the_batch_in_whole_blocks_with_one_spare_per_sequence():
          "expected the key 'num_hidden_layers'"),
         ({**SMOLLM2, "num_key_value_heads": -1}, {"seqs": 8, "max_model_len": 384},
          "num_key_value_heads must be positive, got -1"),
+        ({**SMOLLM2, "num_attention_heads": 0}, {"seqs": 8, "max_model_len": 384},
+         "num_attention_heads must be positive, got 0"),
     ],
 )
 def test_bad_input_names_the_field(config, kwargs, message):
