@@ -96,9 +96,10 @@ def load_run(label: str, run_dir: Path) -> Run:
     if mem.is_file():
         used = []
         with mem.open(encoding="utf-8") as f:
-            for rec in csv.reader(f):
-                if rec and rec[0].strip().split(" ")[0].replace(".", "", 1).isdigit():
-                    used.append(float(rec[0].strip().split(" ")[0]))
+            for rec in csv.reader(f):  # MiB in the last column: "8339", "8339 MiB" or "<timestamp>, 8339"
+                value = rec[-1].strip().split(" ")[0] if rec else ""
+                if value.replace(".", "", 1).isdigit():
+                    used.append(float(value))
         run.gpu_mem_mib = max(used) if used else None
     return run
 

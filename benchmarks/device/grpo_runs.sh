@@ -75,7 +75,9 @@ run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SM
     out="$results/$name"
     mkdir -p "$out"
     if [ "$own_smi" = 1 ]; then
-        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 2 >"$out/gpu_mem.csv" 2>/dev/null &
+        # every 200 ms with its wall-clock time (a step's update or a save lasts well under the 2 s used before
+        # 2026-12-06, whose samples missed such peaks), to be lined up with the server's and verl's logs
+        nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 200 >"$out/gpu_mem.csv" 2>/dev/null &
         smi=$!
         # which process holds what (the run is alone on the GPU): gpu_procs.csv
         python3 benchmarks/device/gpu_mem_by_run.py --procs "$out/gpu_procs.csv" --interval 5 &

@@ -97,3 +97,14 @@ def test_checkpoint_saves_stay_out_of_the_step_column(tmp_path):
     assert run.step_series()[-1] == (5, 2.0) and run.step_median(3) == 2.0  # 2, 3, 6 - 4
     assert run.median("timing_s/step", 3) == 3.0  # the raw series keeps the save
     assert "| ckpt | 2.00 | 1.00x | 2.0 |" in rmr.report([run], run, 0.5)
+
+
+@pytest.mark.parametrize("lines, peak", [
+    (["memory.used [MiB]", "4819 MiB", "8339 MiB"], 8339),  # nvidia-smi with its header and units
+    (["4819", "8339", "5511"], 8339),  # noheader, nounits (grpo_runs.sh before 2026-12-06)
+    (["2026/12/06 05:09:58.201, 4819", "2026/12/06 05:09:58.401, 8339", "2026/12/06 05:09:58.601, 3703"], 8339),
+])
+def test_the_gpu_memory_peak_is_read_from_each_format_the_runners_wrote(tmp_path, lines, peak):
+    d = _write(tmp_path / "m", [0.1, 0.2], 2.0)
+    (d / "gpu_mem.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert rmr.load_run("m", d).gpu_mem_mib == peak
