@@ -191,15 +191,21 @@ def model_vocab_size(model: torch.nn.Module) -> int:
 
 
 def process_group_backend(device: torch.device) -> str:
-    """The backend of the server's world-size-1 process group: nccl on CUDA, gloo elsewhere.
+    """The backend of the server's world-size-1 process group: gloo for CPU tensors and barriers, with nccl for
+    CUDA tensors on CUDA (``cpu:gloo,cuda:nccl``); gloo alone elsewhere.
 
     The group is created without a ``device_id``, so NCCL communicators are made lazily, at a group's first
-    collective. With a bound device PyTorch makes every group's communicator at once, and every group split
-    from it too: vLLM's engine creates its world, tensor-, pipeline-, data- and context-parallel groups in
-    this process (world size 1: they never communicate), and each eager communicator held ~0.45 GiB of
+    collective on CUDA tensors. With a bound device PyTorch makes every group's communicator at once, and every
+    group split from it too: vLLM's engine creates its world, tensor-, pipeline-, data- and context-parallel
+    groups in this process (world size 1: they never communicate), and each eager communicator held ~0.45 GiB of
     device memory outside PyTorch's allocator -- 3.2 GiB at vLLM's start on an H200 (benchmarks/RESULTS.md §2q).
+    A barrier has no tensor of its own: on an nccl-only group PyTorch runs it as an all-reduce of a one-element
+    CUDA tensor, which makes the group's communicator for nothing. DeepSpeed's checkpoint save and load begin
+    with ``dist.barrier()``, so the first save of a run grew the device's use by ~1.1 GiB outside the allocator
+    for the rest of the process (benchmarks/RESULTS.md §2t). With gloo named for CPU, PyTorch runs barriers on
+    gloo (a CPU exchange, in-process for one rank), and a collective on CUDA tensors still goes to NCCL.
     """
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def ensure_process_group(device: torch.device) -> None:
