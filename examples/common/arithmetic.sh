@@ -23,9 +23,10 @@
 #   RESP_LEN  max response tokens (128 / 48)   PROMPT_LEN  max prompt tokens (256; fewshot 1600: its prompts are 1,516-1,518)
 #   LR  learning rate (1e-5, constant)         TEMPERATURE  sampling temperature (1.0)
 #   N_TRAIN / N_VAL  rows of the generated data (4096 / 256)
-#   AGENT_WORKERS  verl's agent-loop worker processes, the same on every side (1): they turn samples into
-#          generation requests and answers into TransferQueue rows; one of them sets the pace of a GPU's
-#          generation phase at 64 x 8 (benchmarks/RESULTS.md §2s). Changes nothing that is learned.
+#   AGENT_WORKERS  verl's agent-loop worker processes, the same on every side (4 / 1): they turn samples into
+#          generation requests and answers into TransferQueue rows; one of them set the pace of a GPU's
+#          generation phase at 64 x 8, four cut the step by 30-35% on both sides (benchmarks/RESULTS.md §2s,
+#          §2t); on a CPU each is one more process competing for the cores. Changes nothing that is learned.
 #   MODEL_BUILD  auto: build SmolLM2 into MODEL_DIR unless its provenance file is there; never: MODEL_DIR is a
 #          finished model directory of another kind (its config.json is checked), used as it is
 #   MODEL_LABEL  the model's name in the run's console header (SmolLM2-135M-Instruct; a runner that brings
@@ -47,10 +48,10 @@ arithmetic_settings() {
             DEVICE=cpu
         fi
     fi
-    local micro_default
+    local micro_default agent_default=1
     case "${DEVICE}" in
         cuda)
-            BATCH="${BATCH:-64}" N="${N:-8}" RESP_LEN="${RESP_LEN:-128}" micro_default=16 ;;
+            BATCH="${BATCH:-64}" N="${N:-8}" RESP_LEN="${RESP_LEN:-128}" micro_default=16 agent_default=4 ;;
         cpu)
             if [ "${PROMPT_STYLE}" = fewshot ]; then
                 # 1.5K-token rows: the fp32 vocabulary logits of a 32-row micro-batch alone would take ~10 GB; one
@@ -68,7 +69,7 @@ arithmetic_settings() {
     TEMPERATURE="${TEMPERATURE:-1.0}"
     N_TRAIN="${N_TRAIN:-4096}"
     N_VAL="${N_VAL:-256}"
-    AGENT_WORKERS="${AGENT_WORKERS:-1}"
+    AGENT_WORKERS="${AGENT_WORKERS:-${agent_default}}"
     local name
     for name in BATCH N MINI_BATCH RESP_LEN PROMPT_LEN N_TRAIN N_VAL AGENT_WORKERS; do
         if ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then

@@ -74,6 +74,9 @@ def test_cpu_and_gpu_sizes_and_backend_keys(tmp_path):
              "data.max_prompt_length")
     assert [_get(cpu, k) for k in sizes] == [8, 4, 48, 256]
     assert [_get(gpu, k) for k in sizes] == [64, 8, 128, 1600]
+    # verl's agent-loop workers: one on a CPU (each is a process competing for the cores), four on a GPU host
+    assert _get(cpu, "actor_rollout_ref.rollout.agent.num_workers") == 1
+    assert _get(gpu, "actor_rollout_ref.rollout.agent.num_workers") == 4
     assert _get(cpu, "remote_backend.server.local.device") == "cpu"
     assert _get(cpu, "remote_backend.train.deepspeed.bf16") is False
     assert _get(cpu, "remote_backend.train.zorro_train.enable") is False
