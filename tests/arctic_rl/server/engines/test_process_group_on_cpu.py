@@ -42,8 +42,7 @@ def test_the_group_is_made_once_without_a_bound_device(recorded, device, backend
     assert isinstance(kwargs["store"], dist.HashStore)  # in-process rendezvous, no port
 
 
-
-def test_a_barrier_on_a_group_that_names_gloo_for_cpu_runs_on_the_cpu(tmp_path):
+def test_a_barrier_on_a_group_that_names_gloo_for_cpu_runs_on_the_cpu():
     """PyTorch picks a barrier's device from the group's backends: with ``cpu:gloo`` among them, the CPU (no
     CUDA tensor, so no NCCL communicator). A CPU build has no NCCL to name beside it; the rule is the same."""
     code = (
