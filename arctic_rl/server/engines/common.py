@@ -200,10 +200,11 @@ def process_group_backend(device: torch.device) -> str:
     groups in this process (world size 1: they never communicate), and each eager communicator held ~0.45 GiB of
     device memory outside PyTorch's allocator -- 3.2 GiB at vLLM's start on an H200 (benchmarks/RESULTS.md §2q).
     A barrier has no tensor of its own: on an nccl-only group PyTorch runs it as an all-reduce of a one-element
-    CUDA tensor, which makes the group's communicator for nothing. DeepSpeed's checkpoint save and load begin
-    with ``dist.barrier()``, so the first save of a run grew the device's use by ~1.1 GiB outside the allocator
-    for the rest of the process (benchmarks/RESULTS.md §2t). With gloo named for CPU, PyTorch runs barriers on
-    gloo (a CPU exchange, in-process for one rank), and a collective on CUDA tensors still goes to NCCL.
+    CUDA tensor, which makes the group's communicator for nothing. With gloo named for CPU, PyTorch runs barriers
+    on gloo (a CPU exchange, in-process for one rank), and a collective on CUDA tensors still goes to NCCL.
+    DeepSpeed's checkpoint save and load begin and end with ``dist.barrier()``; its save also all-reduces a CUDA
+    tensor to check the tag, which :func:`~arctic_rl.server.engines.config.build_training_ds_config` turns off:
+    with the barriers alone on gloo the first save still grew the device's use (benchmarks/RESULTS.md §2u).
     """
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 

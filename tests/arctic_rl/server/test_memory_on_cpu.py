@@ -224,3 +224,31 @@ def test_training_job_runs_with_each_memory_option(model_dir, tmp_path, zero, kn
                 torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
     finally:
         engine.close()
+
+
+def test_a_checkpoint_save_runs_no_collective_but_barriers(model_dir, tmp_path, monkeypatch):
+    """DeepSpeed's save checks the tag across ranks with two all-reduces of a CUDA tensor; on the server's one-rank
+    group that check is void, and on a GPU its first run makes the group's NCCL communicator (RESULTS §2u). The
+    real engine saves here with each collective of ``torch.distributed`` recorded (and still run): only barriers,
+    which the group's ``cpu:gloo`` runs on the CPU (tests/arctic_rl/server/engines/test_process_group_on_cpu.py)."""
+    import torch.distributed as dist
+
+    engine = _engine(model_dir, tmp_path)
+    try:
+        _train_step(engine)
+        assert not engine.engine.checkpoint_tag_validation_enabled()
+        called: list[str] = []
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
+                     "reduce_scatter_tensor", "all_to_all_single", "barrier"):
+            original = getattr(dist, name)
+
+            def spy(*args, _name=name, _original=original, **kwargs):
+                called.append(_name)
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(dist, name, spy)
+        out = engine.save(tmp_path / "ck" / "checkpoint-1", export_hf=False)
+        assert out["global_step"] == 1 and (tmp_path / "ck" / "checkpoint-1").is_dir()
+        assert called and set(called) == {"barrier"}, called
+    finally:
+        engine.close()

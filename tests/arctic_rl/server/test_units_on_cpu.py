@@ -193,6 +193,7 @@ def test_ds_config_for_cpu_golden():
         "fp16": {"enabled": False},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        "checkpoint": {"tag_validation": "Ignore"},  # one rank: DeepSpeed's check would compare a tag with itself
     }
     text = " ".join(notes)
     assert "flops_profiler" in text and "fp32" in text and "train_batch_size" in text

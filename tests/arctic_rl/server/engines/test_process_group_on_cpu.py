@@ -4,8 +4,9 @@ With ``device_id`` PyTorch makes the default group's NCCL communicator at once, 
 from it: vLLM's engine creates six groups in the server's process, and each eager communicator held ~0.45 GiB
 of GPU memory outside PyTorch's allocator (benchmarks/RESULTS.md §2q). On CUDA the group names gloo for CPU beside
 nccl, so that a barrier (DeepSpeed's checkpoint save and load begin with one) runs on gloo rather than making an
-NCCL communicator (§2t). A CUDA device cannot be had here, so ``torch.distributed``'s entry points record the call
-instead of making the group; the barrier's routing is checked on a real gloo group."""
+NCCL communicator (§2t, §2u; the save's one other collective is turned off in its DeepSpeed config, checked in
+tests/arctic_rl/server/test_memory_on_cpu.py). A CUDA device cannot be had here, so ``torch.distributed``'s entry
+points record the call instead of making the group; the barrier's routing is checked on a real gloo group."""
 
 from __future__ import annotations
 
