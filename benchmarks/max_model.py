@@ -21,9 +21,9 @@ Settings escalate on OOM, one level at a time (``--levels``, in order; cumulativ
 A size starts at the level the side's previous size needed (``--no-carry-level``: at the first); a side
 whose size fits at no level skips its larger sizes (``--no-skip-larger``). OOM is read from the logs
 (:data:`max_model_report.OOM_PATTERNS`; a run still alive ``--oom-grace`` seconds after such a line is stopped
-then, not at its timeout: a Ray job may hang once a worker is gone); peak GPU memory from ``nvidia-smi`` every second (a step
-lasts tens of seconds at these sizes; ``benchmarks/device/grpo_runs.sh`` samples every 200 ms), and the training
-process's own peak from the metrics.
+then, not at its timeout: a Ray job may hang once a worker is gone); peak GPU memory from ``nvidia-smi`` every 200 ms,
+as ``benchmarks/device/grpo_runs.sh`` samples it (at 2 s, stock verl's brief peaks -- vLLM's wake, the update -- fell
+between samples: benchmarks/RESULTS.md §2u), and the training process's own peak from the metrics.
 
 Detached on the GPU machine, after ``benchmarks/device/unpack.sh`` (README there), from the repo root::
 
@@ -278,7 +278,7 @@ class Runner:
         if shutil.which("nvidia-smi"):
             with open(folder / "gpu_mem.csv", "w") as f:
                 smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used,memory.total",
-                                        "--format=csv,noheader,nounits", "-lms", "1000"], stdout=f,
+                                        "--format=csv,noheader,nounits", "-lms", "200"], stdout=f,
                                        stderr=subprocess.DEVNULL)
         start = time.monotonic()
         with open(folder / "console.txt", "w") as console:

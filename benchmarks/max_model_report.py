@@ -2,7 +2,7 @@
 
 A run's folder (``WORK/results/NAME/``) holds what the runner wrote there: ``attempt.json`` when it started
 (size, side, level, the settings: environment and Hydra overrides), ``console.txt`` (the script's terminal),
-``gpu_mem.csv`` (``nvidia-smi`` every second: used, total MiB), and when it ended ``metrics.jsonl`` (verl's
+``gpu_mem.csv`` (``nvidia-smi`` every 200 ms: used, total MiB), and when it ended ``metrics.jsonl`` (verl's
 file logger: one ``{"step": k, "data": {...}}`` line per step), ``run_tail.log`` (the last lines of the
 script's ``run.log``) and ``result.json`` (:func:`analyze`'s answer plus the exit status and wall time).
 
