@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.model_shapes import SMOLLM2_ATTENTION
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 GRPO_DIR = REPO_ROOT / "examples" / "grpo"
 SCRIPTS = {"stock": "run_arithmetic_grpo_smollm2_stock.sh", "remote": "run_arithmetic_grpo_smollm2.sh"}
@@ -256,16 +258,12 @@ def test_verls_fused_log_prob_path_computes_the_plain_log_probs():
     assert proc.returncode == 0 and "FUSED_OK" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
 
 
-# SmolLM2-135M's attention shape (its config.json): 30 layers, 9 query heads over 3 key/value heads, width 576.
-SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
-
-
 @pytest.mark.slow
 def test_kv_cache_sized_to_the_batch_is_the_same_on_both_sides(tmp_path):
     """KV_CACHE_BYTES=batch gives stock's vLLM and the remote sampler one cache that holds a step's 16 x 8
     sequences of 256 + 128 tokens: 128 x (24 + 1) blocks of 16 tokens, 30 layers x K and V x 3 heads x 64 x 2 bytes."""
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2_ATTENTION))
     expected = 128 * 25 * 16 * (30 * 2 * 3 * 64 * 2)
     assert expected == 1_179_648_000
     knobs = {"KV_CACHE_BYTES": "batch", "BATCH": "16", "N": "8"}

@@ -4,6 +4,7 @@
 - ``arctic``: verl configs and verl-shaped GRPO batches for the Arctic adapter, HF reference log-probs, Ray.
 - ``e2e``: a tiny GRPO task, the recipe's overrides, one run through ``verl.remote_backend.main_ppo``
   (``run_recipe``: its log kept, its metrics read back) and what every run logs (``check_steps``).
+- ``model_shapes``: the attention shapes of the recipes' real models (``config.json`` keys), without weights.
 - ``reliability``: a TCP proxy that drops answers or requests, a server supervisor, client configs and batches.
 - ``rollout``: dispatching GRPO samples through the rollout path and checking them.
 - ``scripts``: loading an example or benchmark script as a module.
