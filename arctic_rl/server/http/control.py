@@ -8,7 +8,8 @@ are the vendor's; what each does here:
 ==========================  =================================================================================
 route                       here
 ==========================  =================================================================================
-``/sleep-inference``        ``?job_id=<sampling>``, level from the query or ``{level}``: the sampler's ``sleep``
+``/sleep-inference``        ``?job_id=<sampling>``, level from the query or ``{level}``: the sampler's ``sleep``;
+                            passes that arrive meanwhile wait for it (:mod:`arctic_rl.server.jobs.sleep_gate`)
 ``/wake-inference``         body a tag list, ``{tags}`` or nothing (= all): the sampler's ``wake_up``
 ``/reset-prefix-cache``     :class:`~arctic_rl.protocol.ResetPrefixCacheRequest`: the sampler's ``reset_prefix_cache``
 ``/operation``              :class:`~arctic_rl.protocol.OperationRequest`: one of the four above / weight sync
@@ -82,7 +83,8 @@ class ControlService:
 
     async def sleep_inference(self, job_id: int, level: int) -> dict[str, Any]:
         job = self.state.jobs.get(job_id, JobType.SAMPLING)
-        out = await self.state.run_on_job(job, job.engine.sleep, level)
+        with self.state.sleep_gate.sleeping():  # the passes that arrive meanwhile wait for it (.jobs.sleep_gate)
+            out = await self.state.run_on_job(job, job.engine.sleep, level)
         logger.info("sleep-inference job=%d level=%d", job_id, level)
         return {"job_id": job_id, "sampling": out}
 

@@ -19,6 +19,9 @@ Decisions documented here (and in ``docs/SERVER.md``):
   ``weight_version`` it ran on. A weight sync, sleep, wake or prefix-cache reset holds the job lock and runs in the
   engine between two steps: a sync waits for the calls in flight (or, under
   ``--in-flight-on-weight-load restart``, restarts them on the new weights), a sleep waits for them.
+* A ``/forward`` or ``/forward-backward`` that arrives while a sampler is falling asleep parses its batch, then waits
+  for the sleep before its pass (:mod:`arctic_rl.server.jobs.sleep_gate`): the client does not wait for the sleep's
+  answer, and no pass runs beside the KV cache that sleep frees.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import checkpoint as ckpt
 from arctic_rl.server.jobs.registry import Job, JobRegistry, JobState
 from arctic_rl.server.jobs.setup_hold import samplers_asleep
+from arctic_rl.server.jobs.sleep_gate import SleepGate
 from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
 
@@ -61,6 +65,9 @@ __all__ = ["FEATURES", "SERVER_NAME", "ServerState"]
 T = TypeVar("T")
 
 logger = logging.getLogger("arctic_rl.server")
+
+#: the longest a pass waits for a sampler's sleep before it runs anyway (with a warning)
+SLEEP_WAIT_LIMIT_S = 120.0
 
 SERVER_NAME = "arctic_rl-reference"
 FEATURES = (
@@ -108,6 +115,8 @@ class ServerState:
         self.instance_id = uuid.uuid4().hex
         self.started_at = time.time()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="arctic-job")
+        #: the sampler sleeps running now; the passes wait for them (:mod:`arctic_rl.server.jobs.sleep_gate`)
+        self.sleep_gate = SleepGate()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -126,6 +135,16 @@ class ServerState:
                 return await self._in_thread(fn, *args)
             finally:
                 job.last_call_at = time.time()
+
+    def _after_sleeps(self, job: Job) -> None:
+        """In a pass's worker thread, before the pass: wait for the sampler sleeps running now (logged when it
+        waited)."""
+        waited = self.sleep_gate.wait_settled(SLEEP_WAIT_LIMIT_S)
+        if self.sleep_gate.running:
+            logger.warning("job %d: a sampler sleep still runs after %.0f s; the pass runs beside it",
+                           job.job_id, SLEEP_WAIT_LIMIT_S)
+        elif waited > 1e-3:
+            logger.info("job %d waited %.3fs for the sampler to fall asleep", job.job_id, waited)
 
     def shutdown(self) -> None:
         for job in self.jobs.all():
@@ -216,6 +235,7 @@ class ServerState:
 
         def run():
             batch = parse_batch_body(body, vocab_size=job.engine.vocab_size, train=True)
+            self._after_sleeps(job)
             return batch, job.engine.forward_backward(batch)
 
         t0 = time.perf_counter()
@@ -240,6 +260,7 @@ class ServerState:
 
         def run():
             batch = parse_batch_body(body, vocab_size=job.engine.vocab_size, train=False)
+            self._after_sleeps(job)
             return batch, job.engine.forward(batch)
 
         t0 = time.perf_counter()
