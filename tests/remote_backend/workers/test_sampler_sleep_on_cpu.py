@@ -8,6 +8,7 @@ fell back to sync sleeps its sampler. A backend whose server keeps the sampler r
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from omegaconf import OmegaConf
@@ -78,6 +79,7 @@ def test_sleep_after_a_phase_and_one_wake_before_the_next(monkeypatch):
         assert server.nap.asleep
         await _phase(server)
         await server.sleep()
+        await server.nap.settled()  # verl's sleep() does not wait for the backend's
 
     asyncio.run(main())
     verbs = [c[0] for c in backend.calls]
@@ -240,3 +242,65 @@ def test_the_memory_a_backend_released_is_reported_only_where_it_says(monkeypatc
         timings = server.collect_generation_timings()
         assert timings.get("gen/sampler_released_bytes") == want, (type(backend).__name__, timings)
         assert "gen/sampler_released_bytes" not in server.collect_generation_timings()  # reset by the collect
+
+
+# ------------------------------------------------------------------ the sleep runs beside the step, not in it
+
+
+class _SlowSleep(_Sleepy):
+    """A sleep that runs until the test lets it end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def sleep_sampler(self, level):
+        self.calls.append(("sleep started", level))
+        assert self.release.wait(30), "the test never let the sleep end"
+        return super().sleep_sampler(level)
+
+
+def test_verl_sleep_returns_at_once_and_the_next_generate_waits_for_the_sleep(monkeypatch):
+    backend = _SlowSleep()
+    server = _server(monkeypatch, backend, _main_config())
+
+    async def main():
+        await _phase(server)
+        await asyncio.wait_for(server.sleep(), timeout=5)  # returns while the backend's sleep still runs
+        await asyncio.sleep(0.05)
+        assert backend.calls[-1] == ("sleep started", 1) and server.nap.asleep
+        phase = asyncio.ensure_future(_phase(server))
+        await asyncio.sleep(0.1)
+        assert not phase.done() and [c[0] for c in backend.calls].count("generate") == 3  # it waits for the sleep
+        backend.release.set()
+        await asyncio.wait_for(phase, timeout=10)
+
+    asyncio.run(main())
+    verbs = [c[0] for c in backend.calls]
+    assert verbs[3:6] == ["sleep started", "sleep", "wake"] and verbs[6:] == ["generate"] * 3, verbs
+    timings = server.collect_generation_timings()
+    assert timings["gen/sampler_sleep"] >= 0.1  # the sleep's own seconds, run beside the step
+
+
+class _FailingSleep(_Sleepy):
+    def sleep_sampler(self, level):
+        self.calls.append(("sleep", level))
+        raise RuntimeError("sleep-inference: HTTP 503 from the server")
+
+
+def test_a_failed_sleep_is_raised_by_the_next_generate_once(monkeypatch, caplog):
+    backend = _FailingSleep()
+    server = _server(monkeypatch, backend, _main_config())
+
+    async def main():
+        await _phase(server)
+        await server.sleep()  # does not raise: the sleep has not run yet
+        with pytest.raises(RuntimeError, match="HTTP 503"):
+            await _phase(server)
+        await _phase(server)  # raised once; the sampler was never asleep: no wake
+
+    asyncio.run(main())
+    verbs = [c[0] for c in backend.calls]
+    assert verbs.count("sleep") == 1 and "wake" not in verbs and verbs.count("generate") >= 6, verbs
+    assert [r for r in caplog.records if "the sampler's sleep failed" in r.getMessage()]
+    assert "gen/sampler_sleep" not in server.collect_generation_timings()

@@ -266,7 +266,8 @@ class RemoteRolloutServer:
         return None  # the next generate wakes the sampler (the weight sync restores what it needs itself)
 
     async def sleep(self, *args: Any, **kwargs: Any) -> None:
-        """After a generation phase (sync mode): the sampler sleeps where enabled and supported."""
+        """After a generation phase (sync mode): the sampler's sleep starts where enabled and supported; the call
+        does not wait for it (the next ``generate`` does: :mod:`.sampler_sleep`)."""
         await self.nap.sleep()
 
     async def clear_kv_cache(self) -> None:

@@ -6,10 +6,14 @@ vLLM's server sleeps when ``actor_rollout_ref.rollout.free_cache_engine`` is tru
 weight sync then restores the weights and the next generation the KV cache. Through a remote backend the
 same knob decides: :class:`SamplerNap` (one per rollout server)
 
-* on ``sleep()`` calls the backend's ``sleep_sampler(level)`` when the backend declares
-  :class:`~verl.remote_backend.protocols.SamplerSleep` and sleeping is enabled (:func:`sleep_settings`);
-* before the next ``generate`` wakes it (all parts), once, under an asyncio lock, so that the calls of a
-  generation phase wait for one wake rather than each sending their own.
+* on ``sleep()`` starts the backend's ``sleep_sampler(level)`` when the backend declares
+  :class:`~verl.remote_backend.protocols.SamplerSleep` and sleeping is enabled (:func:`sleep_settings`), and
+  returns without waiting for it: the sleep runs while verl computes the advantages and sends the next phase's
+  call, rather than inside verl's generation phase. The backend's server keeps the memory bound itself -- the
+  reference server's passes wait for a sleep in progress (``arctic_rl.server.jobs.sleep_gate``);
+* before the next ``generate`` waits for that sleep (a failed sleep is raised there) and wakes the sampler (all
+  parts), once, under an asyncio lock, so that the calls of a generation phase wait for one wake rather than
+  each sending their own.
 
 Enabled when ``free_cache_engine`` is true and the run is not asynchronous -- the mode actually run
 (:func:`~verl.remote_backend.async_trainer.async_running`): an asynchronous run generates while the actor
@@ -20,7 +24,8 @@ capability: ``sleep()`` stays a no-op (logged once at info level). A backend wit
 sampler resident answers ``sleep_sampler`` with ``{"skipped": true}`` (the Arctic adapter against a server
 that does not list ``sampler_sleep``): the sampler is then taken as awake, and not asked again. The seconds
 spent are reported with the generation timings (``gen/sampler_sleep``, ``gen/sampler_wake``) once the sampler
-has really slept, and never otherwise: a sampler that stays resident reports no sleep timings, not zeros. The
+has really slept, and never otherwise (the sleep's seconds are its own, run beside the step's next phases, and
+reported at the first collect after it ended): a sampler that stays resident reports no sleep timings, not zeros. The
 memory the backend says it released around them (``gen/sampler_released_bytes``, from the answers'
 ``released_bytes`` when a backend reports it) is reported the same way.
 """
@@ -77,6 +82,9 @@ class SamplerNap:
         self.sleeps = 0
         self.wakes = 0
         self._lock: asyncio.Lock | None = None
+        #: the sleep started by :meth:`sleep` and not yet awaited by :meth:`ensure_awake` / :meth:`settled`
+        self._pending: asyncio.Task | None = None
+        self._failure: Exception | None = None
         self._told = False
         self._seconds = {"sleep": 0.0, "wake": 0.0}
         self._released: float | None = None
@@ -96,37 +104,64 @@ class SamplerNap:
             self._told = True
             logger.info(message, *args)
 
-    async def sleep(self) -> dict[str, Any]:
-        """verl's ``sleep()``: put the sampler to sleep when enabled and the backend can; else nothing."""
+    async def sleep(self) -> None:
+        """verl's ``sleep()``: start the sampler's sleep when enabled and the backend can (not waiting for it);
+        else nothing."""
         if not self.enabled:
             self._tell_once("rollout server: the sampler is not put to sleep between phases (%s)", self.why)
-            return {}
+            return
         if self._sleeper is None:
             self._tell_once("rollout server: backend %s does not declare SamplerSleep; its sampler stays resident "
                             "between generation phases", self._backend_name)
-            return {}
-        async with self._lock_for_loop():
-            if self.asleep or self.resident:
-                return {}
-            start = time.monotonic()
-            out = dict(await asyncio.to_thread(self._sleeper.sleep_sampler, self.level) or {})
-            if out.get(SKIPPED) is True:
-                self.resident = True
-                self._tell_once("rollout server: backend %s keeps its sampler resident between generation phases "
-                                "(its sleep was skipped)", self._backend_name)
-                return out
-            self._seconds["sleep"] += time.monotonic() - start
-            self._count_released(out)
-            self.asleep = True
-            self.sleeps += 1
-            logger.debug("rollout server: sampler asleep (level %d) in %.2f s", self.level, time.monotonic() - start)
-            return out
-
-    async def ensure_awake(self) -> None:
-        """Before a ``generate``: wake the sampler (all parts) if this server put it to sleep."""
-        if not self.asleep:
             return
         async with self._lock_for_loop():
+            if self.asleep or self.resident or self._pending is not None:
+                return
+            self.asleep = True  # from here the next generate waits for this sleep, then wakes the sampler
+            self._pending = asyncio.get_running_loop().create_task(self._sleep_now(self._sleeper))
+
+    async def _sleep_now(self, sleeper: Any) -> None:
+        start = time.monotonic()
+        try:
+            out = dict(await asyncio.to_thread(sleeper.sleep_sampler, self.level) or {})
+        except Exception as exc:  # noqa: BLE001 - kept, and raised by the next generate (ensure_awake)
+            self.asleep = False
+            self._failure = exc
+            logger.warning("rollout server: the sampler's sleep failed (%s: %s); the next generate raises it",
+                           type(exc).__name__, exc)
+            return
+        if out.get(SKIPPED) is True:
+            self.asleep = False
+            self.resident = True
+            self._tell_once("rollout server: backend %s keeps its sampler resident between generation phases "
+                            "(its sleep was skipped)", self._backend_name)
+            return
+        self._seconds["sleep"] += time.monotonic() - start
+        self._count_released(out)
+        self.sleeps += 1
+        logger.debug("rollout server: sampler asleep (level %d) in %.2f s", self.level, time.monotonic() - start)
+
+    async def _settle(self) -> None:
+        """Await the sleep :meth:`sleep` started, if any (its error, if it failed, is raised here, once)."""
+        task, self._pending = self._pending, None
+        if task is not None:
+            await task
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    async def settled(self) -> None:
+        """Wait for a sleep started by :meth:`sleep` to end (raising its error, if it failed)."""
+        async with self._lock_for_loop():
+            await self._settle()
+
+    async def ensure_awake(self) -> None:
+        """Before a ``generate``: wait for a sleep this server started, then wake the sampler (all parts) if it
+        slept."""
+        if not self.asleep and self._pending is None:
+            return
+        async with self._lock_for_loop():
+            await self._settle()
             if not self.asleep or self._sleeper is None:
                 return
             start = time.monotonic()
