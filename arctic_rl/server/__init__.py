@@ -34,6 +34,7 @@ module                                 what it is
 :mod:`.jobs.service`                   :class:`~.jobs.service.ServerState`: what each endpoint does, on which job
 :mod:`.jobs.checkpoint`                where a training job's checkpoints live, and their names
 :mod:`.jobs.setup_hold`               the samplers asleep while a training or log-prob job is built (start-up peak)
+:mod:`.jobs.sleep_gate`               a training or log-prob pass waits for a sampler sleep in progress
 **engines/** -- one per job type
 :mod:`.engines.protocols`              what the server asks of a training, log-prob and sampling engine
 :mod:`.engines.batch`                  the validated batch an engine computes on (``ParsedBatch``)

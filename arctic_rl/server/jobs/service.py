@@ -19,9 +19,8 @@ Decisions documented here (and in ``docs/SERVER.md``):
   ``weight_version`` it ran on. A weight sync, sleep, wake or prefix-cache reset holds the job lock and runs in the
   engine between two steps: a sync waits for the calls in flight (or, under
   ``--in-flight-on-weight-load restart``, restarts them on the new weights), a sleep waits for them.
-* A ``/forward`` or ``/forward-backward`` that arrives while a sampler is falling asleep parses its batch, then waits
-  for the sleep before its pass (:mod:`arctic_rl.server.jobs.sleep_gate`): the client does not wait for the sleep's
-  answer, and no pass runs beside the KV cache that sleep frees.
+* A ``/forward`` or ``/forward-backward`` that arrives while a sampler falls asleep parses its batch, then waits for
+  the sleep before its pass (:mod:`arctic_rl.server.jobs.sleep_gate`): no pass runs beside the KV cache it frees.
 """
 
 from __future__ import annotations
@@ -65,9 +64,6 @@ __all__ = ["FEATURES", "SERVER_NAME", "ServerState"]
 T = TypeVar("T")
 
 logger = logging.getLogger("arctic_rl.server")
-
-#: the longest a pass waits for a sampler's sleep before it runs anyway (with a warning)
-SLEEP_WAIT_LIMIT_S = 120.0
 
 SERVER_NAME = "arctic_rl-reference"
 FEATURES = (
@@ -135,16 +131,6 @@ class ServerState:
                 return await self._in_thread(fn, *args)
             finally:
                 job.last_call_at = time.time()
-
-    def _after_sleeps(self, job: Job) -> None:
-        """In a pass's worker thread, before the pass: wait for the sampler sleeps running now (logged when it
-        waited)."""
-        waited = self.sleep_gate.wait_settled(SLEEP_WAIT_LIMIT_S)
-        if self.sleep_gate.running:
-            logger.warning("job %d: a sampler sleep still runs after %.0f s; the pass runs beside it",
-                           job.job_id, SLEEP_WAIT_LIMIT_S)
-        elif waited > 1e-3:
-            logger.info("job %d waited %.3fs for the sampler to fall asleep", job.job_id, waited)
 
     def shutdown(self) -> None:
         for job in self.jobs.all():
@@ -235,7 +221,7 @@ class ServerState:
 
         def run():
             batch = parse_batch_body(body, vocab_size=job.engine.vocab_size, train=True)
-            self._after_sleeps(job)
+            self.sleep_gate.before_pass(job.job_id)
             return batch, job.engine.forward_backward(batch)
 
         t0 = time.perf_counter()
@@ -260,7 +246,7 @@ class ServerState:
 
         def run():
             batch = parse_batch_body(body, vocab_size=job.engine.vocab_size, train=False)
-            self._after_sleeps(job)
+            self.sleep_gate.before_pass(job.job_id)
             return batch, job.engine.forward(batch)
 
         t0 = time.perf_counter()
@@ -380,14 +366,9 @@ class ServerState:
         request, params = parse_generate_request(body)
         t0 = time.perf_counter()
         results = await self._generate_continuous(job, request, params)
-        logger.info(
-            "generate job=%d prompts=%d n=%d tokens=%d %.3fs",
-            job_id,
-            len(request.prompts),
-            params.n,
-            sum(r["generation_len"] for r in results),
-            time.perf_counter() - t0,
-        )
+        tokens = sum(r["generation_len"] for r in results)
+        logger.info("generate job=%d prompts=%d n=%d tokens=%d %.3fs", job_id, len(request.prompts), params.n, tokens,
+                    time.perf_counter() - t0)
         version = results[0]["weight_version"] if results else job.engine.weight_version
         return {"job_id": job_id, "results": results, "weight_version": version}
 

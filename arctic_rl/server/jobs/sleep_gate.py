@@ -16,11 +16,17 @@ What is not here: the sleep itself (the sampling engine) and the routes (:mod:`a
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["SleepGate"]
+__all__ = ["WAIT_LIMIT_S", "SleepGate"]
+
+logger = logging.getLogger("arctic_rl.server")
+
+#: the longest a pass waits for a sampler's sleep before it runs anyway (with a warning)
+WAIT_LIMIT_S = 120.0
 
 
 class SleepGate:
@@ -58,3 +64,14 @@ class SleepGate:
         with self._cond:
             self._cond.wait_for(lambda: not self._running, timeout=timeout)
         return time.monotonic() - start
+
+    def before_pass(self, job_id: int) -> float:
+        """In a pass's worker thread, before the pass of job ``job_id``: wait for the sleeps running now (at most
+        :data:`WAIT_LIMIT_S`); logged when it waited. The seconds waited."""
+        waited = self.wait_settled(WAIT_LIMIT_S)
+        if self.running:
+            logger.warning("job %d: a sampler sleep still runs after %.0f s; the pass runs beside it", job_id,
+                           WAIT_LIMIT_S)
+        elif waited > 1e-3:
+            logger.info("job %d waited %.3fs for the sampler to fall asleep", job_id, waited)
+        return waited
