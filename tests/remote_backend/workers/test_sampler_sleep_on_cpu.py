@@ -267,7 +267,10 @@ def test_verl_sleep_returns_at_once_and_the_next_generate_waits_for_the_sleep(mo
     async def main():
         await _phase(server)
         await asyncio.wait_for(server.sleep(), timeout=5)  # returns while the backend's sleep still runs
-        await asyncio.sleep(0.05)
+        for _ in range(1000):  # the sleep's thread starts (at most 10 s on a loaded machine)
+            if backend.calls[-1] == ("sleep started", 1):
+                break
+            await asyncio.sleep(0.01)
         assert backend.calls[-1] == ("sleep started", 1) and server.nap.asleep
         phase = asyncio.ensure_future(_phase(server))
         await asyncio.sleep(0.1)

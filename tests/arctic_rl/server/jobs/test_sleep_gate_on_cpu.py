@@ -22,17 +22,17 @@ from tests.support.server import make_batch
 def test_the_gate_opens_when_the_last_sleep_ends():
     gate = SleepGate()
     assert gate.wait_settled() < 0.05 and gate.running == 0
-    ended = threading.Event()
+    started, ended = threading.Event(), threading.Event()
 
     def sleep_twice():
         with gate.sleeping(), gate.sleeping():
+            started.set()
             time.sleep(0.2)
         ended.set()
 
     worker = threading.Thread(target=sleep_twice)
     worker.start()
-    time.sleep(0.05)
-    assert gate.running == 2
+    assert started.wait(30) and gate.running == 2
     waited = gate.wait_settled()
     assert ended.is_set() and 0.1 <= waited < 5 and gate.running == 0
     worker.join()
