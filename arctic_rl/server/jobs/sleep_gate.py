@@ -57,19 +57,23 @@ class SleepGate:
                 if not self._running:
                     self._cond.notify_all()
 
+    def _wait(self, timeout: float | None) -> tuple[bool, float]:
+        """``(settled, seconds waited)``: whether no sleep was running when the wait ended."""
+        start = time.monotonic()
+        with self._cond:
+            settled = self._cond.wait_for(lambda: not self._running, timeout=timeout)
+        return settled, time.monotonic() - start
+
     def wait_settled(self, timeout: float | None = None) -> float:
         """Block until no sleep is running; the seconds waited. ``timeout``: give up after that many seconds (the
         pass then runs anyway: a wait bounds memory, it is never what decides a result)."""
-        start = time.monotonic()
-        with self._cond:
-            self._cond.wait_for(lambda: not self._running, timeout=timeout)
-        return time.monotonic() - start
+        return self._wait(timeout)[1]
 
     def before_pass(self, job_id: int) -> float:
         """In a pass's worker thread, before the pass of job ``job_id``: wait for the sleeps running now (at most
         :data:`WAIT_LIMIT_S`); logged when it waited. The seconds waited."""
-        waited = self.wait_settled(WAIT_LIMIT_S)
-        if self.running:
+        settled, waited = self._wait(WAIT_LIMIT_S)
+        if not settled:
             logger.warning("job %d: a sampler sleep still runs after %.0f s; the pass runs beside it", job_id,
                            WAIT_LIMIT_S)
         elif waited > 1e-3:
