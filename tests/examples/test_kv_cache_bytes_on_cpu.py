@@ -12,13 +12,12 @@ import sys
 
 import pytest
 
-from tests.support.model_shapes import SMOLLM2_ATTENTION
+from tests.support.model_shapes import SMOLLM2_ATTENTION as SMOLLM2
 from tests.support.scripts import REPO_ROOT, load_script
 
 SCRIPT = REPO_ROOT / "examples" / "common" / "kv_cache_bytes.py"
 kv = load_script("examples/common/kv_cache_bytes.py")
 batch_kv_cache_bytes, kv_elements_per_token = kv.batch_kv_cache_bytes, kv.kv_elements_per_token
-SMOLLM2 = SMOLLM2_ATTENTION
 # Qwen3-4B: head_dim is given and is not hidden_size / heads (2560 / 32 = 80)
 QWEN3_4B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 2560,
             "head_dim": 128}

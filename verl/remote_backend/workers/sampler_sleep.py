@@ -84,7 +84,6 @@ class SamplerNap:
         self._lock: asyncio.Lock | None = None
         #: the sleep started by :meth:`sleep` and not yet awaited by :meth:`ensure_awake` / :meth:`settled`
         self._pending: asyncio.Task | None = None
-        self._failure: Exception | None = None
         self._told = False
         self._seconds = {"sleep": 0.0, "wake": 0.0}
         self._released: float | None = None
@@ -124,12 +123,11 @@ class SamplerNap:
         start = time.monotonic()
         try:
             out = dict(await asyncio.to_thread(sleeper.sleep_sampler, self.level) or {})
-        except Exception as exc:  # noqa: BLE001 - kept, and raised by the next generate (ensure_awake)
+        except Exception as exc:  # the task keeps it: the next generate raises it (ensure_awake)
             self.asleep = False
-            self._failure = exc
             logger.warning("rollout server: the sampler's sleep failed (%s: %s); the next generate raises it",
                            type(exc).__name__, exc)
-            return
+            raise
         if out.get(SKIPPED) is True:
             self.asleep = False
             self.resident = True
@@ -146,9 +144,6 @@ class SamplerNap:
         task, self._pending = self._pending, None
         if task is not None:
             await task
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
 
     async def settled(self) -> None:
         """Wait for a sleep started by :meth:`sleep` to end (raising its error, if it failed)."""
