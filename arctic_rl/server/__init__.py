@@ -56,6 +56,7 @@ module                                 what it is
 :mod:`.engines.continuous`             continuous batching: one loop thread owns a generation engine
 :mod:`.engines.vllm_sampler`           the vLLM sampling engine, in process
 :mod:`.engines.vllm_steps`             vLLM's engine driven step by step
+:mod:`.engines.vllm_sleep`             vLLM's sleep, tried again when another process disturbs its memory check
 :mod:`.engines.vllm_options`           the job's ``vllm_config`` checked, per-prompt seeds
 :mod:`.engines.device_memory`          the samplers' sleep/wake memory functions; unused cached blocks released
 :mod:`.engines.vllm_answer`            ``/generate`` results built from vLLM's outputs

@@ -140,3 +140,54 @@ class StepwiseLLM:
 
     def reset_prefix_cache(self) -> bool:
         return not self.running
+
+
+class SleepModeLLM(StepwiseLLM):
+    """:class:`StepwiseLLM` with vLLM 0.26's sleep bookkeeping, as far as the server's sleep relies on it: ``sleep``
+    pauses the scheduler, the worker releases its memory, then vLLM's check of the device's free memory fails for the
+    attempts listed in ``check_fails`` (1-based) -- raising before the executor records the sleep, as vLLM's
+    ``Executor.sleep`` does -- or the executor records it. ``wake_up`` wakes the executor only if it recorded a sleep
+    (else does nothing, as vLLM's warns "Executor is not sleeping") and resumes the scheduler once the executor is
+    awake; ``tags=["scheduling"]`` resumes the scheduler alone. ``collective_rpc("wake_up")`` is the worker's own
+    wake. ``step`` and a weight load fail on unmapped memory, as vLLM's do (``CUDA error: invalid argument``)."""
+
+    def __init__(self, check_fails: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.check_fails = set(check_fails)
+        self.attempts = 0
+        self.mapped = True  # the worker's memory
+        self.executor_sleeping = False
+        self.paused = False
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.paused = True
+        self.mapped = False
+        self.attempts += 1
+        if self.attempts in self.check_fails:
+            raise AssertionError("Memory usage increased after sleeping.")
+        self.executor_sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if tags is not None and "scheduling" in tags:
+            tags = [t for t in tags if t != "scheduling"]
+        if (tags is None or tags) and self.executor_sleeping:
+            self.mapped, self.executor_sleeping = True, False  # (a partial wake is not modelled)
+        if not self.executor_sleeping:
+            self.paused = False
+
+    def _check_mapped(self) -> None:
+        if not self.mapped:
+            raise RuntimeError("CUDA error: invalid argument")
+
+    def step(self):
+        self._check_mapped()
+        if self.paused:
+            return []
+        return super().step()
+
+    def collective_rpc(self, fn, args=(), kwargs=None):
+        if fn == "wake_up":
+            self.mapped = True
+            return [None]
+        self._check_mapped()
+        return super().collective_rpc(fn, args)

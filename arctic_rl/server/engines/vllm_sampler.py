@@ -36,14 +36,13 @@ sees half-updated weights and no answer mixes two versions. What each does with 
   with a part asleep admits no call, and no cached block is stale while calls run (the last load reset the cache
   before any was admitted; vLLM keeps the blocks of running requests and says ``busy``).
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``/weight-sync``
-from a training job on the same GPU hands its live tensors to ``model.load_weights`` with no
-host round trip; the prefix cache is reset after every sync, and the next ``/generate`` uses the
-new weights. GPU memory: vLLM takes ``vllm_config.gpu_memory_utilization`` of the device
-(default :data:`DEFAULT_GPU_MEMORY_UTILIZATION`), leaving the rest to the training and log-prob
-jobs; :meth:`sleep` / :meth:`wake_up` (``/sleep-inference``, ``/wake-inference``) free and
-restore vLLM's share around training. Engine options come from the job's ``vllm_config``
-(:data:`VLLM_OPTIONS`).
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``/weight-sync`` from a training job
+on the same GPU hands its live tensors to ``model.load_weights`` with no host round trip; the prefix cache is reset
+after every sync, and the next ``/generate`` uses the new weights. GPU memory: vLLM takes
+``vllm_config.gpu_memory_utilization`` of the device (default :data:`DEFAULT_GPU_MEMORY_UTILIZATION`), leaving the
+rest to the training and log-prob jobs; :meth:`sleep` / :meth:`wake_up` (``/sleep-inference``, ``/wake-inference``)
+free and restore vLLM's share around training (:mod:`.vllm_sleep`: a sleep other processes' allocations disturb).
+Engine options come from the job's ``vllm_config`` (:data:`VLLM_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -76,8 +75,9 @@ from arctic_rl.server.engines.vllm_options import (
     engine_options,
     prompt_seeds,
 )
+from arctic_rl.server.engines.vllm_sleep import SleepRefused, fall_asleep
 from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore, settle
-from arctic_rl.server.engines.weights import vllm_worker_load, vllm_worker_weight_norm
+from arctic_rl.server.engines.weights import is_device_fault, vllm_worker_load, vllm_worker_weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.memory import device_report, vllm_worker_parts
 from arctic_rl.server.settings import ServerSettings
@@ -193,8 +193,6 @@ class VllmSamplingEngine:
         seeds = prompt_seeds(params.seed, len(prompts), params.n)
         return [VllmParams(seed=seed, **common) for seed in seeds]
 
-    # ------------------------------------------------------------------ generate
-
     def _check_awake(self) -> None:
         asleep = [tag for tag, off in self.sleeping.items() if off]
         if asleep:
@@ -257,8 +255,6 @@ class VllmSamplingEngine:
         logger.debug("vLLM generated %d samples in %.2fs", len(results), time.perf_counter() - t0)
         return results
 
-    # ------------------------------------------------------------------ weights
-
     def load_weights(self, weights: dict[str, torch.Tensor]) -> int:
         """Copy the training job's live tensors into vLLM's model (GPU to GPU) and bump the version, after the
         running step: the calls in flight restart on the new weights (or, policy ``wait``, finish first)."""
@@ -274,6 +270,8 @@ class VllmSamplingEngine:
         try:
             self.llm.collective_rpc(vllm_worker_load, args=(items,))
         except (KeyError, ValueError, AssertionError, RuntimeError) as exc:
+            if is_device_fault(exc):  # the device failed, not the weights: an internal error (500), not the caller's
+                raise
             raise BadRequest(
                 f"target_sub_job_ids: the sampling job's model does not take the training model's weights: {exc}",
                 field="target_sub_job_ids",
@@ -282,8 +280,6 @@ class VllmSamplingEngine:
         self.weights_discarded = False
         self.weight_version += 1
         return self.weight_version
-
-    # ------------------------------------------------------------------ memory
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """Release vLLM's GPU memory: level 1 keeps the weights in host memory, level 2 discards them
@@ -302,15 +298,20 @@ class VllmSamplingEngine:
         mem.synchronize()
         free_before = mem.free()
         t0 = time.perf_counter()
-        self.llm.sleep(level=level)
+        try:  # tried again when another process's allocation fails vLLM's check (.vllm_sleep)
+            attempts = fall_asleep(self.llm, level)
+        except SleepRefused:  # awake again; at level 2 the weights were dropped before the check failed
+            self.weights_discarded = self.weights_discarded or level == 2
+            raise
         seconds = time.perf_counter() - t0
         freed = mem.free() - free_before
         released = mem.release_unused()  # generation's cached blocks: training allocates afresh, not on top of them
         self.sleeping = dict.fromkeys(_WAKE_TAGS, True)
         self.sleep_level = level
         self.weights_discarded = self.weights_discarded or level == 2
-        logger.info("vLLM sampler asleep (level %d): %.2f GB freed in %.2fs; %.2f GB of unused cached blocks released",
-                    level, freed / 1e9, seconds, released["allocator_released_bytes"] / 1e9)
+        logger.info("vLLM sampler asleep (level %d): %.2f GB freed in %.2fs%s; %.2f GB of unused cached blocks released",
+                    level, freed / 1e9, seconds, f" ({attempts} attempts)" if attempts > 1 else "",
+                    released["allocator_released_bytes"] / 1e9)
         return {"status": "sleeping", "level": level, "seconds": seconds, "freed_bytes": int(freed),
                 "weight_version": self.weight_version, **released}
 
@@ -367,6 +368,7 @@ class VllmSamplingEngine:
         return parts
 
     def info(self) -> dict[str, Any]:
+        loop = self.__dict__.get("_generation_loop")
         return {
             "sampler": "vllm",
             "weight_version": self.weight_version,
@@ -377,9 +379,9 @@ class VllmSamplingEngine:
             "sleeping": not self.awake,
             "sleep_level": self.sleep_level,
             "continuous_batching": True,
-            "generate_in_flight": self._loop().in_flight() if "_generation_loop" in self.__dict__ else 0,
+            "generate_in_flight": loop.in_flight() if loop is not None else 0,
             "in_flight_on_weight_load": self.in_flight_on_weight_load,
-            "restarted_on_weight_load": self._loop().restarted if "_generation_loop" in self.__dict__ else 0,
+            "restarted_on_weight_load": loop.restarted if loop is not None else 0,
         }
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from arctic_rl.server.errors import BadRequest
 
-__all__ = ["copy_weights", "vllm_worker_load", "vllm_worker_weight_norm", "weight_norm"]
+__all__ = ["copy_weights", "is_device_fault", "vllm_worker_load", "vllm_worker_weight_norm", "weight_norm"]
 
 
 def copy_weights(target: torch.nn.Module, weights: dict[str, torch.Tensor], *, partitioned: bool = False) -> int:
@@ -68,6 +68,12 @@ def weight_norm(model: torch.nn.Module) -> dict[str, float | int]:
             sq_sum += float(p.detach().double().pow(2).sum())
             count += 1
     return {"norm": sq_sum**0.5, "sq_sum": sq_sum, "num_params": count}
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether a weight copy failed in the device (a CUDA error: the server's fault, a 500), not on the weights' names or
+    shapes (the caller's, a 400)."""
+    return isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(exc)
 
 
 def vllm_worker_load(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:

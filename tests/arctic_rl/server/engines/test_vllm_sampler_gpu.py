@@ -4,7 +4,8 @@ One small Qwen3 (head_dim 64, bf16) serves every test: the sampler is created fi
 adapter creates its jobs (sampling, then training), and both share the one GPU. Checked here:
 the ``/generate`` parameters (n, seed, greedy, max_tokens, stop tokens, stop strings, text
 prompts, log-prob candidates, 400s), log-probs against the training model, a weight sync after an
-optimizer step (the next generation uses the new weights), sleep / wake at levels 1 and 2, and a
+optimizer step (the next generation uses the new weights), sleep / wake at levels 1 and 2 (and a sleep whose
+vLLM device-memory check fails, :mod:`arctic_rl.server.engines.vllm_sleep`), and a
 loop of sleep -> train -> wake -> sync -> generate with no OOM; continuous batching: calls from several threads
 join the running batch and a short call returns while a long one still runs; a weight sync sent during a
 generation restarts the call in flight on the new weights (it answers with the new version and the trainer's
@@ -189,6 +190,36 @@ def test_sleep_and_wake(engines):
     assert gen(sampler, [prompt], temperature=0, max_tokens=16, ignore_eos=True)[0]["token_ids"] == want
     with pytest.raises(BadRequest):
         sampler.wake_up(tags=["everything"])
+
+
+def test_a_sleep_failing_vllms_device_check_is_tried_again_and_leaves_a_usable_sampler(engines, monkeypatch):
+    """vLLM's worker compares the device's free memory before and after its release (``torch.accelerator``); another
+    process allocating meanwhile is played by a reading 8 GiB lower after the release (calls 2, 4, ... of a sleep)."""
+    from arctic_rl.server.engines import vllm_sleep
+
+    _, sampler = engines
+    prompt = list(range(30, 60))
+    want = gen(sampler, [prompt], temperature=0, max_tokens=16, ignore_eos=True)[0]["token_ids"]
+    real, calls = torch.accelerator.get_memory_info, []
+
+    def lowered(failing: set[int]):
+        def reading(*args):
+            calls.append(1)
+            free, total = real(*args)
+            return (free - 8 * 2**30 if len(calls) in failing else free), total
+        return reading
+
+    monkeypatch.setattr(vllm_sleep, "PAUSE_S", 0.0)
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lowered({2}))  # the first attempt's check fails
+    assert sampler.sleep(level=1)["status"] == "sleeping" and len(calls) == 4
+    sampler.wake_up()
+    assert gen(sampler, [prompt], temperature=0, max_tokens=16, ignore_eos=True)[0]["token_ids"] == want
+    calls.clear()
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lowered({2, 4, 6}))  # every attempt's fails
+    with pytest.raises(vllm_sleep.SleepRefused):
+        sampler.sleep(level=1)
+    assert not sampler.info()["sleeping"]
+    assert gen(sampler, [prompt], temperature=0, max_tokens=16, ignore_eos=True)[0]["token_ids"] == want
 
 
 def test_training_and_generation_alternate_without_oom(engines):
