@@ -17,9 +17,10 @@
 #
 # PARALLEL=0 (default): the runs one after another, each alone on the GPU; gpu_mem.csv is the GPU's total, and
 #   gpu_procs.csv each process's share every 5 s (gpu_mem_by_run.py --procs).
-# PARALLEL=1: all runs at once on the one GPU, started STAGGER_S seconds apart (default 15), after the model and
-#   every data set are built (runs must not build them concurrently). A SPEC of `--` ends a wave: the runs after
-#   it start when those before it have ended (keeps the GPU's memory within bounds). Each run gets GRPO_RUN_NAME in its
+# PARALLEL=1: all runs at once on the one GPU, started STAGGER_S seconds apart (default 15). In both modes the model
+#   and every data set are built first (runs must not build them concurrently, and RUN_TIMEOUT is the run's own).
+#   A SPEC of `--` ends a wave: the runs after it start when those before it have ended (keeps the GPU's memory
+#   within bounds). Each run gets GRPO_RUN_NAME in its
 #   environment and gpu_mem_by_run.py attributes GPU memory to runs by it. Set KV_CACHE_BYTES and a small
 #   GPU_MEMORY_UTILIZATION so that the vLLM engines skip memory profiling, which fails when another process frees
 #   memory meanwhile. Step times then include contention for the GPU and the CPUs: compare runs of one batch.
@@ -119,9 +120,11 @@ prepare_all() {  # the model and each data set once, as the scripts build them, 
     done
 }
 
+# the model and data first in either mode: a run's RUN_TIMEOUT then covers the run alone (on a fresh machine the model's
+# build took 54 s of a 420 s limit, and the first run hit the limit at its first step; RESULTS.md §2v)
+echo "$(date -u +%H:%M:%S) preparing the model and data" >>"$results/status"
+prepare_all "$@" || { echo "prepare failed: see prepare.log" >>"$results/status"; echo "ALLDONE" >>"$results/status"; exit 1; }
 if [ "${PARALLEL:-0}" = 1 ]; then
-    echo "$(date -u +%H:%M:%S) preparing the model and data" >>"$results/status"
-    prepare_all "$@" || { echo "prepare failed: see prepare.log" >>"$results/status"; echo "ALLDONE" >>"$results/status"; exit 1; }
     for spec in "$@"; do [ "$spec" = -- ] || mkdir -p "$results/${spec%%:*}"; done
     python3 benchmarks/device/gpu_mem_by_run.py "$results" &
     sampler=$!
