@@ -15,10 +15,11 @@ from omegaconf import OmegaConf
 
 from verl.remote_backend.async_trainer import CONCURRENT_JOBS_FEATURE, AsyncModeMixin, async_running
 from verl.remote_backend.context import BackendContext, install_context, read_context
+from verl.remote_backend.errors import RemoteServerError
 from verl.remote_backend.protocols import SamplerSleep
 from verl.remote_backend.workers import replica as replica_mod
 from verl.remote_backend.workers.replica import RemoteRolloutServer
-from verl.remote_backend.workers.sampler_sleep import RELEASED, SKIPPED, sleep_settings
+from verl.remote_backend.workers.sampler_sleep import DECLINED_METRIC, RELEASED, SKIPPED, sleep_settings
 
 
 class _Plain:
@@ -307,3 +308,49 @@ def test_a_failed_sleep_is_raised_by_the_next_generate_once(monkeypatch, caplog)
     assert verbs.count("sleep") == 1 and "wake" not in verbs and verbs.count("generate") >= 6, verbs
     assert [r for r in caplog.records if "the sampler's sleep failed" in r.getMessage()]
     assert "gen/sampler_sleep" not in server.collect_generation_timings()
+
+
+class _DecliningSleep(_Sleepy):
+    """The server answers the sleep ``status`` (after the transport's retries), then sleeps normally."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__()
+        self.status = status
+
+    def sleep_sampler(self, level):
+        self.calls.append(("sleep", level))
+        if sum(1 for c in self.calls if c[0] == "sleep") == 1:
+            raise RemoteServerError("/sleep-inference?job_id=1", self.status, "the vLLM sampler could not be put to "
+                                    "sleep: ... it stays awake and usable")
+        return {"status": "sleeping"}
+
+
+def test_a_sleep_the_server_declined_leaves_the_sampler_awake_and_the_run_going(monkeypatch, caplog):
+    backend = _DecliningSleep(503)
+    server = _server(monkeypatch, backend, _main_config())
+
+    async def main():
+        await _phase_sleep_phase(server)  # declined: the next phase runs on the awake sampler, no wake
+        first = server.collect_generation_timings()
+        assert first[DECLINED_METRIC] == 1.0 and "gen/sampler_sleep" not in first
+        await server.sleep()  # the next sleep is asked for again, and goes through
+        await _phase(server)
+
+    asyncio.run(main())
+    verbs = [c[0] for c in backend.calls]
+    assert verbs.count("sleep") == 2 and verbs.count("wake") == 1 and verbs.index("wake") > verbs.index("sleep", 4)
+    assert [r for r in caplog.records if "declined the sampler's sleep" in r.getMessage()]
+    timings = server.collect_generation_timings()
+    assert DECLINED_METRIC not in timings and "gen/sampler_sleep" in timings
+
+
+def test_a_sleep_that_failed_otherwise_is_still_raised(monkeypatch):
+    server = _server(monkeypatch, _DecliningSleep(500), _main_config())
+
+    async def main():
+        await _phase(server)
+        await server.sleep()
+        with pytest.raises(RemoteServerError, match="HTTP 500"):
+            await _phase(server)
+
+    asyncio.run(main())

@@ -13,7 +13,9 @@ same knob decides: :class:`SamplerNap` (one per rollout server)
   reference server's passes wait for a sleep in progress (``arctic_rl.server.jobs.sleep_gate``);
 * before the next ``generate`` waits for that sleep (a failed sleep is raised there) and wakes the sampler (all
   parts), once, under an asyncio lock, so that the calls of a generation phase wait for one wake rather than
-  each sending their own.
+  each sending their own. A sleep the server *declined* -- HTTP 429 or 503 once the transport's retries are spent:
+  nothing slept (the reference server's answer when vLLM's memory check keeps failing on a shared GPU) -- is not a
+  failure: the sampler stays awake for the next phase, with a warning, counted as ``gen/sampler_sleep_declined``.
 
 Enabled when ``free_cache_engine`` is true and the run is not asynchronous -- the mode actually run
 (:func:`~verl.remote_backend.async_trainer.async_running`): an asynchronous run generates while the actor
@@ -36,11 +38,13 @@ import asyncio
 import time
 from typing import Any
 
+from verl.remote_backend.errors import RemoteServerError
 from verl.remote_backend.logs import module_logger
 from verl.remote_backend.protocols import sleeper_of
 from verl.remote_backend.strict_config import select
 
-__all__ = ["FREE_CACHE_KEY", "RELEASED", "SKIPPED", "SLEEP_LEVEL", "SamplerNap", "sleep_settings"]
+__all__ = ["DECLINED_METRIC", "DECLINED_STATUS", "FREE_CACHE_KEY", "RELEASED", "SKIPPED", "SLEEP_LEVEL", "SamplerNap",
+           "sleep_settings"]
 
 logger = module_logger(__name__)
 
@@ -54,6 +58,9 @@ SKIPPED = "skipped"
 RELEASED = "released_bytes"
 #: the step metric those bytes are summed under (the rollout servers' sleeps and wakes, and the worker's weight syncs)
 RELEASED_METRIC = "gen/sampler_released_bytes"
+#: the statuses of a sleep the server declined without sleeping (its sampler stays awake), and their step metric
+DECLINED_STATUS = (429, 503)
+DECLINED_METRIC = "gen/sampler_sleep_declined"
 
 
 def sleep_settings(main_config: Any) -> tuple[bool, str]:
@@ -87,6 +94,7 @@ class SamplerNap:
         self._told = False
         self._seconds = {"sleep": 0.0, "wake": 0.0}
         self._released: float | None = None
+        self._declined = 0  # since the last collect
 
     def _count_released(self, answer: Any) -> None:
         value = answer.get(RELEASED) if isinstance(answer, dict) else None
@@ -125,6 +133,11 @@ class SamplerNap:
             out = dict(await asyncio.to_thread(sleeper.sleep_sampler, self.level) or {})
         except Exception as exc:  # the task keeps it: the next generate raises it (ensure_awake)
             self.asleep = False
+            if isinstance(exc, RemoteServerError) and exc.status in DECLINED_STATUS:
+                self._declined += 1
+                logger.warning("rollout server: the server declined the sampler's sleep (%s); the sampler stays awake "
+                               "for the next phase", exc)
+                return
             logger.warning("rollout server: the sampler's sleep failed (%s: %s); the next generate raises it",
                            type(exc).__name__, exc)
             raise
@@ -168,11 +181,13 @@ class SamplerNap:
 
     def collect(self) -> dict[str, float]:
         """Seconds spent sleeping and waking the sampler since the last collect, and the bytes the backend released
-        around them where it says (empty until it has really slept: sleeping off, no capability, or a sampler the
-        backend keeps resident)."""
+        around them where it says (none until it has really slept: sleeping off, no capability, or a sampler the
+        backend keeps resident), and how many sleeps the server declined, if any."""
+        out: dict[str, float] = {DECLINED_METRIC: float(self._declined)} if self._declined else {}
+        self._declined = 0
         if not self.sleeps:
-            return {}
-        out = {"gen/sampler_sleep": self._seconds["sleep"], "gen/sampler_wake": self._seconds["wake"]}
+            return out
+        out.update({"gen/sampler_sleep": self._seconds["sleep"], "gen/sampler_wake": self._seconds["wake"]})
         if self._released is not None:
             out[RELEASED_METRIC] = self._released
         self._seconds, self._released = {"sleep": 0.0, "wake": 0.0}, None
