@@ -1,6 +1,7 @@
 """The remote trainer's step metrics (``RemoteBackendTrainer._compute_metrics``): the bytes a backend released
 around its sampler's sleeps and wakes, from the rollout servers and from the worker's weight syncs, become one
-``perf/remote_backend/sampler_released_gib``; the phase seconds go to verl's ``timing_raw`` without them; the
+``perf/remote_backend/sampler_released_gib``, the sleeps a server declined ``perf/remote_backend/sampler_sleeps_declined``;
+the phase seconds go to verl's ``timing_raw`` without them; the
 generation phase's window (hand-over, first call, last answer, samples back) becomes ``gen/...`` entries."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.remote_backend.progress import StepClock
 from verl.remote_backend.timings import GenerationWindow
 from verl.remote_backend.trainer import RemoteBackendTrainer
-from verl.remote_backend.workers.sampler_sleep import RELEASED_METRIC
+from verl.remote_backend.workers.sampler_sleep import DECLINED_METRIC, RELEASED_METRIC
 
 GIB = 1 << 30
 
@@ -62,3 +63,11 @@ def test_the_generation_window_reaches_timing_raw_once(monkeypatch):
                                      "gen/to_first_call": 0.5, "gen/calls_span": 1.5, "gen/after_last_answer": 0.25})
     trainer._compute_metrics(None, {}, {"step": 3.0}, global_steps=2, epoch=0)  # no phase since: no window figures
     assert "gen/calls_span" not in seen[1]
+
+
+def test_sleeps_a_server_declined_are_a_count_beside_the_metrics_not_a_timing(monkeypatch):
+    trainer = _trainer(monkeypatch, {}, {"gen/backend_busy": 0.5, DECLINED_METRIC: 2.0})
+    trainer._compute_metrics(None, {}, {"step": 1.0}, global_steps=1, epoch=0)
+    (passed_metrics, passed_timing), = trainer.seen
+    assert passed_metrics["perf/remote_backend/sampler_sleeps_declined"] == 2.0
+    assert DECLINED_METRIC not in passed_timing and passed_timing["gen/backend_busy"] == 0.5

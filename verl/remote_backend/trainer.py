@@ -54,7 +54,7 @@ from verl.remote_backend.settings import (
     apply_forced_settings,
 )
 from verl.remote_backend.timings import GenerationWindow
-from verl.remote_backend.workers.sampler_sleep import RELEASED_METRIC
+from verl.remote_backend.workers.sampler_sleep import DECLINED_METRIC, RELEASED_METRIC
 from verl.remote_backend.workers.tensor_fields import declare_fields_read
 
 __all__ = [
@@ -190,12 +190,15 @@ class RemoteBackendTrainer(PPOTrainerSync):
         timing_raw.update(phases)  # -> timing_s/<phase>/adapter, /http, /server beside verl's
         generation = self._generation_timings()
         calls = generation.pop("gen/backend_calls", None)
+        declined = generation.pop(DECLINED_METRIC, None)  # a count of sleeps, not seconds
         released = generation.pop(RELEASED_METRIC, None)
         if released_at_syncs is not None:
             released = (released or 0.0) + released_at_syncs
         timing_raw.update(generation)  # -> timing_s/gen/backend_busy, /http_sum, /server_sum, /calls_span, ...
         if calls is not None:
             metrics["perf/remote_backend/gen_calls"] = calls
+        if declined is not None:
+            metrics["perf/remote_backend/sampler_sleeps_declined"] = declined
         if released is not None:  # memory, not time: beside the counts
             metrics["perf/remote_backend/sampler_released_gib"] = released / 2**30
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)

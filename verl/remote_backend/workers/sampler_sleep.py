@@ -15,7 +15,8 @@ same knob decides: :class:`SamplerNap` (one per rollout server)
   parts), once, under an asyncio lock, so that the calls of a generation phase wait for one wake rather than
   each sending their own. A sleep the server *declined* -- HTTP 429 or 503 once the transport's retries are spent:
   nothing slept (the reference server's answer when vLLM's memory check keeps failing on a shared GPU) -- is not a
-  failure: the sampler stays awake for the next phase, with a warning, counted as ``gen/sampler_sleep_declined``.
+  failure: the sampler stays awake for the next phase, with a warning, counted (``gen/sampler_sleep_declined``, logged
+  by the trainer as ``perf/remote_backend/sampler_sleeps_declined``).
 
 Enabled when ``free_cache_engine`` is true and the run is not asynchronous -- the mode actually run
 (:func:`~verl.remote_backend.async_trainer.async_running`): an asynchronous run generates while the actor
