@@ -23,16 +23,32 @@ def hf_sampler(tiny_model_dir):
 
 
 @pytest.fixture
-def vllm_stand_in_sampler(monkeypatch):
-    """The vLLM sampling engine around :class:`StepwiseLLM` (weight version 7, a 100-token vocabulary); its
-    generation loop is closed after the test."""
-    from tests.support.vllm_stand_in import StepwiseLLM, engine_around, vllm_stand_in_modules
+def vllm_stand_in_sampler_around(monkeypatch):
+    """``around(llm)``: the vLLM sampling engine around a stand-in ``llm`` (``tests/support/vllm_stand_in.py``;
+    weight version 7, a 100-token vocabulary), with the stand-in vLLM modules installed; every engine's generation
+    loop is closed after the test."""
+    from tests.support.vllm_stand_in import engine_around, vllm_stand_in_modules
 
     for name, module in vllm_stand_in_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
-    eng = engine_around(StepwiseLLM(), vocab_size=100, max_model_len=4096, weight_version=7)
-    eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
-    yield eng
-    loop = eng.__dict__.get("_generation_loop")
-    if loop is not None:
-        loop.close()
+    made = []
+
+    def around(llm):
+        eng = engine_around(llm, vocab_size=100, max_model_len=4096, weight_version=7)
+        eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
+        made.append(eng)
+        return eng
+
+    yield around
+    for eng in made:
+        loop = eng.__dict__.get("_generation_loop")
+        if loop is not None:
+            loop.close()
+
+
+@pytest.fixture
+def vllm_stand_in_sampler(vllm_stand_in_sampler_around):
+    """The vLLM sampling engine around :class:`StepwiseLLM` (see :func:`vllm_stand_in_sampler_around`)."""
+    from tests.support.vllm_stand_in import StepwiseLLM
+
+    return vllm_stand_in_sampler_around(StepwiseLLM())

@@ -10,14 +10,12 @@ device, without injection, they read 0.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from arctic_rl.server.engines.device_memory import DeviceMemory
 from arctic_rl.server.engines.sampling import SamplingEngine
-from tests.support.vllm_stand_in import StepwiseLLM, engine_around, vllm_stand_in_modules
+from tests.support.vllm_stand_in import StepwiseLLM
 
 FIELDS = ("allocator_reserved_before_bytes", "allocator_reserved_after_bytes", "allocator_released_bytes")
 GIB = 1 << 30
@@ -39,19 +37,12 @@ class FakeAllocator:
 
 
 @pytest.fixture
-def vllm_engine(monkeypatch):
-    for name, module in vllm_stand_in_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
+def vllm_engine(vllm_stand_in_sampler_around):
     llm = StepwiseLLM()
     llm.events = []
     llm.sleep = lambda level: llm.events.append(f"sleep {level}")
     llm.wake_up = lambda tags=None: llm.events.append(f"wake {tags}")
-    eng = engine_around(llm, vocab_size=100, max_model_len=4096, weight_version=7)
-    eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
-    yield eng
-    loop = eng.__dict__.get("_generation_loop")
-    if loop is not None:
-        loop.close()
+    return vllm_stand_in_sampler_around(llm)
 
 
 def test_release_unused_reports_the_reserve_before_and_after():

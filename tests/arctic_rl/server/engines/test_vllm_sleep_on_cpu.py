@@ -10,37 +10,21 @@ is a 503 naming the cause. The same on a real vLLM: ``tests/arctic_rl/server/eng
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines import vllm_sleep
 from arctic_rl.server.engines.vllm_sleep import SleepRefused, fall_asleep, is_device_check
 from arctic_rl.server.errors import Conflict
-from tests.support.vllm_stand_in import SleepModeLLM, engine_around, vllm_stand_in_modules
+from tests.support.vllm_stand_in import SleepModeLLM
 
 
 @pytest.fixture
-def sampler_of(monkeypatch):
+def sampler_of(monkeypatch, vllm_stand_in_sampler_around):
     """``sampler_of(check_fails)``: the vLLM sampler around a :class:`SleepModeLLM` failing vLLM's check at those
     attempts (no pause between attempts)."""
-    for name, module in vllm_stand_in_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(vllm_sleep, "PAUSE_S", 0.0)
-    made = []
-
-    def make(check_fails: tuple[int, ...]):
-        eng = engine_around(SleepModeLLM(check_fails), vocab_size=100, max_model_len=4096, weight_version=7)
-        eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
-        made.append(eng)
-        return eng
-
-    yield make
-    for eng in made:
-        loop = eng.__dict__.get("_generation_loop")
-        if loop is not None:
-            loop.close()
+    return lambda check_fails: vllm_stand_in_sampler_around(SleepModeLLM(check_fails))
 
 
 def generate(eng, max_tokens: int = 3) -> list[dict]:
