@@ -20,8 +20,8 @@
 # PARALLEL=1: all runs at once on the one GPU, started STAGGER_S seconds apart (default 15). In both modes the model
 #   and every data set are built first (runs must not build them concurrently, and RUN_TIMEOUT is the run's own).
 #   A SPEC of `--` ends a wave: the runs after it start when those before it have ended (keeps the GPU's memory
-#   within bounds). Each run gets GRPO_RUN_NAME in its
-#   environment and gpu_mem_by_run.py attributes GPU memory to runs by it. Set KV_CACHE_BYTES and a small
+#   within bounds). Each run gets GRPO_RUN_NAME in its environment and gpu_mem_by_run.py attributes GPU memory to
+#   runs by it. Set KV_CACHE_BYTES and a small
 #   GPU_MEMORY_UTILIZATION so that the vLLM engines skip memory profiling, which fails when another process frees
 #   memory meanwhile. Step times then include contention for the GPU and the CPUs: compare runs of one batch.
 #

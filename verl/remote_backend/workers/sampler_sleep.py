@@ -59,7 +59,8 @@ SKIPPED = "skipped"
 RELEASED = "released_bytes"
 #: the step metric those bytes are summed under (the rollout servers' sleeps and wakes, and the worker's weight syncs)
 RELEASED_METRIC = "gen/sampler_released_bytes"
-#: the statuses of a sleep the server declined without sleeping (its sampler stays awake), and their step metric
+#: the statuses of a sleep the server declined without sleeping (its sampler stays awake), and their step metric;
+#: not every retryable status (``RemoteServerError.retryable``): after a 502/504 from a proxy the sleep may have run
 DECLINED_STATUS = (429, 503)
 DECLINED_METRIC = "gen/sampler_sleep_declined"
 
