@@ -79,7 +79,9 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             "refusing to test a stale copy: "
             + "; ".join(problems)
-            + ". Run `bash scripts/install.sh --test` (editable install) or `pip uninstall verl-remote-backend` first."
+            + ". Run `bash scripts/install.sh --test` (editable install) or `pip uninstall verl-remote-backend` first;"
+            " on the GPU machine, where a link is the copy, `source /tmp/site/env.sh` again from this checkout"
+            " (benchmarks/device/README.md)."
         )
 
 
