@@ -24,17 +24,18 @@ def hf_sampler(tiny_model_dir):
 
 @pytest.fixture
 def vllm_stand_in_sampler_around(monkeypatch):
-    """``around(llm)``: the vLLM sampling engine around a stand-in ``llm`` (``tests/support/vllm_stand_in.py``;
-    weight version 7, a 100-token vocabulary), with the stand-in vLLM modules installed; every engine's generation
-    loop is closed after the test."""
+    """``around(llm, full_determinism=False)``: the vLLM sampling engine around a stand-in ``llm``
+    (``tests/support/vllm_stand_in.py``; weight version 7, a 100-token vocabulary), with the stand-in vLLM modules
+    installed; every engine's generation loop is closed after the test."""
     from tests.support.vllm_stand_in import engine_around, vllm_stand_in_modules
 
     for name, module in vllm_stand_in_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
     made = []
 
-    def around(llm):
-        eng = engine_around(llm, vocab_size=100, max_model_len=4096, weight_version=7)
+    def around(llm, full_determinism: bool = False):
+        eng = engine_around(llm, vocab_size=100, max_model_len=4096, weight_version=7,
+                            full_determinism=full_determinism)
         eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
         made.append(eng)
         return eng

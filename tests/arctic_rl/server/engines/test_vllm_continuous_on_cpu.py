@@ -15,7 +15,6 @@ the engine's weight version). The GPU test (``test_vllm_sampler_gpu.py``) runs t
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
@@ -24,7 +23,7 @@ import pytest
 from arctic_rl.protocol import GenerateRequest, SamplingParams
 from arctic_rl.server.engines.continuous import LoopClosed
 from arctic_rl.server.errors import Conflict
-from tests.support.vllm_stand_in import StepwiseLLM, engine_around, vllm_stand_in_modules
+from tests.support.vllm_stand_in import StepwiseLLM
 
 
 @pytest.fixture
@@ -61,21 +60,15 @@ def test_a_short_call_joins_the_running_batch_and_returns_first(engine):
     assert engine.info()["continuous_batching"] is True and not engine.llm.running
 
 
-def test_a_full_determinism_job_runs_every_call_alone(monkeypatch):
-    for name, module in vllm_stand_in_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    eng = engine_around(StepwiseLLM(), vocab_size=100, max_model_len=4096, full_determinism=True)
-    eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
-    try:
-        slow_steps(eng)
-        long = submit(eng, [[1, 2, 3]], max_tokens=40, seed=1)
-        while not eng.llm.running:
-            time.sleep(0.001)
-        short = submit(eng, [[9]], max_tokens=4, seed=2)
-        short.result()
-        assert long.future.done() and eng.llm.max_running == 1  # the short call never joined the long one
-    finally:
-        eng.__dict__["_generation_loop"].close()
+def test_a_full_determinism_job_runs_every_call_alone(vllm_stand_in_sampler_around):
+    eng = vllm_stand_in_sampler_around(StepwiseLLM(), full_determinism=True)
+    slow_steps(eng)
+    long = submit(eng, [[1, 2, 3]], max_tokens=40, seed=1)
+    while not eng.llm.running:
+        time.sleep(0.001)
+    short = submit(eng, [[9]], max_tokens=4, seed=2)
+    short.result()
+    assert long.future.done() and eng.llm.max_running == 1  # the short call never joined the long one
 
 
 def test_a_weight_load_under_wait_waits_for_the_calls_in_flight_and_no_answer_mixes_versions(engine):
