@@ -75,7 +75,7 @@ from arctic_rl.server.engines.vllm_options import (
     engine_options,
     prompt_seeds,
 )
-from arctic_rl.server.engines.vllm_sleep import SleepRefused, fall_asleep
+from arctic_rl.server.engines.vllm_sleep import fall_asleep
 from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore, settle
 from arctic_rl.server.engines.weights import is_device_fault, vllm_worker_load, vllm_worker_weight_norm
 from arctic_rl.server.errors import BadRequest, Conflict
@@ -298,17 +298,15 @@ class VllmSamplingEngine:
         mem.synchronize()
         free_before = mem.free()
         t0 = time.perf_counter()
-        try:  # tried again when another process's allocation fails vLLM's check (.vllm_sleep)
-            attempts = fall_asleep(self.llm, level)
-        except SleepRefused:  # awake again; at level 2 the weights were dropped before the check failed
-            self.weights_discarded = self.weights_discarded or level == 2
-            raise
+        # At level 2 the weights are gone from here on, even when vLLM's check then refuses the sleep
+        # (awake again, without them): the next wake needs a /weight-sync either way.
+        self.weights_discarded = self.weights_discarded or level == 2
+        attempts = fall_asleep(self.llm, level)  # tried again when another process's allocation fails vLLM's check
         seconds = time.perf_counter() - t0
         freed = mem.free() - free_before
         released = mem.release_unused()  # generation's cached blocks: training allocates afresh, not on top of them
         self.sleeping = dict.fromkeys(_WAKE_TAGS, True)
         self.sleep_level = level
-        self.weights_discarded = self.weights_discarded or level == 2
         logger.info("vLLM sampler asleep (level %d): %.2f GB freed in %.2fs%s; %.2f GB of unused cached blocks released",
                     level, freed / 1e9, seconds, f" ({attempts} attempts)" if attempts > 1 else "",
                     released["allocator_released_bytes"] / 1e9)
