@@ -1,7 +1,7 @@
 """``benchmarks/device/server_calls.sh``: which of the reference server's log lines a GPU run brings back.
 
 The lines are the server's own formats (``arctic_rl/server``); a run's memory is lined up with them by time, so a
-checkpoint save and the process group's backend must be among them."""
+checkpoint save (with the memory it used while it ran) and the process group's backend must be among them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ KEPT = [
     "2026-12-06 07:57:33,054 INFO arctic_rl.server: step job=3 global_step=4 grad_norm=0.62 lr=2e-05 0.02s",
     "2026-12-06 07:57:33,119 INFO arctic_rl.server: weight-sync 3 -> [1] versions={1: 5} 0.03s",
     "2026-12-06 07:57:34,670 INFO arctic_rl.server: vLLM sampler asleep (level 1): 1.52 GB freed in 0.24s",
+    ("2026-12-06 07:57:39,299 INFO arctic_rl.server: save: the device's use rose by 772 MiB at most during the save "
+     "(772 MiB of it outside PyTorch's allocator, whose reserve rose by 0 MiB at most); 0 MiB left at its end"),
     "2026-12-06 07:57:39,300 INFO arctic_rl.server: save job=3 -> /ck/run/checkpoint-5 (step 5) 3.41s",
     "2026-12-06 07:58:00,000 INFO arctic_rl.server: load-checkpoint job=3 <- /ck/run/checkpoint-5 (step 5) 1.20s",
 ]

@@ -12,14 +12,18 @@ samplers' sleep and wake answers.
 nothing (the answers carry the fields, all 0). Tests inject their own (an engine's ``device_memory``).
 
 :meth:`DeviceMemory.grown_outside_allocator` measures what a span of work (the vLLM engine's start) left in use on the
-device that the allocator's figures cannot show.
+device that the allocator's figures cannot show; :meth:`DeviceMemory.watch` what a span used at its most while it
+ran (a thread reads the device every few milliseconds), and how much of that the allocator did not hold -- for
+work whose memory is gone by its end, such as a checkpoint save.
 
 What is not here: the engines' sleep and wake (:mod:`.vllm_sampler`, :mod:`.sampling`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +83,41 @@ class DeviceMemory:
         self.synchronize()
         free_before, reserved_before = mark
         return (free_before - int(self.free())) - (int(self.reserved()) - reserved_before)
+
+    @contextmanager
+    def watch(self, interval_s: float = 0.005) -> Iterator[dict[str, int]]:
+        """Around a span of work: the dict it yields is filled when the span ends, in bytes, with
+        ``grown_max`` (the most the device's use rose above its level at the start, from the drop in free memory),
+        ``grown_outside_allocator_max`` (the most of such a rise the caching allocator's reserve did not account
+        for), ``reserved_grown_max`` (the reserve's own largest rise) and ``grown_after`` (the rise left at the end).
+        A thread reads ``free()`` and ``reserved()`` every ``interval_s`` seconds, so a rise shorter than that can
+        be missed; the ends are read after ``synchronize()``."""
+        figures: dict[str, int] = {}
+        self.synchronize()
+        free0, reserved0 = int(self.free()), int(self.reserved())
+        peaks = {"grown_max": 0, "grown_outside_allocator_max": 0, "reserved_grown_max": 0}
+        stop = threading.Event()
+
+        def read() -> None:
+            grown, reserved_grown = free0 - int(self.free()), int(self.reserved()) - reserved0
+            peaks["grown_max"] = max(peaks["grown_max"], grown)
+            peaks["reserved_grown_max"] = max(peaks["reserved_grown_max"], reserved_grown)
+            peaks["grown_outside_allocator_max"] = max(peaks["grown_outside_allocator_max"], grown - reserved_grown)
+
+        def poll() -> None:
+            while not stop.wait(interval_s):
+                read()
+
+        reader = threading.Thread(target=poll, name="device-memory-watch", daemon=True)
+        reader.start()
+        try:
+            yield figures
+        finally:
+            stop.set()
+            reader.join()
+            self.synchronize()
+            read()
+            figures.update(peaks, grown_after=free0 - int(self.free()))
 
     def unchanged(self) -> dict[str, int]:
         """The same fields when nothing is released (nothing woke)."""
