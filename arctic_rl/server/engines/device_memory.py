@@ -93,8 +93,7 @@ class DeviceMemory:
         A thread reads ``free()`` and ``reserved()`` every ``interval_s`` seconds, so a rise shorter than that can
         be missed; the ends are read after ``synchronize()``."""
         figures: dict[str, int] = {}
-        self.synchronize()
-        free0, reserved0 = int(self.free()), int(self.reserved())
+        free0, reserved0 = self.mark()
         peaks = {"grown_max": 0, "grown_outside_allocator_max": 0, "reserved_grown_max": 0}
         stop = threading.Event()
 
