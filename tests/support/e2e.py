@@ -4,14 +4,15 @@
 Qwen3 built on the spot, train/val parquet files in verl's RL format and a reward-function file
 (``reward.custom_reward_function``). :func:`tiny_grpo_overrides` is the shrunk stock GRPO recipe the
 runs share, :func:`entry_point_env` the environment they run in, :func:`run_in_own_session` runs a
-command and stops all it started on a timeout, and :func:`parse_console_metrics` reads the per-step
-lines of verl's console logger back. :func:`run_recipe` puts these together (one verl run through the
-remote backend's entry point, its log kept, its metrics returned) and :func:`check_steps` checks what
-every run must have logged.
+command and stops all it started on a timeout, :func:`parse_console_metrics` reads the per-step lines
+of verl's console logger back and :func:`read_metrics_file` those of its file logger. :func:`run_recipe`
+puts these together (one verl run through the remote backend's entry point, its log kept, its metrics
+returned) and :func:`check_steps` checks what every run must have logged.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -75,6 +76,21 @@ def parse_console_metrics(text: str) -> dict[int, dict[str, float]]:
     return steps
 
 
+def read_metrics_file(path: Path) -> dict[int, dict[str, float]]:
+    """verl's file logger (``trainer.logger`` with ``file``; one JSON line ``{"step": N, "data": {...}}`` per step,
+    written unbuffered by the trainer's own process) -> {N: {key: value}} for the numeric values. Unlike the console
+    lines, which reach the driver through Ray's log streaming and may be cut off when the run ends, every step the
+    trainer logged is in the file."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        steps[int(record["step"])] = {key: float(value) for key, value in record["data"].items()
+                                      if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return steps
+
+
 def tiny_grpo_overrides(task: dict[str, Path], out: Path, *, steps: int = 2, response_length: int = 8,
                         lr: float = 1e-3, micro_batch: int = 2, save_freq: int = -1) -> list[str]:
     """A stock verl GRPO recipe shrunk to the tiny task: 2 prompts x n=2 per step, one mini-batch of 4
@@ -96,7 +112,7 @@ def tiny_grpo_overrides(task: dict[str, Path], out: Path, *, steps: int = 2, res
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         f"reward.custom_reward_function.path={task['reward']}",
-        "trainer.logger=[console]",
+        "trainer.logger=[console,file]",  # the file: every step's metrics (run_recipe reads them back)
         "trainer.val_before_train=False",
         f"trainer.total_training_steps={steps}",
         f"trainer.save_freq={save_freq}",
@@ -147,15 +163,21 @@ def run_recipe(overrides: Sequence[str], *, cwd: Path, timeout: float, name: str
     """Run ``python -m verl.remote_backend.main_ppo <overrides>`` in ``cwd`` (its own session, :func:`entry_point_env`
     plus ``env``), print the command and the wall time, keep the output in ``<cwd>/<name>.log`` and fail on a
     non-zero exit with the output's tail (and ``explain()``: a server's log, ...). Returns the metrics of each
-    step (:func:`parse_console_metrics`) and the whole output."""
+    step and the whole output: the metrics from verl's file logger (``<cwd>/<name>.metrics.jsonl``) when the run
+    logs to a file (:func:`tiny_grpo_overrides` does), else from its console lines."""
     cmd = entry_point_command(overrides)
     print(f"{name}: running:", " ".join(cmd), flush=True)
     start = time.monotonic()
-    returncode, output = run_in_own_session(cmd, cwd=cwd, env=entry_point_env(**(env or {})), timeout=timeout)
+    metrics_file = cwd / f"{name}.metrics.jsonl"
+    metrics_file.unlink(missing_ok=True)
+    run_env = entry_point_env(**{"VERL_FILE_LOGGER_PATH": str(metrics_file), **(env or {})})
+    returncode, output = run_in_own_session(cmd, cwd=cwd, env=run_env, timeout=timeout)
     log = cwd / f"{name}.log"
     log.write_text(output)
     print(f"{name}: exit {returncode}, wall time {time.monotonic() - start:.0f} s, log {log}", flush=True)
     assert returncode == 0, output[-6000:] + (f"\n{explain()}" if explain else "")
+    if metrics_file.exists():
+        return read_metrics_file(metrics_file), output
     return parse_console_metrics(output), output
 
 

@@ -186,7 +186,7 @@ def tinker_grpo_overrides(task: dict, out, url: str) -> list[str]:
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         f"reward.custom_reward_function.path={task['reward']}",
-        "trainer.logger=[console]",
+        "trainer.logger=[console,file]",
         "trainer.val_before_train=False",
         "trainer.total_training_steps=2",
         "trainer.save_freq=2",
