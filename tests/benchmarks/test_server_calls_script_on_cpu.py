@@ -18,7 +18,8 @@ KEPT = [
     "2026-12-06 07:57:33,119 INFO arctic_rl.server: weight-sync 3 -> [1] versions={1: 5} 0.03s",
     "2026-12-06 07:57:34,670 INFO arctic_rl.server: vLLM sampler asleep (level 1): 1.52 GB freed in 0.24s",
     ("2026-12-06 07:57:39,299 INFO arctic_rl.server: save: the device's use rose by 772 MiB at most during the save "
-     "(772 MiB of it outside PyTorch's allocator, whose reserve rose by 0 MiB at most); 0 MiB left at its end"),
+     "(772 MiB of it outside PyTorch's allocator, whose reserve rose by 0 MiB at most); 0 MiB left at its end; at its "
+     "start the allocator held 1024 MiB of freed blocks cached (in use on the device, not by tensors)"),
     "2026-12-06 07:57:39,300 INFO arctic_rl.server: save job=3 -> /ck/run/checkpoint-5 (step 5) 3.41s",
     "2026-12-06 07:58:00,000 INFO arctic_rl.server: load-checkpoint job=3 <- /ck/run/checkpoint-5 (step 5) 1.20s",
 ]

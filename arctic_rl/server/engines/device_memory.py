@@ -13,8 +13,10 @@ nothing (the answers carry the fields, all 0). Tests inject their own (an engine
 
 :meth:`DeviceMemory.grown_outside_allocator` measures what a span of work (the vLLM engine's start) left in use on the
 device that the allocator's figures cannot show; :meth:`DeviceMemory.watch` what a span used at its most while it
-ran (a thread reads the device every few milliseconds), and how much of that the allocator did not hold -- for
-work whose memory is gone by its end, such as a checkpoint save.
+ran (a thread reads the device every few milliseconds), how much of that the allocator did not hold, and what the
+allocator held unused when it began -- for work whose memory is gone by its end, such as a checkpoint save (on a GPU
+a save's own rise was 0; the 772 MiB seen around it were the optimizer step's freed blocks, still cached:
+benchmarks/RESULTS.md §2y).
 
 What is not here: the engines' sleep and wake (:mod:`.vllm_sampler`, :mod:`.sampling`).
 """
@@ -42,12 +44,14 @@ def _nothing() -> None:
 @dataclass(frozen=True)
 class DeviceMemory:
     """``reserved()``: bytes the caching allocator holds; ``free()``: bytes free on the device; ``empty_cache()``:
-    release the allocator's unused blocks; ``synchronize()``: wait for the device's work."""
+    release the allocator's unused blocks; ``synchronize()``: wait for the device's work; ``allocated()``: bytes of
+    the allocator's blocks in use by tensors."""
 
     reserved: Callable[[], int] = _zero
     free: Callable[[], int] = _zero
     empty_cache: Callable[[], None] = _nothing
     synchronize: Callable[[], None] = _nothing
+    allocated: Callable[[], int] = _zero
 
     @classmethod
     def of(cls, device: torch.device | str | None) -> DeviceMemory:
@@ -60,6 +64,7 @@ class DeviceMemory:
             free=lambda: int(torch.cuda.mem_get_info(device)[0]),
             empty_cache=torch.cuda.empty_cache,
             synchronize=lambda: torch.cuda.synchronize(device),
+            allocated=lambda: int(torch.cuda.memory_allocated(device)),
         )
 
     def release_unused(self) -> dict[str, int]:
@@ -89,11 +94,13 @@ class DeviceMemory:
         """Around a span of work: the dict it yields is filled when the span ends, in bytes, with
         ``grown_max`` (the most the device's use rose above its level at the start, from the drop in free memory),
         ``grown_outside_allocator_max`` (the most of such a rise the caching allocator's reserve did not account
-        for), ``reserved_grown_max`` (the reserve's own largest rise) and ``grown_after`` (the rise left at the end).
-        A thread reads ``free()`` and ``reserved()`` every ``interval_s`` seconds, so a rise shorter than that can
+        for), ``reserved_grown_max`` (the reserve's own largest rise), ``grown_after`` (the rise left at the end) and
+        ``unused_reserved_at_start`` (what the allocator held at the start beyond its tensors: freed blocks it keeps
+        cached, in use on the device before the span began, so no rise shows them). A thread reads ``free()`` and ``reserved()`` every ``interval_s`` seconds, so a rise shorter than that can
         be missed; the ends are read after ``synchronize()``."""
         figures: dict[str, int] = {}
         free0, reserved0 = self.mark()
+        unused0 = max(0, reserved0 - int(self.allocated()))
         peaks = {"grown_max": 0, "grown_outside_allocator_max": 0, "reserved_grown_max": 0}
         stop = threading.Event()
 
@@ -116,7 +123,7 @@ class DeviceMemory:
             reader.join()
             self.synchronize()
             read()
-            figures.update(peaks, grown_after=free0 - int(self.free()))
+            figures.update(peaks, grown_after=free0 - int(self.free()), unused_reserved_at_start=unused0)
 
     def unchanged(self) -> dict[str, int]:
         """The same fields when nothing is released (nothing woke)."""

@@ -3,7 +3,9 @@ layout of :mod:`arctic_rl.server.jobs.checkpoint`, and the Hugging Face export (
 
 On CUDA a save logs the device memory it used while it ran and how much of that PyTorch's caching allocator did not
 hold (:meth:`~arctic_rl.server.engines.device_memory.DeviceMemory.watch`): a save's memory is gone by its end, so
-neither the allocator's figures after it nor the job's memory report show it.
+neither the allocator's figures after it nor the job's memory report show it. The line also gives the freed blocks the
+allocator kept cached when the save began (after a ``/step``, DeepSpeed's flat fp32 gradient copy: in sync mode the
+sampler's next wake releases them, which a save delays).
 
 What is not here: the engine (:mod:`arctic_rl.server.engines.training`), paths and HTTP.
 """
@@ -46,8 +48,10 @@ def save_training(trainer: Any, ckpt: Path, *, export_hf: bool) -> dict[str, Any
     if on_cuda:
         mib = {key: value / 2**20 for key, value in seen.items()}
         logger.info("save: the device's use rose by %.0f MiB at most during the save (%.0f MiB of it outside PyTorch's "
-                    "allocator, whose reserve rose by %.0f MiB at most); %.0f MiB left at its end",
-                    mib["grown_max"], mib["grown_outside_allocator_max"], mib["reserved_grown_max"], mib["grown_after"])
+                    "allocator, whose reserve rose by %.0f MiB at most); %.0f MiB left at its end; at its start the "
+                    "allocator held %.0f MiB of freed blocks cached (in use on the device, not by tensors)",
+                    mib["grown_max"], mib["grown_outside_allocator_max"], mib["reserved_grown_max"], mib["grown_after"],
+                    mib["unused_reserved_at_start"])
     return {"path": str(ckpt), "hf_path": hf_path, "global_step": trainer.global_step}
 
 

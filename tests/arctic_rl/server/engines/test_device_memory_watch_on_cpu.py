@@ -1,5 +1,5 @@
-"""``DeviceMemory.watch``: the device memory a span of work used at its most, and the part of it PyTorch's
-caching allocator did not hold (no GPU here: ``free()`` and ``reserved()`` read a fake device that the span's work
+"""``DeviceMemory.watch``: the device memory a span of work used at its most, the part of it PyTorch's caching
+allocator did not hold, and the freed blocks the allocator kept cached when the span began (no GPU here: ``free()`` and ``reserved()`` read a fake device that the span's work
 changes while the watch's thread reads it)."""
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ MIB = 1 << 20
 
 
 class FakeDevice:
-    """80 GiB free at the start, 6 GiB reserved by the allocator; counts the reads of its free memory."""
+    """80 GiB free at the start, 6 GiB reserved by the allocator, 5 GiB of it in tensors; counts the reads of its free
+    memory."""
 
     def __init__(self) -> None:
-        self.free_bytes, self.reserved_bytes, self.reads = 80 << 30, 6 << 30, 0
+        self.free_bytes, self.reserved_bytes, self.allocated_bytes, self.reads = 80 << 30, 6 << 30, 5 << 30, 0
 
     def free(self) -> int:
         self.reads += 1
         return self.free_bytes
 
     def memory(self) -> DeviceMemory:
-        return DeviceMemory(reserved=lambda: self.reserved_bytes, free=self.free)
+        return DeviceMemory(reserved=lambda: self.reserved_bytes, free=self.free, allocated=lambda: self.allocated_bytes)
 
     def read_twice(self) -> None:
         """Wait until the watch's thread has read the device twice more (a loaded machine may delay it)."""
@@ -43,7 +44,7 @@ def test_a_transient_rise_outside_the_allocator_is_seen_though_it_is_gone_at_the
         dev.read_twice()
         dev.free_bytes += 252 * MIB
     assert seen == {"grown_max": 772 * MIB, "grown_outside_allocator_max": 772 * MIB, "reserved_grown_max": 0,
-                    "grown_after": 0}
+                    "grown_after": 0, "unused_reserved_at_start": 1 << 30}
 
 
 def test_a_rise_the_allocator_holds_is_not_counted_outside_it_and_what_stays_is_reported():
@@ -55,7 +56,18 @@ def test_a_rise_the_allocator_holds_is_not_counted_outside_it_and_what_stays_is_
         dev.free_bytes -= 100 * MIB  # and 100 MiB outside it, which stay
         dev.read_twice()
     assert seen == {"grown_max": 612 * MIB, "grown_outside_allocator_max": 100 * MIB,
-                    "reserved_grown_max": 512 * MIB, "grown_after": 612 * MIB}
+                    "reserved_grown_max": 512 * MIB, "grown_after": 612 * MIB, "unused_reserved_at_start": 1 << 30}
+
+
+def test_blocks_cached_before_the_span_show_as_unused_at_its_start_not_as_a_rise():
+    """What a GPU showed (benchmarks/RESULTS.md §2y): the optimizer step's freed blocks, still cached when a save
+    began, kept the device's use 772 MiB up during the save, which itself allocated nothing."""
+    dev = FakeDevice()
+    dev.allocated_bytes -= 772 * MIB  # the step freed its flat gradient copies; the allocator keeps the blocks
+    with dev.memory().watch(interval_s=0.002) as seen:
+        dev.read_twice()
+    assert seen["grown_max"] == seen["reserved_grown_max"] == seen["grown_after"] == 0
+    assert seen["unused_reserved_at_start"] == (1 << 30) + 772 * MIB
 
 
 def test_the_end_is_read_even_when_the_span_is_shorter_than_one_poll():
@@ -68,4 +80,5 @@ def test_the_end_is_read_even_when_the_span_is_shorter_than_one_poll():
 def test_on_a_cpu_device_every_figure_is_zero():
     with DeviceMemory.of(torch.device("cpu")).watch() as seen:
         torch.ones(1000).sum()
-    assert seen == {"grown_max": 0, "grown_outside_allocator_max": 0, "reserved_grown_max": 0, "grown_after": 0}
+    assert seen == {"grown_max": 0, "grown_outside_allocator_max": 0, "reserved_grown_max": 0, "grown_after": 0,
+                    "unused_reserved_at_start": 0}
