@@ -49,7 +49,7 @@ from tests.support.e2e import (
     build_task,
     entry_point_command,
     entry_point_env,
-    parse_console_metrics,
+    read_metrics_file,
     run_in_own_session,
     tiny_grpo_overrides,
 )
@@ -98,10 +98,16 @@ def final_weights(server_root: Path, run_dir: Path, step: int, *,
     return {k: v for k, v in state["module"].items() if isinstance(v, torch.Tensor)}
 
 
+def metrics_of(log: Path) -> Path:
+    """Where verl's file logger writes the metrics of the run whose output is ``log``."""
+    return log.with_suffix(".metrics.jsonl")
+
+
 def run(cmd: list[str], cwd: Path, log: Path, timeout: float = 1800) -> str:
     print("running:", " ".join(cmd), flush=True)
     t0 = time.monotonic()
-    returncode, output = run_in_own_session(cmd, cwd=cwd, env=entry_point_env(), timeout=timeout)
+    env = entry_point_env(VERL_FILE_LOGGER_PATH=str(metrics_of(log)))  # every step's metrics, also the last one's
+    returncode, output = run_in_own_session(cmd, cwd=cwd, env=env, timeout=timeout)
     log.write_text(output)
     print(f"exit {returncode} after {time.monotonic() - t0:.0f} s; log {log}", flush=True)
     assert returncode == 0, output[-6000:]
@@ -154,9 +160,10 @@ def faulted_run(server, cmd: list[str], tmp_path: Path) -> str:
     return faulted
 
 
-def check_matches_reference(server, tmp_path: Path, reference: str, faulted: str) -> None:
+def check_matches_reference(server, tmp_path: Path) -> None:
     """The faulted sync run against the undisturbed one: the same rollouts, rewards and losses, the same weights."""
-    want, got = parse_console_metrics(reference), parse_console_metrics(faulted)
+    want = read_metrics_file(metrics_of(tmp_path / "ref.log"))
+    got = read_metrics_file(metrics_of(tmp_path / "fault.log"))
     assert sorted(want) == sorted(got) == list(range(1, STEPS + 1))
     for step in want:  # the same rollouts, rewards and losses, step by step
         assert got[step]["training/global_step"] == want[step]["training/global_step"] == step
@@ -181,9 +188,9 @@ def check_matches_reference(server, tmp_path: Path, reference: str, faulted: str
     assert gap < 0.05 * per_step, (gap, per_step)
 
 
-def check_async_bookkeeping(faulted: str, trained_dir: Path) -> None:
+def check_async_bookkeeping(metrics_file: Path, trained_dir: Path) -> None:
     """The faulted async run: its steps, and verl's policy-version bookkeeping exact across the restart."""
-    steps = parse_console_metrics(faulted)
+    steps = read_metrics_file(metrics_file)
     assert sorted(steps) == list(range(1, STEPS + 1))
     worst = {}
     for step, metrics in steps.items():
@@ -218,13 +225,13 @@ def test_kill9_mid_run_recovers(tmp_path, mode):
     out = tmp_path / "fault"
     with running_server(tmp_path / "server") as server:
         if mode == "sync":
-            reference = run(command(task, tmp_path / "ref", server.url, STEPS), tmp_path, tmp_path / "ref.log")
+            run(command(task, tmp_path / "ref", server.url, STEPS), tmp_path, tmp_path / "ref.log")
             assert jobs(server) == {}
-        faulted = faulted_run(server, command(task, out, server.url, STEPS, *mode_overrides(mode, out)), tmp_path)
+        faulted_run(server, command(task, out, server.url, STEPS, *mode_overrides(mode, out)), tmp_path)
         if mode == "sync":
-            check_matches_reference(server, tmp_path, reference, faulted)
+            check_matches_reference(server, tmp_path)
         else:
-            check_async_bookkeeping(faulted, out / "trained")
+            check_async_bookkeeping(metrics_of(tmp_path / "fault.log"), out / "trained")
 
 
 def _default_sigint() -> None:

@@ -7,6 +7,8 @@ version 0, trained by the weights of version 1). verl's own bookkeeping says so 
 ``training/off_policy/trajectory_staleness*`` metrics; verl's decoupled rollout correction (token
 IS against the sampler's log-probs) corrects for it and logs ``rollout_corr/*``. The staleness
 bound is the remote-backend default (``max_off_policy_threshold=2``: one step of lag).
+verl's bypass mode works in the mode too: the sampler's log-probs stand for the old ones and no step
+runs an old-log-prob pass.
 
 The vendor's server (async, each weight sync fenced) and the fall-back to sync are
 tests/conformance/test_vendor_async_on_cpu.py; which servers run the mode, tests/remote_client/arctic/
@@ -79,3 +81,26 @@ def test_late_samples_are_dropped_and_counted(tmp_path):
     assert steps[3]["training/off_policy/evicted_samples"] >= 1
     assert 0 < steps[3]["training/off_policy/dropped_share"] < 1
     assert steps[3]["training/off_policy/evicted_samples_staleness/max"] == 3  # verl counts versions spanned
+
+
+def test_async_in_verls_bypass_mode_trains_lagged_batches_without_an_old_log_prob_pass(tmp_path):
+    """verl's bypass mode in the asynchronous mode (docs/ASYNC.md, "Correcting for the lag"): the sampler's own
+    log-probs stand for the old ones, so a step has no old-log-prob pass on the server, and the batch trained at step
+    2 is still one version old."""
+    task = build_task(tmp_path / "task")
+    overrides = [*tiny_grpo_overrides(task, tmp_path / "run", micro_batch=4), "remote_backend=arctic",
+                 "remote_backend.train.deepspeed.bf16=false", "trainer.v1.remote_backend.async_mode=true",
+                 "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.bypass_mode=true",
+                 "actor_rollout_ref.actor.entropy_coeff=0.01"]
+    steps, output = run_recipe(overrides, cwd=tmp_path, timeout=900)
+    check_steps(steps, [1, 2], ("actor/pg_loss", "actor/grad_norm", "training/off_policy/trajectory_staleness/max"))
+    assert "asynchronous remote mode on" in output
+    for metrics in steps.values():
+        assert metrics["training/off_policy/async_mode"] == 1.0
+        assert "timing_s/old_log_prob/server" not in metrics  # no old-log-prob pass on the server
+        assert metrics["actor/grad_norm"] > 0
+    assert steps[1]["training/off_policy/trajectory_staleness_worst/max"] == 0
+    assert steps[2]["training/off_policy/trajectory_staleness_worst/max"] == 1
+    server_log = "\n".join(p.read_text(errors="replace")
+                           for p in (tmp_path / "run" / "checkpoints" / "arctic_server").glob("*.log"))
+    assert server_log.count("forward job=") == 2  # the reference log-probs only (the KL loss): one /forward a step
