@@ -96,8 +96,9 @@ class DeviceMemory:
         ``grown_outside_allocator_max`` (the most of such a rise the caching allocator's reserve did not account
         for), ``reserved_grown_max`` (the reserve's own largest rise), ``grown_after`` (the rise left at the end) and
         ``unused_reserved_at_start`` (what the allocator held at the start beyond its tensors: freed blocks it keeps
-        cached, in use on the device before the span began, so no rise shows them). A thread reads ``free()`` and ``reserved()`` every ``interval_s`` seconds, so a rise shorter than that can
-        be missed; the ends are read after ``synchronize()``."""
+        cached, in use on the device before the span began, so no rise shows them). A thread reads ``free()`` and
+        ``reserved()`` every ``interval_s`` seconds, so a rise shorter than that can be missed; the ends are read after
+        ``synchronize()``."""
         figures: dict[str, int] = {}
         free0, reserved0 = self.mark()
         unused0 = max(0, reserved0 - int(self.allocated()))

@@ -1,6 +1,6 @@
 """``DeviceMemory.watch``: the device memory a span of work used at its most, the part of it PyTorch's caching
-allocator did not hold, and the freed blocks the allocator kept cached when the span began (no GPU here: ``free()`` and ``reserved()`` read a fake device that the span's work
-changes while the watch's thread reads it)."""
+allocator did not hold, and the freed blocks the allocator kept cached when the span began (no GPU here: ``free()``,
+``reserved()`` and ``allocated()`` read a fake device that the span's work changes while the watch's thread reads it)."""
 
 from __future__ import annotations
 
