@@ -1,6 +1,7 @@
 """``DeviceMemory.watch``: the device memory a span of work used at its most, the part of it PyTorch's caching
 allocator did not hold, and the freed blocks the allocator kept cached when the span began (no GPU here: ``free()``,
-``reserved()`` and ``allocated()`` read a fake device that the span's work changes while the watch's thread reads it)."""
+``reserved()`` and ``allocated()`` read a fake device that the span's work changes while the watch's thread reads
+it)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class FakeDevice:
         return self.free_bytes
 
     def memory(self) -> DeviceMemory:
-        return DeviceMemory(reserved=lambda: self.reserved_bytes, free=self.free, allocated=lambda: self.allocated_bytes)
+        return DeviceMemory(reserved=lambda: self.reserved_bytes, free=self.free,
+                            allocated=lambda: self.allocated_bytes)
 
     def read_twice(self) -> None:
         """Wait until the watch's thread has read the device twice more (a loaded machine may delay it)."""
