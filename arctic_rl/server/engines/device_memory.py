@@ -45,13 +45,15 @@ def _nothing() -> None:
 class DeviceMemory:
     """``reserved()``: bytes the caching allocator holds; ``free()``: bytes free on the device; ``empty_cache()``:
     release the allocator's unused blocks; ``synchronize()``: wait for the device's work; ``allocated()``: bytes of
-    the allocator's blocks in use by tensors."""
+    the allocator's blocks in use by tensors. ``on_device``: the functions read a device (``False`` for the CPU's,
+    which read 0: nothing to poll)."""
 
     reserved: Callable[[], int] = _zero
     free: Callable[[], int] = _zero
     empty_cache: Callable[[], None] = _nothing
     synchronize: Callable[[], None] = _nothing
     allocated: Callable[[], int] = _zero
+    on_device: bool = False
 
     @classmethod
     def of(cls, device: torch.device | str | None) -> DeviceMemory:
@@ -65,6 +67,7 @@ class DeviceMemory:
             empty_cache=torch.cuda.empty_cache,
             synchronize=lambda: torch.cuda.synchronize(device),
             allocated=lambda: int(torch.cuda.memory_allocated(device)),
+            on_device=True,
         )
 
     def release_unused(self) -> dict[str, int]:
@@ -97,8 +100,8 @@ class DeviceMemory:
         for), ``reserved_grown_max`` (the reserve's own largest rise), ``grown_after`` (the rise left at the end) and
         ``unused_reserved_at_start`` (what the allocator held at the start beyond its tensors: freed blocks it keeps
         cached, in use on the device before the span began, so no rise shows them). A thread reads ``free()`` and
-        ``reserved()`` every ``interval_s`` seconds, so a rise shorter than that can be missed; the ends are read after
-        ``synchronize()``."""
+        ``reserved()`` every ``interval_s`` seconds (only ``on_device``), so a rise shorter than that can be missed; the
+        ends are read after ``synchronize()``."""
         figures: dict[str, int] = {}
         free0, reserved0 = self.mark()
         unused0 = max(0, reserved0 - int(self.allocated()))
@@ -115,13 +118,15 @@ class DeviceMemory:
             while not stop.wait(interval_s):
                 read()
 
-        reader = threading.Thread(target=poll, name="device-memory-watch", daemon=True)
-        reader.start()
+        reader = threading.Thread(target=poll, name="device-memory-watch", daemon=True) if self.on_device else None
+        if reader is not None:
+            reader.start()
         try:
             yield figures
         finally:
             stop.set()
-            reader.join()
+            if reader is not None:
+                reader.join()
             self.synchronize()
             read()
             figures.update(peaks, grown_after=free0 - int(self.free()), unused_reserved_at_start=unused0)

@@ -31,8 +31,8 @@ def save_training(trainer: Any, ckpt: Path, *, export_hf: bool) -> dict[str, Any
     if trainer.pending:
         logger.warning("save: the gradients of a /forward-backward not closed by /step are not in the checkpoint")
     ckpt.parent.mkdir(parents=True, exist_ok=True)
-    on_cuda = trainer.device.type == "cuda"
-    with DeviceMemory.of(trainer.device).watch() as seen:
+    device_memory = DeviceMemory.of(trainer.device)
+    with device_memory.watch() as seen:
         trainer.engine.save_checkpoint(str(ckpt.parent), tag=ckpt.name, save_latest=False)
         ckpt_layout.save_rng_state(ckpt)
         marker = {"global_step": trainer.global_step, "model_name": trainer.config.model_name,
@@ -45,7 +45,7 @@ def save_training(trainer: Any, ckpt: Path, *, export_hf: bool) -> dict[str, Any
             trainer.model.save_pretrained(str(hf_dir), safe_serialization=True, state_dict=state)
             load_tokenizer(trainer.tokenizer_source).save_pretrained(str(hf_dir))
             hf_path = str(hf_dir)
-    if on_cuda:
+    if device_memory.on_device:
         mib = {key: value / 2**20 for key, value in seen.items()}
         logger.info("save: the device's use rose by %.0f MiB at most during the save (%.0f MiB of it outside PyTorch's "
                     "allocator, whose reserve rose by %.0f MiB at most); %.0f MiB left at its end; at its start the "

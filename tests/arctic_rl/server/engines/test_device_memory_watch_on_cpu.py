@@ -5,6 +5,7 @@ it)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -27,7 +28,7 @@ class FakeDevice:
 
     def memory(self) -> DeviceMemory:
         return DeviceMemory(reserved=lambda: self.reserved_bytes, free=self.free,
-                            allocated=lambda: self.allocated_bytes)
+                            allocated=lambda: self.allocated_bytes, on_device=True)
 
     def read_twice(self) -> None:
         """Wait until the watch's thread has read the device twice more (a loaded machine may delay it)."""
@@ -79,8 +80,9 @@ def test_the_end_is_read_even_when_the_span_is_shorter_than_one_poll():
     assert seen["grown_max"] == seen["grown_after"] == 64 * MIB
 
 
-def test_on_a_cpu_device_every_figure_is_zero():
+def test_on_a_cpu_device_every_figure_is_zero_and_nothing_polls():
     with DeviceMemory.of(torch.device("cpu")).watch() as seen:
         torch.ones(1000).sum()
+        assert not any(t.name == "device-memory-watch" for t in threading.enumerate())  # a CPU save: no thread
     assert seen == {"grown_max": 0, "grown_outside_allocator_max": 0, "reserved_grown_max": 0, "grown_after": 0,
                     "unused_reserved_at_start": 0}
