@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.e2e import build_task, check_steps, run_recipe, tiny_grpo_overrides
+from tests.support.e2e import build_task, bundled_server_log, check_steps, run_recipe, tiny_grpo_overrides
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -101,6 +101,5 @@ def test_async_in_verls_bypass_mode_trains_lagged_batches_without_an_old_log_pro
         assert metrics["actor/grad_norm"] > 0
     assert steps[1]["training/off_policy/trajectory_staleness_worst/max"] == 0
     assert steps[2]["training/off_policy/trajectory_staleness_worst/max"] == 1
-    server_log = "\n".join(p.read_text(errors="replace")
-                           for p in (tmp_path / "run" / "checkpoints" / "arctic_server").glob("*.log"))
+    server_log = bundled_server_log(tmp_path / "run")
     assert server_log.count("forward job=") == 2  # the reference log-probs only (the KL loss): one /forward a step

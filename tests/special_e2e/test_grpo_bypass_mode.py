@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.e2e import build_task, check_steps, run_recipe, tiny_grpo_overrides
+from tests.support.e2e import build_task, bundled_server_log, check_steps, run_recipe, tiny_grpo_overrides
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,8 +45,7 @@ def test_two_grpo_steps_with_the_bypass_mode_loss(tmp_path):
         assert 0 < metrics["actor/rollout_corr/rollout_is_max"] <= 2.0  # truncated at the threshold
         assert "actor/pg_clipfrac" not in metrics  # reinforce does not clip
         assert "timing_s/old_log_prob/server" not in metrics  # no old-log-prob pass on the server
-    server_log = "\n".join(p.read_text(errors="replace")
-                           for p in (tmp_path / "run" / "checkpoints" / "arctic_server").glob("*.log"))
+    server_log = bundled_server_log(tmp_path / "run")
     assert server_log.count("loss_fn=verl_bypass_mode") == 2 and "loss_fn=verl_grpo" not in server_log
     assert server_log.count("forward job=") == 2  # the reference log-probs only: one /forward a step
     assert "remote backend 'arctic' destroyed" in output

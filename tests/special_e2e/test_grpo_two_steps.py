@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.e2e import build_task, check_steps, run_recipe, tiny_grpo_overrides
+from tests.support.e2e import build_task, bundled_server_log, check_steps, run_recipe, tiny_grpo_overrides
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -103,9 +103,7 @@ def test_two_grpo_steps_on_the_reference_server(tmp_path, zorro):
                             r"\d+ not read by the backend \[[^\]]*\], (\d+) not tensors", output)
     assert update_read and "'advantages'" in update_read[1] and "'rm_scores'" not in update_read[1], update_read
     assert int(update_read[2]) > 0
-    server_logs = list((tmp_path / "run" / "checkpoints" / "arctic_server").glob("*.log"))
-    assert server_logs, "the local reference server wrote no log"
-    server_log = "\n".join(p.read_text(errors="replace") for p in server_logs)
+    server_log = bundled_server_log(tmp_path / "run")
     assert "loss_fn=verl_grpo" in server_log and "step job=" in server_log
     if zorro:
         assert "ZoRRO requested but not possible" not in server_log

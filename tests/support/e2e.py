@@ -7,7 +7,8 @@ runs share, :func:`entry_point_env` the environment they run in, :func:`run_in_o
 command and stops all it started on a timeout, :func:`parse_console_metrics` reads the per-step lines
 of verl's console logger back and :func:`read_metrics_file` those of its file logger. :func:`run_recipe`
 puts these together (one verl run through the remote backend's entry point, its log kept, its metrics
-returned) and :func:`check_steps` checks what every run must have logged.
+returned), :func:`check_steps` checks what every run must have logged and :func:`bundled_server_log` reads the
+logs of the server a run started.
 """
 
 from __future__ import annotations
@@ -179,6 +180,14 @@ def run_recipe(overrides: Sequence[str], *, cwd: Path, timeout: float, name: str
     if metrics_file.exists():
         return read_metrics_file(metrics_file), output
     return parse_console_metrics(output), output
+
+
+def bundled_server_log(run_out: Path) -> str:
+    """The logs of the reference server a run under ``run_out`` started itself (``remote_backend.server.url`` null;
+    it writes them under the run's ``checkpoints/arctic_server/``), as one text; fails when there are none."""
+    logs = sorted((run_out / "checkpoints" / "arctic_server").glob("*.log"))
+    assert logs, f"the local reference server wrote no log under {run_out}"
+    return "\n".join(p.read_text(errors="replace") for p in logs)
 
 
 def check_steps(steps: dict[int, dict[str, float]], expected: Sequence[int], keys: Sequence[str] = ()) -> None:
