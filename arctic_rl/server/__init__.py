@@ -33,8 +33,9 @@ module                                 what it is
 :mod:`.jobs.registry`                  jobs: ids, types, states, the per-job lock
 :mod:`.jobs.service`                   :class:`~.jobs.service.ServerState`: what each endpoint does, on which job
 :mod:`.jobs.checkpoint`                where a training job's checkpoints live, and their names
-:mod:`.jobs.setup_hold`               the samplers asleep while a training or log-prob job is built (start-up peak)
-:mod:`.jobs.sleep_gate`               a training or log-prob pass waits for a sampler sleep in progress
+:mod:`.jobs.setup_hold`                the samplers asleep while a training or log-prob job is built (start-up peak)
+:mod:`.jobs.background_setup`          a job's building and warm-up as one task: ``/initialize`` answers before the warm-up
+:mod:`.jobs.sleep_gate`                a training or log-prob pass waits for a sampler sleep in progress
 **engines/** -- one per job type
 :mod:`.engines.protocols`              what the server asks of a training, log-prob and sampling engine
 :mod:`.engines.batch`                  the validated batch an engine computes on (``ParsedBatch``)
@@ -44,7 +45,7 @@ module                                 what it is
 :mod:`.engines.config`                 ``ds_worker_config`` knobs and the DeepSpeed config
 :mod:`.engines.micro_metrics`          one call's metrics from those of its micro-batches
 :mod:`.engines.logprob_engine`         the forward-only log-prob engine (the reference policy)
-:mod:`.engines.warmup`                 a job's compile warm-up at creation, state left as it was
+:mod:`.engines.warmup`                 a job's compile warm-up after its creation, state left as it was
 :mod:`.engines.common`                 device, dtype, model loading, process group, no-grad log-probs of a batch
 :mod:`.engines.weights`                weight transfer between engines of one process (``/weight-sync``)
 :mod:`.engines.sampler_choice`         which sampler a server runs (``--sampler``)

@@ -56,6 +56,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
+        await state.setups.cancel()  # a warm-up still running (its thread ends with the process)
         state.shutdown()
 
     app = FastAPI(title=SERVER_NAME, version=arctic_rl.__version__, docs_url=None, redoc_url=None, lifespan=lifespan)

@@ -40,8 +40,9 @@ untouched; gradients are discarded (``None`` again); DeepSpeed's counters (steps
 backward count; ZeRO-1/2's gradient window: micro-step id, boundary flag, the accumulated gradient tensors), the
 ``/forward-backward``-pending flag, the torch RNG states (CPU and CUDA), the job's ZoRRO tuners and choice log
 (the warm-up uses its own untimed planners), the job's memory report (buffers, the last call's peak) and the
-process's device peak are restored. (The RNG is the process's: a job created while another job's calls draw on it
-would rewind those draws; jobs are created before verl's calls.) Its seconds are logged and
+process's device peak are restored. (The RNG and the peak are the process's: no other job's call runs meanwhile --
+the server runs the warm-up after ``/initialize`` has answered and holds every other compute call until it ends,
+:mod:`arctic_rl.server.jobs.background_setup`.) Its seconds are logged and
 reported in the job's info (``warm_up_s``). ``--warm-up`` (:data:`~arctic_rl.server.settings.WARM_UP_MODES`):
 ``auto`` runs it where ``torch.compile`` is in use (a training job whose model is compiled; a log_prob job once a
 training job has turned the compiled passes on, :func:`compiled_paths_on` -- created before one, it has nothing

@@ -57,6 +57,8 @@ class Job:
     #: set while the job admits ``/generate`` calls; cleared while its sampler sleeps for another job's building
     #: (:mod:`.setup_hold`): calls that arrive then wait instead of being refused
     admitting: asyncio.Event = field(default_factory=_set_event)
+    #: the job accepts calls but warms up before it runs them (:mod:`.background_setup`)
+    warming_up: bool = False
 
     def info(self) -> dict[str, Any]:
         """``GET /job/{id}`` (:class:`arctic_rl.protocol.JobInfo` plus engine details)."""
@@ -66,6 +68,7 @@ class Job:
             "model_name": self.config.model_name,
             "status": self.state,
             "running": self.state == JobState.RUNNING,
+            "warming_up": self.warming_up,
             "checkpoint_path": str(self.job_dir) if self.job_dir is not None else None,
             "created_at": self.created_at,
             "calls": self.calls,

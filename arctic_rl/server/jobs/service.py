@@ -19,6 +19,8 @@ Decisions documented here (and in ``docs/SERVER.md``):
   ``weight_version`` it ran on. A weight sync, sleep, wake or prefix-cache reset holds the job lock and runs in the
   engine between two steps: a sync waits for the calls in flight (or, under
   ``--in-flight-on-weight-load restart``, restarts them on the new weights), a sleep waits for them.
+* ``/initialize`` answers once the job's engine is built; its warm-up runs after, and the job's calls, the samplers
+  and every other job's compute calls wait for it (:mod:`arctic_rl.server.jobs.background_setup`).
 * A ``/forward`` or ``/forward-backward`` that arrives while a sampler falls asleep parses its batch, then waits for
   the sleep before its pass (:mod:`arctic_rl.server.jobs.sleep_gate`): no pass runs beside the KV cache it frees.
 """
@@ -53,6 +55,7 @@ from arctic_rl.server.errors import ApiError, BadRequest, Conflict, from_validat
 from arctic_rl.server.http.idempotency import IdempotencyCache
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import checkpoint as ckpt
+from arctic_rl.server.jobs.background_setup import BackgroundSetups
 from arctic_rl.server.jobs.registry import Job, JobRegistry, JobState
 from arctic_rl.server.jobs.setup_hold import samplers_asleep
 from arctic_rl.server.jobs.sleep_gate import SleepGate
@@ -113,6 +116,8 @@ class ServerState:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="arctic-job")
         #: the sampler sleeps running now; the passes wait for them (:mod:`arctic_rl.server.jobs.sleep_gate`)
         self.sleep_gate = SleepGate()
+        #: the jobs being built or warmed up (:mod:`arctic_rl.server.jobs.background_setup`)
+        self.setups = BackgroundSetups()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -123,6 +128,7 @@ class ServerState:
     async def run_on_job(self, job: Job, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread under ``job``'s lock (calls on one job run one at a time, in arrival
         order); a 400 if the job was destroyed while the call waited for the lock."""
+        await self.setups.idle()  # no pass beside a job's building or warm-up (.background_setup)
         async with job.lock:
             if self.jobs.get(job.job_id, running=False) is not job:  # destroyed while we waited
                 raise BadRequest(f"job {job.job_id} was destroyed", field="job_id", received=job.job_id)
@@ -171,9 +177,11 @@ class ServerState:
         return self.jobs.get(job_id, running=False).info()
 
     async def initialize(self, config: JobConfig) -> dict[str, Any]:
+        """Build the job, answer, then warm it up in the background (:mod:`arctic_rl.server.jobs.background_setup`)."""
         from arctic_rl.server.engines import create_engine
-        from arctic_rl.server.engines.warmup import warm_up
+        from arctic_rl.server.engines.warmup import warm_up, warm_up_wanted
 
+        await self.setups.idle()  # one job built or warming up at a time
         others = self.jobs.all()
         job_dir = None
         if config.job_type == JobType.TRAINING:
@@ -181,17 +189,28 @@ class ServerState:
         job = self.jobs.reserve(config, job_dir)
         logger.info("initialize: job %d (%s) from %s", job.job_id, job.job_type.value, config.model_name)
         t0 = time.perf_counter()
-        try:
+
+        async def setup(built: Callable[[], None]) -> None:
             async with job.lock, samplers_asleep(others, job.job_type, self._in_thread):
                 if job_dir is not None:
                     job_dir.mkdir(parents=True, exist_ok=True)
                 job.engine = await self._in_thread(create_engine, config, self.settings, job_dir)
-                await self._in_thread(warm_up, job.engine, self.settings)  # compiles before step 1
+                job.warming_up = warm_up_wanted(job.engine, self.settings)
                 job.state = JobState.RUNNING
+                built()
+                if job.warming_up:
+                    try:
+                        await self._in_thread(warm_up, job.engine, self.settings)  # compiles before step 1
+                    finally:
+                        job.warming_up = False
+
+        try:
+            await self.setups.run(job.job_id, setup)
         except BaseException:
             self.jobs.remove(job.job_id)
             raise
-        logger.info("initialize: job %d ready in %.1fs", job.job_id, time.perf_counter() - t0)
+        logger.info("initialize: job %d ready in %.1fs%s", job.job_id, time.perf_counter() - t0,
+                    "; its warm-up runs now, its calls wait for it" if job.warming_up else "")
         self._log_jobs()
         return {"job_id": job.job_id, "job_type": job.job_type.value, "running": True}
 
@@ -341,6 +360,7 @@ class ServerState:
             return {t.job_id: t.engine.load_weights(weights) for t in targets}
 
         t0 = time.perf_counter()
+        await self.setups.idle()  # no sync beside a job's building or warm-up (.background_setup)
         for job in ordered:  # fixed order: no deadlock with a concurrent sync
             await job.lock.acquire()
         try:

@@ -9,7 +9,8 @@ steps, benchmarks/RESULTS.md §2r), though no step ever holds both (in sync mode
 server trains).
 
 :func:`samplers_asleep` puts every awake sampling job to sleep (level 1: vLLM's weights to host memory, its KV cache
-freed) for the time a training or log-prob job is built, and wakes it afterwards. Nothing a client sees changes
+freed) for the time a training or log-prob job is built and warmed up (the warm-up runs after ``/initialize`` has
+answered: :mod:`.background_setup`), and wakes it afterwards. Nothing a client sees changes
 but the timing:
 
 * the sampling job's lock is held throughout, so a client's ``/sleep-inference``, ``/wake-inference`` or

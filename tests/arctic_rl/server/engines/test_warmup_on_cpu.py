@@ -295,7 +295,7 @@ def test_auto_warms_a_log_prob_job_once_the_process_runs_compiled_passes(model_d
 
 
 def test_a_job_warms_up_when_the_server_creates_it(model_dir, tmp_path, caplog):
-    """``/initialize`` (:meth:`ServerState.initialize`) runs the warm-up; the job's info reports its seconds."""
+    """``/initialize`` (:meth:`ServerState.initialize`) starts the warm-up; the job's info reports its seconds."""
     import asyncio
 
     from arctic_rl.server.jobs.service import ServerState
@@ -306,6 +306,7 @@ def test_a_job_warms_up_when_the_server_creates_it(model_dir, tmp_path, caplog):
                            ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
         job_id = (await state.initialize(config))["job_id"]
         try:
+            await state.setups.idle()  # the warm-up runs once /initialize has answered (jobs.background_setup)
             return state.job_info(job_id)
         finally:
             await state.destroy(job_id, None)
