@@ -61,7 +61,8 @@ class BackgroundSetups:
 
     async def run(self, job_id: int, setup: Setup) -> None:
         """Start ``setup`` as job ``job_id``'s background task and return once it calls ``built()``; an error
-        raised before that is raised here (the task ends with it). What it raises after is logged."""
+        raised before that is raised here (the task ends with it), and a caller cancelled before that cancels the
+        task. What it raises after is logged."""
         if job_id in self._tasks:
             raise RuntimeError(f"job {job_id} is being set up already")
         built: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -71,9 +72,15 @@ class BackgroundSetups:
                 built.set_result(None)
 
         self._event().clear()
-        self._tasks[job_id] = asyncio.get_running_loop().create_task(
-            self._run(job_id, setup, mark_built, built), name=f"setup of job {job_id}")
-        await asyncio.shield(built)  # a caller that goes away leaves the setup running
+        task = asyncio.get_running_loop().create_task(self._run(job_id, setup, mark_built, built),
+                                                      name=f"setup of job {job_id}")
+        self._tasks[job_id] = task
+        try:
+            await asyncio.shield(built)
+        except asyncio.CancelledError:  # the caller went away: a job still building goes with it, as it did before
+            if not built.done():
+                task.cancel()
+            raise
 
     async def _run(self, job_id: int, setup: Setup, mark_built: Callable[[], None], built: asyncio.Future) -> None:
         try:

@@ -213,3 +213,27 @@ def test_cancelling_the_setups_ends_them(caplog):
     with caplog.at_level("INFO", logger="arctic_rl.server"):
         assert asyncio.run(scenario()) == []
     assert "job 3: warm-up cancelled" in caplog.text
+
+
+def test_a_caller_that_goes_away_before_the_job_is_built_ends_its_setup():
+    async def scenario() -> tuple[bool, list[int]]:
+        setups = BackgroundSetups()
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def slow_build(built) -> None:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        caller = asyncio.create_task(setups.run(4, slow_build))
+        await started.wait()
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.wait_for(setups.idle(), 5)
+        return cancelled.is_set(), setups.running()
+
+    assert asyncio.run(scenario()) == (True, [])
