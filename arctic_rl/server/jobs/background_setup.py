@@ -56,8 +56,12 @@ class BackgroundSetups:
         return sorted(self._tasks)
 
     async def idle(self) -> None:
-        """Return once no job is being built or warmed up (at once when none is)."""
-        await self._event().wait()
+        """Return once no job is being built or warmed up (at once, without yielding, when none is). Checked again
+        after each wake-up: of two ``/initialize`` calls woken together, the first to run starts a setup and the
+        other waits for it."""
+        event = self._event()
+        while not event.is_set():
+            await event.wait()
 
     async def run(self, job_id: int, setup: Setup) -> None:
         """Start ``setup`` as job ``job_id``'s background task and return once it calls ``built()``; an error

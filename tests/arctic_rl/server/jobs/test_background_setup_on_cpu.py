@@ -237,3 +237,38 @@ def test_a_caller_that_goes_away_before_the_job_is_built_ends_its_setup():
         return cancelled.is_set(), setups.running()
 
     assert asyncio.run(scenario()) == (True, [])
+
+
+def test_two_setups_that_wait_together_run_one_after_the_other():
+    """Two ``/initialize`` calls that waited for the same setup: once it ends, one starts and the other waits again."""
+    async def scenario() -> list[str]:
+        setups = BackgroundSetups()
+        events: list[str] = []
+        first_done = asyncio.Event()
+
+        async def setup_of(name: str, hold: asyncio.Event | None):
+            async def setup(built) -> None:
+                events.append(f"{name} starts")
+                built()
+                if hold is not None:
+                    await hold.wait()
+                await asyncio.sleep(0.01)
+                events.append(f"{name} ends")
+            return setup
+
+        async def initialize(name: str, job_id: int) -> None:
+            await setups.idle()
+            await setups.run(job_id, await setup_of(name, None))
+
+        await setups.run(1, await setup_of("first", first_done))
+        waiting = [asyncio.create_task(initialize(name, i)) for i, name in ((2, "second"), (3, "third"))]
+        await asyncio.sleep(0.01)
+        first_done.set()
+        await asyncio.gather(*waiting)
+        await setups.idle()
+        return events
+
+    events = asyncio.run(scenario())
+    assert events[:2] == ["first starts", "first ends"]
+    assert sorted(events[2:]) == sorted(["second starts", "second ends", "third starts", "third ends"])
+    assert events[2].split()[0] == events[3].split()[0]  # the second setup started only after the other ended
