@@ -29,13 +29,44 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-__all__ = ["BackgroundSetups"]
+from arctic_rl.server.jobs.registry import Job, JobState
+from arctic_rl.server.jobs.setup_hold import RunInThread, samplers_asleep
+
+if TYPE_CHECKING:
+    from arctic_rl.server.settings import ServerSettings
+
+__all__ = ["BackgroundSetups", "job_setup"]
 
 logger = logging.getLogger("arctic_rl.server")
 
 #: a job's setup: builds the engine, calls ``built()`` once the job accepts calls, then warms it up
 Setup = Callable[[Callable[[], None]], Awaitable[None]]
+
+
+def job_setup(job: Job, others: list[Job], settings: ServerSettings, run: RunInThread) -> Setup:
+    """``job``'s setup, for :meth:`BackgroundSetups.run`: under the job's lock and with the samplers among
+    ``others`` asleep (:func:`~.setup_hold.samplers_asleep`), build its engine, mark it running and built, then warm it
+    up where the settings want that (``run(fn, *args)`` runs a blocking call in a worker thread)."""
+    from arctic_rl.server.engines import create_engine
+    from arctic_rl.server.engines.warmup import warm_up, warm_up_wanted
+
+    async def setup(built: Callable[[], None]) -> None:
+        async with job.lock, samplers_asleep(others, job.job_type, run):
+            if job.job_dir is not None:
+                job.job_dir.mkdir(parents=True, exist_ok=True)
+            job.engine = await run(create_engine, job.config, settings, job.job_dir)
+            job.warming_up = warm_up_wanted(job.engine, settings)
+            job.state = JobState.RUNNING
+            built()
+            if job.warming_up:
+                try:
+                    await run(warm_up, job.engine, settings)  # compiles before step 1
+                finally:
+                    job.warming_up = False
+
+    return setup
 
 
 class BackgroundSetups:

@@ -55,9 +55,8 @@ from arctic_rl.server.errors import ApiError, BadRequest, Conflict, from_validat
 from arctic_rl.server.http.idempotency import IdempotencyCache
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import checkpoint as ckpt
-from arctic_rl.server.jobs.background_setup import BackgroundSetups
-from arctic_rl.server.jobs.registry import Job, JobRegistry, JobState
-from arctic_rl.server.jobs.setup_hold import samplers_asleep
+from arctic_rl.server.jobs.background_setup import BackgroundSetups, job_setup
+from arctic_rl.server.jobs.registry import Job, JobRegistry
 from arctic_rl.server.jobs.sleep_gate import SleepGate
 from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
@@ -178,9 +177,6 @@ class ServerState:
 
     async def initialize(self, config: JobConfig) -> dict[str, Any]:
         """Build the job, answer, then warm it up in the background (:mod:`arctic_rl.server.jobs.background_setup`)."""
-        from arctic_rl.server.engines import create_engine
-        from arctic_rl.server.engines.warmup import warm_up, warm_up_wanted
-
         await self.setups.idle()  # one job built or warming up at a time
         others = self.jobs.all()
         job_dir = None
@@ -189,23 +185,8 @@ class ServerState:
         job = self.jobs.reserve(config, job_dir)
         logger.info("initialize: job %d (%s) from %s", job.job_id, job.job_type.value, config.model_name)
         t0 = time.perf_counter()
-
-        async def setup(built: Callable[[], None]) -> None:
-            async with job.lock, samplers_asleep(others, job.job_type, self._in_thread):
-                if job_dir is not None:
-                    job_dir.mkdir(parents=True, exist_ok=True)
-                job.engine = await self._in_thread(create_engine, config, self.settings, job_dir)
-                job.warming_up = warm_up_wanted(job.engine, self.settings)
-                job.state = JobState.RUNNING
-                built()
-                if job.warming_up:
-                    try:
-                        await self._in_thread(warm_up, job.engine, self.settings)  # compiles before step 1
-                    finally:
-                        job.warming_up = False
-
         try:
-            await self.setups.run(job.job_id, setup)
+            await self.setups.run(job.job_id, job_setup(job, others, self.settings, self._in_thread))
         except BaseException:
             self.jobs.remove(job.job_id)
             raise
