@@ -4,7 +4,7 @@ Real jobs in a real :class:`ServerState` (tiny Qwen3, the ``transformers`` sampl
 warm-up): only the warm-up's start is held on an event, so that the test decides when it may run. While it is
 held, ``/initialize`` has answered, the job says ``warming_up``, and the calls that must wait -- the job's own
 ``/forward-backward``, another job's ``/forward``, the sampler's ``/generate`` and a ``/weight-sync`` -- wait; once
-it ends they run, and their answers are those of a server that warmed up inside ``/initialize``.
+it ends they run, and their answers are those of a server whose warm-up had ended before they were sent.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def test_initialize_answers_before_the_warm_up_and_the_calls_that_must_wait_wait
     assert out["info"]["warming_up"] is False and out["info"]["warm_up_s"] > 0 and out["sampler_awake"]
     assert out["answers"]["generate"]["results"][0]["generation_len"] == 3
 
-    # the same /forward-backward on a server whose warm-up ran inside /initialize: the same loss and gradients
+    # the same /forward-backward sent to a server once its warm-up had ended: the same loss and gradients
     monkeypatch.setattr(warmup, "warm_up", REAL_WARM_UP)
 
     async def reference(state: ServerState) -> dict[str, Any]:
