@@ -59,12 +59,13 @@ def job_setup(job: Job, others: list[Job], settings: ServerSettings, run: RunInT
             job.engine = await run(create_engine, job.config, settings, job.job_dir)
             job.warming_up = warm_up_wanted(job.engine, settings)
             job.state = JobState.RUNNING
-            built()
             if job.warming_up:
+                built()  # answer now; the samplers wake once the warm-up has ended
                 try:
                     await run(warm_up, job.engine, settings)  # compiles before step 1
                 finally:
                     job.warming_up = False
+        built()  # no warm-up: answered once the samplers are awake again, as before
 
     return setup
 
