@@ -27,20 +27,27 @@ def make_model(arch: str, attn: str = "sdpa", seed: int = 0, **overrides) -> tor
 
 
 def make_batch(
-    num_prompts: int, n: int, prompt_len: int, resp_len: int, *, seed: int = 0, shuffle: bool = False
+    num_prompts: int, n: int, prompt_len: int, resp_len: int, *, seed: int = 0, shuffle: bool = False,
+    same_prompt: dict[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[left-padded prompt | right-padded response]`` rows, ``n`` adjacent rows per prompt.
 
     Prompt lengths vary in ``1..P`` (the first prompt is full width); response lengths vary in
-    ``0..R`` and the first row of each group has an empty (fully padded) response.
+    ``0..R`` and the first row of each group has an empty (fully padded) response. ``same_prompt``
+    maps a group to an earlier one whose prompt it draws again (as GRPO groups of a batch may).
     """
     g = torch.Generator().manual_seed(seed)
     b, t = num_prompts * n, prompt_len + resp_len
     ids = torch.zeros(b, t, dtype=torch.long)
     mask = torch.zeros(b, t, dtype=torch.long)
+    drawn: list[torch.Tensor] = []
     for u in range(num_prompts):
         plen = prompt_len if u == 0 else int(torch.randint(1, prompt_len + 1, (1,), generator=g))
         prompt = torch.randint(3, VOCAB, (plen,), generator=g)
+        if same_prompt and u in same_prompt:
+            prompt = drawn[same_prompt[u]]
+            plen = prompt.numel()
+        drawn.append(prompt)
         for k in range(n):
             row = u * n + k
             ids[row, prompt_len - plen : prompt_len] = prompt

@@ -69,9 +69,11 @@ class PassState:
     prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     #: response pass: row -> unique prompt (``None`` when every row is its own prompt, in order)
     rows: torch.Tensor | None = None
-    #: response pass with grouped attention: rows per prompt and the block mask shared by all layers
+    #: response pass with grouped attention: rows per group and the block mask shared by all layers
     group_size: int = 0
     block_mask: object | None = None
+    #: grouped attention: group -> unique prompt (``None`` when group ``u`` is prompt ``u``)
+    group_prompt: torch.Tensor | None = None
 
 
 _STATE = threading.local()
@@ -127,6 +129,9 @@ def _make_wrapper(base: str):
             unsupported = [k for k in ("dropout", "softcap", "sliding_window", "s_aux") if kwargs.get(k)]
             if unsupported:  # features the grouped pass does not implement: zorro_forward falls back
                 raise ZorroUnsupportedError(f"the grouped response pass does not implement {unsupported}")
+            if state.group_prompt is not None:  # U -> groups; index_select's backward sums a prompt's copies
+                prompt_key = prompt_key.index_select(0, state.group_prompt)
+                prompt_value = prompt_value.index_select(0, state.group_prompt)
             return zorro_flex.grouped_attention(query, key, value, prompt_key, prompt_value,
                                                 group_size=state.group_size, block_mask=state.block_mask,
                                                 scaling=kwargs.get("scaling"))

@@ -3,9 +3,10 @@
 :mod:`arctic_rl.server.zorro.forward` runs a batch's unique prompts once and then its responses against them. Its
 response pass has two forms, chosen process-wide by :func:`set_response_attention`: ``expand`` (in
 :mod:`~arctic_rl.server.zorro.forward`: each prompt's keys and values copied to its rows, any kernel) and ``flex``,
-which lives here -- for batches whose prompts all have ``n`` rows, each prompt's ``n*R`` response queries
-attend to ``[its P keys | the group's own n*R keys]`` through FlexAttention (compiled on a GPU) with a block
-mask that skips the blocks no query may see (:func:`group_block_mask`, :func:`grouped_attention`).
+which lives here -- the rows, sorted by prompt, form groups of ``n`` rows of one prompt (``n`` divides every
+prompt's row count), and each group's ``n*R`` response queries attend to ``[its prompt's P keys | the group's
+own n*R keys]`` through FlexAttention (compiled on a GPU) with a block mask that skips the blocks no query may
+see (:func:`group_block_mask`, :func:`grouped_attention`).
 
 The compiled kernels are built when first used, the backward inside ``loss.backward()`` where no fallback
 can reach it, so :func:`flex_failure` builds both once per head layout, device and dtype before the first
@@ -41,11 +42,12 @@ def set_response_attention(kind: str, *, compiled: bool = True) -> None:
     ``expand`` (the default): each layer copies its prompt keys and values to the ``B`` rows
     (``index_select``) in front of the responses' own and runs the model's attention with a
     ``[B, 1, R, P+R]`` mask -- any device, any kernel, but two copies of ``B*P`` keys and values per
-    layer and a dense masked attention. ``flex``: for batches whose prompts all have the same number
-    of rows ``n``, each prompt's ``n*R`` response queries attend to ``[its P prompt keys | the group's
-    n*R response keys]`` through FlexAttention with a block mask (prompt padding, and per row causal
-    over its own response): no copies of the prompt and fully masked blocks skipped (other batches,
-    and CPU passes that need gradients -- FlexAttention has no CPU backward -- take ``expand``). ``compiled``
+    layer and a dense masked attention. ``flex``: the rows form groups of ``n`` rows of one prompt (``n``
+    the greatest common divisor of the prompts' row counts), and each group's ``n*R`` response queries
+    attend to ``[its prompt's P keys | the group's n*R response keys]`` through FlexAttention with a block
+    mask (prompt padding, and per row causal over its own response): no copies of the prompt (but one per
+    extra group of a prompt) and fully masked blocks skipped (CPU passes that need gradients --
+    FlexAttention has no CPU backward -- take ``expand``). ``compiled``
     runs FlexAttention through ``torch.compile`` (what makes it fast; the reference server uses it
     on CUDA when the model is compiled); uncompiled it is a slow reference used by the CPU tests.
     """
@@ -124,13 +126,13 @@ def _round_up(x: int, block: int = _FLEX_BLOCK) -> int:
 def group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, p: int, r: int, *, compiled: bool):
     """FlexAttention block mask of the grouped response pass.
 
-    Batch ``u`` is one prompt; its queries are its ``n`` rows' responses back to back (``n*R``,
+    Batch ``u`` is one group of ``n`` rows of one prompt; its queries are the rows' responses back to back (``n*R``,
     padded to a block multiple); its keys are ``[prompt (P, padded to P') | those responses (n*R) |
     padding]``. Query ``q`` (row ``q // R``, position ``q % R``) sees a prompt key that is not
     padding, and a response key of its own row at a position ``<=`` its own that is not padding --
     the plain pass's causal mask, row by row. Padding queries see the prompt (their output is dropped).
     ``compiled`` builds it block by block in a compiled kernel (uncompiled, the whole
-    ``U x Q x KV`` boolean mask would be materialised first: gigabytes for long responses).
+    ``groups x Q x KV`` boolean mask would be materialised first: gigabytes for long responses).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -158,7 +160,8 @@ def group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, p
 def grouped_attention(query, key, value, prompt_key, prompt_value, *, group_size: int, block_mask: object,
                       scaling: float | None):
     """One attention layer of the grouped response pass: ``[B, H, R, D]`` queries of rows sorted by prompt,
-    ``group_size`` rows a prompt, against ``[U, kv_heads, P, D]`` prompt keys and values and the rows' own
+    ``group_size`` rows a group, against ``[B/group_size, kv_heads, P, D]`` prompt keys and values (each group's
+    prompt's) and the rows' own
     ``[B, kv_heads, R, D]`` ones, under ``block_mask`` (:func:`group_block_mask`) -> ``[B, R, H, D]``, as
     ``transformers``' attention functions return it (with ``None`` attention weights)."""
     batch, heads, r, dim = query.shape
@@ -170,7 +173,7 @@ def grouped_attention(query, key, value, prompt_key, prompt_value, *, group_size
     kv_extra = _round_up(p + p_extra + width) - (p + p_extra + width)
     q_extra = _round_up(width) - width
 
-    def grouped(t: torch.Tensor) -> torch.Tensor:  # [B, h, R, D] -> [U, h, n*R, D]
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [B, h, R, D] -> [groups, h, n*R, D]
         return t.reshape(groups, n, t.shape[1], r, dim).transpose(1, 2).reshape(groups, t.shape[1], width, dim)
 
     def keys_of(prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # [prompt | pad | responses | pad]

@@ -26,11 +26,13 @@ wrapper's graph breaks).
 Step 3-4 have two forms (:func:`arctic_rl.server.zorro.flex.set_response_attention`). ``expand`` --
 the default, any device, any kernel -- copies each prompt's keys and values to its rows as described.
 ``flex`` -- what the reference server uses on a GPU with ``torch.compile``; its kernel, probe and
-block mask are in :mod:`arctic_rl.server.zorro.flex` -- copies nothing: for batches whose prompts
-all have ``n`` rows, each prompt's ``n*R`` response queries attend to ``[its P keys | the group's
-own n*R keys]`` through a compiled FlexAttention kernel with a block mask that skips the blocks
-no query may see. On an H200 this made ZoRRO 1.60x -> 1.97x the plain pass at 32 rows
-(``benchmarks/RESULTS.md``). Should FlexAttention fail to build a kernel, the pass falls back to
+block mask are in :mod:`arctic_rl.server.zorro.flex` -- copies nothing: the rows, sorted by prompt, form
+groups of ``n`` (the greatest common divisor of the prompts' row counts: a GRPO batch's ``rollout_n``,
+also when two of its groups drew the same prompt), and each group's ``n*R`` response queries attend to
+``[its prompt's P keys | the group's own n*R keys]`` through a compiled FlexAttention kernel with a
+block mask that skips the blocks no query may see (a prompt of several groups lends them its keys
+through an ``index_select``, which sums their gradients). On an H200 this made ZoRRO 1.60x -> 1.97x
+the plain pass at 32 rows (``benchmarks/RESULTS.md``). Should FlexAttention fail to build a kernel, the pass falls back to
 ``expand`` (with a warning) for the rest of the process.
 
 Why not ``transformers``' ``DynamicCache``: a cache update reads each attention module's
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -272,15 +275,11 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
     eager = attention_base(model) == "eager"
     some_key = next(iter(prompt.collected.values()))[0]
     counts = torch.bincount(groups_cpu, minlength=num_unique)
-    n = int(counts[0]) if num_unique else 0
+    # rows per group of the grouped pass: a prompt with k*n rows (one that several GRPO groups drew) is k groups
+    n = math.gcd(*counts.tolist()) if num_unique else 0
     # FlexAttention has no CPU backward: on CPU the grouped path runs only without gradients
     kind, compiled = zorro_flex.response_attention()
-    grouped = (
-        kind == "flex"
-        and n > 0
-        and bool((counts == n).all())
-        and (device.type != "cpu" or not torch.is_grad_enabled())
-    )
+    grouped = kind == "flex" and n > 0 and (device.type != "cpu" or not torch.is_grad_enabled())
     if grouped and compiled:
         config = unwrap_model(model).config
         heads = int(config.num_attention_heads)
@@ -295,11 +294,16 @@ def _zorro_passes(model, input_ids, attention_mask, position_ids, p: int) -> Zor
         if not torch.equal(order_cpu, torch.arange(batch)):  # (GRPO batches usually come sorted)
             order = order_cpu.to(device, non_blocking=True)
             ids, mask2d, positions = (t.index_select(0, order) for t in (input_ids, attention_mask, position_ids))
-        state = PassState(prompt_kv=prompt.collected, group_size=n)
+        prompt_valid = attention_mask[:, :p].index_select(0, unique_rows).bool()
+        group_prompt = None  # group -> unique prompt, where a prompt has several groups
+        if bool((counts != n).any()):
+            group_prompt = torch.repeat_interleave(torch.arange(num_unique), counts // n).to(device, non_blocking=True)
+            prompt_valid = prompt_valid.index_select(0, group_prompt)
+        state = PassState(prompt_kv=prompt.collected, group_size=n, group_prompt=group_prompt)
         try:
             state.block_mask = zorro_flex.group_block_mask(
-                attention_mask[:, :p].index_select(0, unique_rows).bool(),
-                mask2d[:, p:].bool().reshape(num_unique, n * r),
+                prompt_valid,
+                mask2d[:, p:].bool().reshape(batch // n, n * r),
                 p,
                 r,
                 compiled=compiled,

@@ -167,13 +167,33 @@ def test_flex_response_attention_equals_plain_pass(arch, attn, layout, flex_resp
     assert len(calls) == model.config.num_hidden_layers  # every layer took the grouped path
     assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
     assert rel_err(zorro.entropy, plain.entropy) <= RTOL
-    # unequal groups (and CPU passes with gradients) take the expanding path instead
+    # CPU passes with gradients take the expanding path instead
     calls.clear()
-    ids, mask, pos = make_batch(2, 3, 7, 6, seed=9)
-    with torch.no_grad():
-        uneven = response_logprobs(model, ids[:5], mask[:5], pos[:5], 7, zorro=True)
-        want = response_logprobs(model, ids[:5], mask[:5], pos[:5], 7)
-    assert not calls and rel_err(uneven.logprobs, want.logprobs) <= RTOL
+    with_grad = response_logprobs(model, *batch, 7, temperature=0.7, zorro=True)
+    assert not calls and rel_err(with_grad.logprobs, plain.logprobs) <= RTOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flex_groups_prompts_with_unequal_row_counts(arch, flex_response_attention, monkeypatch):
+    """Prompts with different row counts still take the grouped pass, in groups of the counts' greatest common
+    divisor: a prompt that two GRPO groups drew (6, 3, 3 rows: groups of 3, the first prompt's keys lent to two
+    groups) and counts with no common divisor (3 and 2 rows: groups of one row)."""
+    sizes = []
+    real = zorro_flex.grouped_attention
+    monkeypatch.setattr(zorro_flex, "grouped_attention",
+                        lambda *a, **k: sizes.append((a[3].shape[0], k["group_size"])) or real(*a, **k))
+    model = make_model(arch, "sdpa").eval()
+    repeated = make_batch(4, 3, 7, 6, seed=5, shuffle=True, same_prompt={2: 0})
+    coprime = tuple(t[:5] for t in make_batch(2, 3, 7, 6, seed=9))
+    for batch, unique, groups in ((repeated, 3, (4, 3)), (coprime, 2, (5, 1))):
+        sizes.clear()
+        with torch.no_grad():
+            plain = response_logprobs(model, *batch, 7, temperature=0.7, calculate_entropy=True)
+            zorro = response_logprobs(model, *batch, 7, temperature=0.7, calculate_entropy=True, zorro=True)
+        assert zorro.unique_prompts == unique
+        assert sizes == [groups] * model.config.num_hidden_layers  # every layer took the grouped path, so grouped
+        assert rel_err(zorro.logprobs, plain.logprobs) <= RTOL
+        assert rel_err(zorro.entropy, plain.entropy) <= RTOL
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -218,7 +238,6 @@ def test_gradient_checkpointing_is_refused_and_falls_back(caplog):
     batch = make_batch(2, 3, 5, 4, seed=7)
     expected = response_logprobs(model, *batch, 5)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
     assert "gradient checkpointing" in zorro_unsupported_reason(model)
     with pytest.raises(ZorroUnsupportedError, match="gradient checkpointing"):
         zorro_forward(model, *batch, 5)

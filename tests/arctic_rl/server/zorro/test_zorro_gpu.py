@@ -48,7 +48,8 @@ SHAPES = {"aligned": (128, 64), "ragged": (40, 24)}
 @pytest.mark.parametrize(
     "arch, layout, shape, compile_layers",
     [(arch, "groups_of_4", "aligned", False) for arch in ARCHS]
-    + [("qwen3", "groups_of_4", "ragged", False), ("qwen3", "non_adjacent", "ragged", True)],
+    + [("qwen3", "groups_of_4", "ragged", False), ("qwen3", "non_adjacent", "ragged", True),
+       ("qwen3", "repeated_prompt", "ragged", True)],
 )
 def test_flex_response_pass_matches_plain_with_gradients(arch, layout, shape, compile_layers, flex_compiled,
                                                          monkeypatch):
@@ -56,9 +57,11 @@ def test_flex_response_pass_matches_plain_with_gradients(arch, layout, shape, co
     real = zorro_flex.grouped_attention
     monkeypatch.setattr(zorro_flex, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch._dynamo.reset()
-    spec = LAYOUTS[layout]
+    # repeated_prompt: two of four groups drew the same prompt (6, 3, 3 rows: its keys lent to two groups of 3)
+    spec = LAYOUTS.get(layout, {"num_prompts": 4, "n": 3, "shuffle": True, "same_prompt": {2: 0}})
     prompt_len, resp_len = SHAPES[shape]
-    batch = make_batch(spec["num_prompts"], spec["n"], prompt_len, resp_len, seed=3, shuffle=spec["shuffle"])
+    batch = make_batch(spec["num_prompts"], spec["n"], prompt_len, resp_len, seed=3, shuffle=spec["shuffle"],
+                       same_prompt=spec.get("same_prompt"))
     batch = tuple(t.cuda() for t in batch)
     # FlexAttention's GPU kernels want head_dim >= 16
     model = make_model(arch, "sdpa", hidden_size=128, head_dim=32).cuda()
