@@ -18,7 +18,11 @@ times both passes and keeps the faster:
    The measuring is bounded: at most ``max_trial_calls`` calls (default ``2 * (trials + 1)``, what the
    alternation needs) are chosen while measuring -- counted when chosen, so calls that fail or are not timed
    count too. A job that reaches the cap settles on the samples it has (the faster median; ZoRRO, the token
-   rule's verdict, when a pass has none). So the slower pass runs at most ``trials + 1`` of a job's first calls,
+   rule's verdict, when a pass has none). It also ends as soon as each pass has one timed call and one pass
+   took ``decisive`` times the other's time or more (default :data:`DEFAULT_DECISIVE`): more samples would not
+   change such a verdict, and each would run the slow pass once more (on one H100, the plain pass of a
+   few-shot ``/forward-backward`` took 6.7 s against ZoRRO's 1.5, ``benchmarks/RESULTS.md`` §2z). So the
+   slower pass runs at most ``trials + 1`` of a job's first calls -- twice where it is that much slower --
    and one call in ``recheck_every`` after that; ``max_trial_calls=0`` skips the measuring (ZoRRO's pass).
 2. *Settled*: every call takes the pass with the lower median. Every ``recheck_every``-th call
    after that re-times the other pass once (its oldest sample is replaced), so a job whose shapes
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 
 from arctic_rl.server.zorro.rule import ZorroChoice
 
-__all__ = ["DEFAULT_RECHECK_EVERY", "DEFAULT_TRIALS", "ZorroTuner", "default_max_trial_calls"]
+__all__ = ["DEFAULT_DECISIVE", "DEFAULT_RECHECK_EVERY", "DEFAULT_TRIALS", "ZorroTuner", "default_max_trial_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TRIALS = 2
 #: once settled, every this many calls re-time the other pass once
 DEFAULT_RECHECK_EVERY = 25
+#: a pass this many times slower than the other on their first timed calls ends the measuring at once
+DEFAULT_DECISIVE = 2.0
 
 
 def default_max_trial_calls(trials: int) -> int:
@@ -71,7 +77,7 @@ class ZorroTuner:
 
     def __init__(
         self, job: str, call: str, *, trials: int = DEFAULT_TRIALS, recheck_every: int = DEFAULT_RECHECK_EVERY,
-        max_trial_calls: int | None = None,
+        max_trial_calls: int | None = None, decisive: float | None = DEFAULT_DECISIVE,
     ) -> None:
         if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
             raise ValueError(f"trials: expected an integer >= 0 (0 = no timing, ZoRRO whenever it pays), got {trials!r}")
@@ -81,6 +87,10 @@ class ZorroTuner:
             max_trial_calls = default_max_trial_calls(trials)
         if isinstance(max_trial_calls, bool) or not isinstance(max_trial_calls, int) or max_trial_calls < 0:
             raise ValueError(f"max_trial_calls: expected an integer >= 0, got {max_trial_calls!r}")
+        if decisive is not None and (isinstance(decisive, bool) or not isinstance(decisive, (int, float))
+                                     or not decisive > 1.0):
+            raise ValueError(f"decisive: expected a number > 1 (None = always measure every trial), got {decisive!r}")
+        self.decisive = None if decisive is None else float(decisive)
         self.job, self.call = job, call
         self.max_trial_calls = max_trial_calls
         self.trial_calls = 0  # calls chosen while measuring (never more than max_trial_calls)
@@ -109,9 +119,16 @@ class ZorroTuner:
 
     @property
     def measuring(self) -> bool:
-        """Whether a pass still lacks its warm-up or timed calls and the measuring calls are not all spent."""
+        """Whether a pass still lacks its warm-up or timed calls, the measuring calls are not all spent and the
+        timed calls so far are not decisive."""
         return (self.trials > 0 and self.trial_calls < self.max_trial_calls
-                and any(t.runs < self.trials + 1 for t in self._times.values()))
+                and any(t.runs < self.trials + 1 for t in self._times.values()) and not self._decided())
+
+    def _decided(self) -> bool:
+        """Whether each pass has a timed call and one pass took ``decisive`` times the other's time or more."""
+        ratio = self.time_ratio()
+        return self.decisive is not None and ratio is not None and (
+            ratio >= self.decisive or ratio * self.decisive <= 1.0)
 
     def use_zorro(self) -> bool:
         """The pass for a call the token rule sends to ZoRRO: True = ZoRRO's, False = the plain pass."""

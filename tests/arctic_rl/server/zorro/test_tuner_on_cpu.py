@@ -2,7 +2,7 @@
 
 Unit tests of :class:`arctic_rl.server.zorro.tuner.ZorroTuner` with given times (the order of the passes
 while measuring, untimed warm-ups, the verdict either way, re-timing the other pass, ``trials=0``, bad
-settings, the bound on measuring calls), and the settings that turn it on (``--zorro-trials``, ``$ARCTIC_RL_ZORRO_TRIALS``, the adapter's
+settings, the bound on measuring calls, a decisive first timing), and the settings that turn it on (``--zorro-trials``, ``$ARCTIC_RL_ZORRO_TRIALS``, the adapter's
 ``server.local.zorro_trials``). ``test_rule_on_cpu.py`` runs it inside a real server.
 """
 
@@ -35,11 +35,23 @@ def _run(tuner: ZorroTuner, calls: int, seconds: dict[bool, float], warm: set[bo
 def test_the_passes_alternate_zorro_first_until_each_is_timed():
     tuner = ZorroTuner("training", "/forward-backward", trials=2)
     assert tuner.measuring and tuner.time_ratio() is None and tuner.metrics() == {}
-    assert _run(tuner, 6, {True: 1.0, False: 2.0}) == [True, False, True, False, True, False]
+    assert _run(tuner, 6, {True: 1.0, False: 1.5}) == [True, False, True, False, True, False]
     assert not tuner.measuring
     # the 10x warm-ups are not in the medians
-    assert tuner.time_ratio() == pytest.approx(0.5)
-    assert tuner.metrics() == {"zorro_time_ratio": pytest.approx(0.5)}
+    assert tuner.time_ratio() == pytest.approx(2 / 3)
+    assert tuner.metrics() == {"zorro_time_ratio": pytest.approx(2 / 3)}
+
+
+@pytest.mark.parametrize("zorro_s, plain_s, keeps", [(1.0, 2.0, True), (4.5, 1.0, False)])
+def test_a_decisive_first_timing_ends_the_measuring(zorro_s, plain_s, keeps):
+    """Each pass timed once and one took twice the other's time or more: settled after four calls, the slower
+    pass run twice (its warm-up and one timed call) instead of ``trials + 1`` times."""
+    tuner = ZorroTuner("training", "/forward-backward", trials=2, recheck_every=100)
+    taken = _run(tuner, 10, {True: zorro_s, False: plain_s})
+    assert taken == [True, False, True, False] + [keeps] * 6 and not tuner.measuring and tuner.trial_calls == 4
+    # just short of the margin: the measuring goes on to trials + 1 runs a pass
+    tuner = ZorroTuner("training", "/forward-backward", trials=2, decisive=2.5)
+    assert _run(tuner, 6, {True: 1.0, False: 2.0}) == [True, False] * 3 and not tuner.measuring
 
 
 @pytest.mark.parametrize("zorro_s, plain_s, keeps", [(1.0, 2.0, True), (1.3, 1.0, False)])
@@ -96,7 +108,7 @@ def test_only_calls_the_token_rule_sends_to_zorro_are_chosen_and_timed():
 def test_measuring_takes_at_most_max_trial_calls_and_the_slower_pass_trials_plus_one(trials):
     """The bound behind a job's first steps: the measuring ends after ``2 * (trials + 1)`` calls, the slower pass
     (3x here) runs ``trials + 1`` of them, then once per ``recheck_every`` calls."""
-    tuner = ZorroTuner("training", "/forward-backward", trials=trials, recheck_every=10)
+    tuner = ZorroTuner("training", "/forward-backward", trials=trials, recheck_every=10, decisive=None)
     assert tuner.max_trial_calls == default_max_trial_calls(trials) == 2 * (trials + 1)
     taken = _run(tuner, 2 * (trials + 1) + 20, {True: 3.0, False: 1.0})
     measuring, settled = taken[: 2 * (trials + 1)], taken[2 * (trials + 1):]
@@ -133,6 +145,9 @@ def test_bad_settings_are_refused_naming_them(monkeypatch):
         ZorroTuner("training", "/forward", trials=-1)
     with pytest.raises(ValueError, match=r"recheck_every: expected an integer >= 2, got 1"):
         ZorroTuner("training", "/forward", recheck_every=1)
+    for bad in (1.0, 0.5, True, "2"):
+        with pytest.raises(ValueError, match=rf"decisive: expected a number > 1 .*got {bad!r}"):
+            ZorroTuner("training", "/forward", decisive=bad)
     with pytest.raises(ValueError, match=r"zorro_trials: expected an integer >= 0 .*got 1.5"):
         ServerSettings(zorro_trials=1.5)
     assert ServerSettings().zorro_trials == DEFAULT_TRIALS
