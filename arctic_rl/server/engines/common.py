@@ -174,6 +174,20 @@ def compile_model(model: torch.nn.Module, mode: str) -> int:
     return len(targets)
 
 
+def log_recompiles() -> bool:
+    """Have Dynamo write each recompile from now on, with the guard that failed, to the server's log
+    (``torch._logging``'s ``recompiles`` artifact, on stderr) -- unless the process chose its torch logs itself
+    (``TORCH_LOGS``, left as set). Called once a job's warm-up has ended (its own recompiles are expected): a
+    recompile after it costs a call seconds (on a GPU, ZoRRO's first few-shot calls took 11 and 18 s against a
+    steady 0.3 and 0.6, ``benchmarks/RESULTS.md`` §2za), and without this line nothing says which shape or guard
+    the warm-up did not foresee. Returns whether recompiles are logged now."""
+    from torch._logging._internal import log_state
+
+    if not os.environ.get("TORCH_LOGS") and not log_state.is_artifact_enabled("recompiles"):
+        torch._logging.set_logs(recompiles=True)
+    return log_state.is_artifact_enabled("recompiles")
+
+
 def load_tokenizer(model_name: str):
     from transformers import AutoTokenizer
 

@@ -33,7 +33,9 @@ recompile (before these, on an H200, verl's step 1 still compiled: 14 s each for
 ``/forward-backward`` after a 5 s warm-up, benchmarks/RESULTS.md §2o). What can still compile in step 1: the
 fused chunks specialise on the temperature (a Python float; the warm-up uses 1, or the job's ZoRRO
 ``temperature``) and on whether the loss asks for entropy (``/forward-backward`` warms without, as verl asks by
-default: ``entropy_coeff`` 0); a guard this warm-up does not foresee recompiles as before (logged by Dynamo).
+default: ``entropy_coeff`` 0); a guard this warm-up does not foresee recompiles as before. Once the warm-up has
+ended, every recompile is written to the server's log with the guard that failed
+(:func:`~arctic_rl.server.engines.common.log_recompiles`).
 
 **State.** The warm-up leaves the job as it found it: no ``/step`` runs, so the weights and optimizer state are
 untouched; gradients are discarded (``None`` again); DeepSpeed's counters (steps, samples, the un-stepped
@@ -65,6 +67,7 @@ import torch
 from arctic_rl.protocol import JobType
 from arctic_rl.server import memory as memory_mod
 from arctic_rl.server.compute.token_logprobs import head_chunk_budget
+from arctic_rl.server.engines.common import log_recompiles
 from arctic_rl.server.engines.device_memory import DeviceMemory
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.settings import ServerSettings
@@ -259,6 +262,8 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
         return None  # a sampling job: nothing of it is compiled here
     engine.warm_up_s = None
     if not warm_up_wanted(engine, settings):
+        if getattr(engine, "torch_compile", "off") != "off":
+            log_recompiles()  # its first calls compile: the log says what
         return None
     job = engine.job_type.value
     memory = device_memory or DeviceMemory.of(getattr(engine, "device", None))
@@ -267,10 +272,12 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
         with _job_state_kept(engine):
             calls = _warm_training(engine) if engine.job_type == JobType.TRAINING else _warm_logprob(engine)
     except Exception as exc:  # noqa: BLE001 -- a warm-up must not fail the job: its first calls compile instead
+        log_recompiles()
         memory.release_unused()
         logger.warning("%s job: warm-up failed after %.1fs (%s: %s); the first calls compile instead", job,
                        time.perf_counter() - t0, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
+    log_recompiles()  # from now on a recompile is one the warm-up did not foresee
     released = memory.release_unused()["allocator_released_bytes"]
     engine.warm_up_s = round(time.perf_counter() - t0, 3)
     logger.info("%s job: warm-up of %d calls on synthetic batches in %.1fs (compiles before step 1); %.2f GB of "

@@ -85,6 +85,30 @@ def test_compile_model_picks_layers_or_norms_and_mlps():
     assert model.model.layers[0]._compiled_call_impl is None  # attention (and its wrapper) stays eager
 
 
+def test_recompiles_are_logged_with_their_guard_unless_torch_logs_is_set(monkeypatch, capfd):
+    """A recompile after a job's warm-up costs seconds: ``log_recompiles`` (called when the warm-up ends) has
+    Dynamo write each one and the guard that failed to the server's log (stderr); TORCH_LOGS, where the process
+    set it, stays the process's choice."""
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    torch._logging.set_logs()
+    try:
+        fn = torch.compile(lambda x: x * 2, backend=CompileCounter())
+        fn(torch.ones(3))
+        fn(torch.ones(3, 2))  # recompiles: rank changed
+        assert "Recompiling function" not in capfd.readouterr().err  # not logged by default
+        assert common.log_recompiles() is True
+        fn(torch.ones(3, 2, 2))
+        err = capfd.readouterr().err
+        assert "Recompiling function" in err and "rank mismatch. expected" in err
+        torch._logging.set_logs()
+        monkeypatch.setenv("TORCH_LOGS", "graph_breaks")
+        assert common.log_recompiles() is False
+    finally:
+        torch._logging.set_logs()
+
+
 def _batch(rows: int = 4, p: int = 6, r: int = 5, n: int = 2):
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(1, 64, (rows // n, p), generator=g).repeat_interleave(n, 0)

@@ -126,17 +126,23 @@ def test_the_warm_up_leaves_the_training_job_as_it_was(model_dir, tmp_path, zorr
         baseline.close()
 
 
-def test_the_warm_up_of_a_log_prob_job_changes_nothing(model_dir, tmp_path, caplog):
+def test_the_warm_up_of_a_log_prob_job_changes_nothing(model_dir, tmp_path, caplog, monkeypatch):
+    from torch._logging._internal import log_state
+
     config = JobConfig(model_name=str(model_dir), job_type=JobType.LOG_PROB, ds_worker_config={"zorro_train_enable": True})
     engine = LogProbEngine(config, ServerSettings(warm_up="on", zorro_trials=0))  # every ZoRRO call takes ZoRRO
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    torch._logging.set_logs()
     try:
         planner, weights = engine.zorro_planner, {k: v.clone() for k, v in engine.model.state_dict().items()}
         expected, _, _ = engine.forward(_real_batch(engine, train=False, zorro=True))
         rng, trial_calls = torch.get_rng_state(), planner.tuner.trial_calls
+        assert not log_state.is_artifact_enabled("recompiles")
         with caplog.at_level("INFO", logger="arctic_rl.server"):
             seconds = warmup.warm_up(engine, ServerSettings(warm_up="on"))
         assert seconds is not None and engine.info()["warm_up_s"] == seconds
         assert "log_prob job: warm-up of 8 calls" in caplog.text  # plain and ZoRRO, 2 shapes, with and without entropy
+        assert log_state.is_artifact_enabled("recompiles")  # from now on a recompile is logged with its guard
         assert engine.zorro_planner is planner and planner.tuner.trial_calls == trial_calls
         assert torch.equal(torch.get_rng_state(), rng)
         assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in weights.items())
@@ -144,6 +150,7 @@ def test_the_warm_up_of_a_log_prob_job_changes_nothing(model_dir, tmp_path, capl
         assert all(torch.equal(got[k], expected[k]) for k in expected)
     finally:
         engine.close()
+        torch._logging.set_logs()
 
 
 @pytest.mark.parametrize("stage", [0, 2])
