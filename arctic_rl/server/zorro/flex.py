@@ -47,9 +47,9 @@ def set_response_attention(kind: str, *, compiled: bool = True) -> None:
     attend to ``[its prompt's P keys | the group's n*R response keys]`` through FlexAttention with a block
     mask (prompt padding, and per row causal over its own response): no copies of the prompt (but one per
     extra group of a prompt) and fully masked blocks skipped (CPU passes that need gradients --
-    FlexAttention has no CPU backward -- take ``expand``). ``compiled``
-    runs FlexAttention through ``torch.compile`` (what makes it fast; the reference server uses it
-    on CUDA when the model is compiled); uncompiled it is a slow reference used by the CPU tests.
+    FlexAttention has no CPU backward -- take ``expand``). ``compiled`` runs FlexAttention through
+    ``torch.compile`` (what makes it fast; the reference server uses it on CUDA when the model is
+    compiled); uncompiled it is a slow reference used by the CPU tests.
     """
     if kind not in ("expand", "flex"):
         raise ValueError(f"response attention: expected one of ['expand', 'flex'], got {kind!r}")
@@ -126,8 +126,8 @@ def _round_up(x: int, block: int = _FLEX_BLOCK) -> int:
 def group_block_mask(prompt_valid: torch.Tensor, response_valid: torch.Tensor, p: int, r: int, *, compiled: bool):
     """FlexAttention block mask of the grouped response pass.
 
-    Batch ``u`` is one group of ``n`` rows of one prompt; its queries are the rows' responses back to back (``n*R``,
-    padded to a block multiple); its keys are ``[prompt (P, padded to P') | those responses (n*R) |
+    Batch ``u`` is one group of ``n`` rows of one prompt; its queries are the rows' responses back to back
+    (``n*R``, padded to a block multiple); its keys are ``[prompt (P, padded to P') | those responses (n*R) |
     padding]``. Query ``q`` (row ``q // R``, position ``q % R``) sees a prompt key that is not
     padding, and a response key of its own row at a position ``<=`` its own that is not padding --
     the plain pass's causal mask, row by row. Padding queries see the prompt (their output is dropped).
@@ -161,9 +161,8 @@ def grouped_attention(query, key, value, prompt_key, prompt_value, *, group_size
                       scaling: float | None):
     """One attention layer of the grouped response pass: ``[B, H, R, D]`` queries of rows sorted by prompt,
     ``group_size`` rows a group, against ``[B/group_size, kv_heads, P, D]`` prompt keys and values (each group's
-    prompt's) and the rows' own
-    ``[B, kv_heads, R, D]`` ones, under ``block_mask`` (:func:`group_block_mask`) -> ``[B, R, H, D]``, as
-    ``transformers``' attention functions return it (with ``None`` attention weights)."""
+    prompt's) and the rows' own ``[B, kv_heads, R, D]`` ones, under ``block_mask`` (:func:`group_block_mask`) ->
+    ``[B, R, H, D]``, as ``transformers``' attention functions return it (with ``None`` attention weights)."""
     batch, heads, r, dim = query.shape
     n = group_size
     groups = batch // n

@@ -32,8 +32,8 @@ also when two of its groups drew the same prompt), and each group's ``n*R`` resp
 ``[its prompt's P keys | the group's own n*R keys]`` through a compiled FlexAttention kernel with a
 block mask that skips the blocks no query may see (a prompt of several groups lends them its keys
 through an ``index_select``, which sums their gradients). On an H200 this made ZoRRO 1.60x -> 1.97x
-the plain pass at 32 rows (``benchmarks/RESULTS.md``). Should FlexAttention fail to build a kernel, the pass falls back to
-``expand`` (with a warning) for the rest of the process.
+the plain pass at 32 rows (``benchmarks/RESULTS.md``). Should FlexAttention fail to build a kernel, the
+pass falls back to ``expand`` (with a warning) for the rest of the process.
 
 Why not ``transformers``' ``DynamicCache``: a cache update reads each attention module's
 ``layer_idx``, so a ``torch.compile``-d decoder layer specialises on it and recompiles once per

@@ -2,8 +2,9 @@
 
 Unit tests of :class:`arctic_rl.server.zorro.tuner.ZorroTuner` with given times (the order of the passes
 while measuring, untimed warm-ups, the verdict either way, re-timing the other pass, ``trials=0``, bad
-settings, the bound on measuring calls, a decisive first timing), and the settings that turn it on (``--zorro-trials``, ``$ARCTIC_RL_ZORRO_TRIALS``, the adapter's
-``server.local.zorro_trials``). ``test_rule_on_cpu.py`` runs it inside a real server.
+settings, the bound on measuring calls, a decisive first timing), and the settings that turn it on
+(``--zorro-trials``, ``$ARCTIC_RL_ZORRO_TRIALS``, the adapter's ``server.local.zorro_trials``).
+``test_rule_on_cpu.py`` runs it inside a real server.
 """
 
 from __future__ import annotations
