@@ -10,7 +10,12 @@ markdown tables and writes one PNG with every run's reward curve:
   steps 1-2 are start-up -- compiles, the first generation, the asynchronous mode's first batch), each run's
   ratio to the baseline run (the first ``--run`` unless ``--baseline`` names another), and the first step's time;
 * steps and seconds until the 5-step moving mean of the reward first reaches ``--threshold``;
-* GPU memory: the most in use on the device (``gpu_mem.csv``) and verl's ``perf/max_memory_allocated_gb``.
+* GPU memory: the most in use on the device (``gpu_mem.csv``) and verl's ``perf/max_memory_allocated_gb``;
+* where a remote run's phases lost time around the server's own seconds (:data:`GAP_PHASES`, from the
+  ``timing_s/<phase>/worker``, ``/adapter``, ``/http`` and ``/server`` entries the backend's workers report): verl's
+  phase less the server's seconds, split into verl's driver and Ray hop (phase - worker), verl's TransferQueue
+  bridge (worker - adapter), the adapter's layout and encoding (adapter - http) and the transport with any wait at
+  the server before its timer starts (http - server). The issue's goal is <= 0.1 s a phase.
 
 The PNG plots reward against the step, or with ``--wall-clock`` against the seconds the steps took (the sum of
 ``timing_s/step``: where an asynchronous run shows its worth).
@@ -39,6 +44,11 @@ STEP = "timing_s/step"
 SAVE = "timing_s/save_checkpoint"
 ADV_MAX, ADV_MIN = "critic/advantages/max", "critic/advantages/min"
 BLOCK = 10
+#: the phases whose gap to the server's own seconds is reported (verl's timer names)
+GAP_PHASES = ("old_log_prob", "ref", "update_actor", "update_weights")
+#: (column, minuend, subtrahend) of the gap's parts: suffixes of ``timing_s/<phase>`` ("" = verl's phase itself)
+GAP_PARTS = (("driver + Ray hop", "", "/worker"), ("bridge", "/worker", "/adapter"), ("adapter", "/adapter", "/http"),
+             ("HTTP + wait", "/http", "/server"))
 
 
 @dataclass
@@ -174,7 +184,30 @@ def report(runs: list[Run], baseline: Run, threshold: float, from_step: int = 3)
         zero = zero_signal_steps(r)
         flat = "-" if zero is None else f"{zero[0]} of {zero[1]}"
         lines.append(f"| {r.label} | {where} | {_fmt(mem, '.1f')} | {_fmt(alloc, '.1f')} | {flat} |")
+    gaps = gap_rows(runs, from_step)
+    if gaps:
+        lines += ["", f"| run | phase (medians from step {from_step}, s) | verl | server | gap | "
+                  + " | ".join(name for name, _, _ in GAP_PARTS) + " |", "|---|---|---|---|---|" + "---|" * len(GAP_PARTS)]
+        lines += gaps
     return "\n".join(lines)
+
+
+def gap_rows(runs: list[Run], from_step: int) -> list[str]:
+    """One table row per run and phase that reported the server's seconds (see the module docstring)."""
+    rows = []
+    for r in runs:
+        for phase in GAP_PHASES:
+            key = f"timing_s/{phase}"
+            if r.median(key + "/server", from_step) is None:
+                continue
+            verl, server = r.median(key, from_step), r.median(key + "/server", from_step)
+            gap, *parts = [  # per step, then the median: the parts of one step add up to its gap
+                _median([(s, row[key + a] - row[key + b]) for s, row in r.rows.items()
+                         if key + a in row and key + b in row], from_step)
+                for a, b in [("", "/server")] + [(a, b) for _, a, b in GAP_PARTS]]
+            rows.append(f"| {r.label} | {phase} | {_fmt(verl, '.2f')} | {_fmt(server, '.2f')} | {_fmt(gap, '.2f')} | "
+                        + " | ".join(_fmt(x, ".2f") for x in parts) + " |")
+    return rows
 
 
 def wall_clock(run: Run) -> list[tuple[float, float]]:

@@ -99,6 +99,26 @@ def test_checkpoint_saves_stay_out_of_the_step_column(tmp_path):
     assert "| ckpt | 2.00 | 1.00x | 2.0 |" in rmr.report([run], run, 0.5)
 
 
+def test_the_gap_around_the_servers_seconds_is_split_per_phase(tmp_path):
+    """verl's phase less the server's seconds, and its parts (driver + Ray hop, bridge, adapter, HTTP + wait), per
+    step and then the median; phases without the server's seconds (a stock run) get no row."""
+    d = _write(tmp_path / "remote", [0.1] * 4, 2.0)
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):  # step 1 is slow (a compile), the others differ a little
+        extra = 10.0 if i == 0 else 0.01 * i
+        row["data"].update({"timing_s/old_log_prob": 1.0 + extra, "timing_s/old_log_prob/worker": 0.9 + extra,
+                            "timing_s/old_log_prob/adapter": 0.8 + extra, "timing_s/old_log_prob/http": 0.7 + extra,
+                            "timing_s/old_log_prob/server": 0.4 + extra, "timing_s/update_weights": 0.1,
+                            "timing_s/update_weights/http": 0.08, "timing_s/update_weights/server": 0.05})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stock = _write(tmp_path / "stock", [0.1] * 4, 3.0)
+    text = rmr.report([rmr.load_run("remote", d), rmr.load_run("stock", stock)], rmr.load_run("stock", stock), 0.5,
+                      from_step=2)
+    assert "| remote | old_log_prob | 1.02 | 0.42 | 0.60 | 0.10 | 0.10 | 0.10 | 0.30 |" in text
+    assert "| remote | update_weights | 0.10 | 0.05 | 0.05 | - | - | - | 0.03 |" in text
+    assert "| stock | old_log_prob" not in text and "| remote | update_actor" not in text
+
+
 @pytest.mark.parametrize("lines, peak", [
     (["memory.used [MiB]", "4819 MiB", "8339 MiB"], 8339),  # nvidia-smi with its header and units
     (["4819", "8339", "5511"], 8339),  # noheader, nounits (grpo_runs.sh before 2026-12-06)
