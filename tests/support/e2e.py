@@ -199,3 +199,12 @@ def check_steps(steps: dict[int, dict[str, float]], expected: Sequence[int], key
         for key in keys:
             assert key in metrics, f"step {step}: {key} not logged"
             assert math.isfinite(metrics[key]), f"step {step}: {key}={metrics[key]}"
+
+
+def check_trained(metrics: dict[str, float], step: int) -> None:
+    """The step's update ran on the server: ``actor/grad_norm`` logged, and above 0 wherever an advantage was not 0.
+    A step whose samples all scored alike within each group (often all 0 for an untrained tiny model) has every
+    advantage 0, and at step 1 the KL term is at its minimum: its gradient is 0, rightly."""
+    assert metrics["actor/grad_norm"] >= 0, (step, metrics["actor/grad_norm"])
+    if metrics["critic/advantages/max"] != 0 or metrics["critic/advantages/min"] != 0:
+        assert metrics["actor/grad_norm"] > 0, (step, "advantages not all 0, yet no gradient")
