@@ -198,9 +198,10 @@ def gap_rows(runs: list[Run], from_step: int) -> list[str]:
     for r in runs:
         for phase in GAP_PHASES:
             key = f"timing_s/{phase}"
-            if r.median(key + "/server", from_step) is None:
+            server = r.median(key + "/server", from_step)
+            if server is None:
                 continue
-            verl, server = r.median(key, from_step), r.median(key + "/server", from_step)
+            verl = r.median(key, from_step)
             gap, *parts = [  # per step, then the median: the parts of one step add up to its gap
                 _median([(s, row[key + a] - row[key + b]) for s, row in r.rows.items()
                          if key + a in row and key + b in row], from_step)

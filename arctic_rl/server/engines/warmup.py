@@ -272,12 +272,12 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
         with _job_state_kept(engine):
             calls = _warm_training(engine) if engine.job_type == JobType.TRAINING else _warm_logprob(engine)
     except Exception as exc:  # noqa: BLE001 -- a warm-up must not fail the job: its first calls compile instead
-        log_recompiles()
         memory.release_unused()
         logger.warning("%s job: warm-up failed after %.1fs (%s: %s); the first calls compile instead", job,
                        time.perf_counter() - t0, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
-    log_recompiles()  # from now on a recompile is one the warm-up did not foresee
+    finally:
+        log_recompiles()  # from now on a recompile is one the warm-up did not foresee
     released = memory.release_unused()["allocator_released_bytes"]
     engine.warm_up_s = round(time.perf_counter() - t0, 3)
     logger.info("%s job: warm-up of %d calls on synthetic batches in %.1fs (compiles before step 1); %.2f GB of "
