@@ -79,6 +79,8 @@ from .generation import (
 )
 from .jobs import (
     DEFAULT_SEED,
+    MAX_BATCH_SHAPE_SIZE,
+    BatchShape,
     DestroyRequest,
     DsWorkerConfig,
     ErrorDetail,
@@ -123,6 +125,7 @@ __all__ = [
     "LOGPROB_ALIGNMENT_KEY",
     "LOSS_AGG_MODES",
     "LOSS_NAMES",
+    "MAX_BATCH_SHAPE_SIZE",
     "OCTET_STREAM",
     "OPTIONAL_FORWARD_TENSORS",
     "OPTIONAL_TRAIN_TENSORS",
@@ -138,6 +141,7 @@ __all__ = [
     "V1_ONLY_PATHS",
     "V2_ONLY_PATHS",
     "BatchMeta",
+    "BatchShape",
     "DestroyRequest",
     "DsWorkerConfig",
     "ErrorDetail",

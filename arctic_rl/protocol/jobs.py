@@ -18,6 +18,8 @@ from .base import Strict, Tolerant
 
 __all__ = [
     "DEFAULT_SEED",
+    "MAX_BATCH_SHAPE_SIZE",
+    "BatchShape",
     "DestroyRequest",
     "DsWorkerConfig",
     "ErrorDetail",
@@ -35,6 +37,31 @@ class JobType(str, enum.Enum):
     TRAINING = "training"
     LOG_PROB = "log_prob"
     SAMPLING = "sampling"
+
+
+#: the largest rows and token lengths a :class:`BatchShape` may name
+MAX_BATCH_SHAPE_SIZE = 1 << 20
+
+
+class BatchShape(Strict):
+    """``DsWorkerConfig.batch_shape``: the sizes of the batches a client will send a training or log_prob job.
+
+    A server that lists :attr:`~.wire.Features.BATCH_SHAPE` (ours) warms the job up at these sizes as well as
+    on its small synthetic batches, so that what a compiler decides by a batch's size (a kernel's tiling, a
+    guard on ``rows x tokens``) is compiled before the client's first step instead of in it. The sizes are the
+    largest the client sends: prompts padded to ``prompt_len`` at most, responses to ``response_len``. A client
+    sends it only to a server that lists the feature; the vendor's server reads only the ``ds_worker_config``
+    keys it knows.
+    """
+
+    #: tokens of the longest prompt (verl: ``data.max_prompt_length``)
+    prompt_len: int = Field(ge=1, le=MAX_BATCH_SHAPE_SIZE)
+    #: tokens of the longest response (verl: ``data.max_response_length``)
+    response_len: int = Field(ge=1, le=MAX_BATCH_SHAPE_SIZE)
+    #: rows of one ``/forward`` (verl: ``data.train_batch_size`` x ``rollout.n``)
+    forward_rows: int = Field(ge=1, le=MAX_BATCH_SHAPE_SIZE)
+    #: rows of one ``/forward-backward``, the mini-batch (verl: ``ppo_mini_batch_size`` x ``rollout.n``)
+    forward_backward_rows: int = Field(ge=1, le=MAX_BATCH_SHAPE_SIZE)
 
 
 class DsWorkerConfig(Tolerant):
@@ -60,6 +87,8 @@ class DsWorkerConfig(Tolerant):
     use_liger: bool = False
     use_unpad: bool | None = None
     zorro_train_load_balancer: Any = None
+    #: the client's batch sizes, for the warm-up of a server listing ``Features.BATCH_SHAPE`` (ours)
+    batch_shape: BatchShape | None = None
 
 
 class JobConfig(Tolerant):

@@ -122,3 +122,7 @@ class Features:
     #: /sleep-inference frees the sampler's memory and /wake-inference restores it; waking an awake part is a
     #: no-op and a weight sync wakes the weights it loads into, so a client may sleep the sampler between phases
     SAMPLER_SLEEP = "sampler_sleep"
+    #: /initialize takes ``ds_worker_config.batch_shape`` (:class:`~.jobs.BatchShape`: the sizes of the batches the
+    #: client will send) and the job's warm-up runs at those sizes too (compiles that depend on a batch's size happen
+    #: before the first step)
+    BATCH_SHAPE = "batch_shape"

@@ -30,7 +30,13 @@ with and without grad, share a graph. The first shape's passes run the plain LM 
 head (:data:`WARM_UP_HEAD_CHUNK_ROWS` positions a chunk): real passes take one or the other by the size of their
 logits. ``/forward`` runs with and without entropy. A real batch then finds shape-generic graphs and does not
 recompile (before these, on an H200, verl's step 1 still compiled: 14 s each for the first ``/forward`` and
-``/forward-backward`` after a 5 s warm-up, benchmarks/RESULTS.md §2o). What can still compile in step 1: the
+``/forward-backward`` after a 5 s warm-up, benchmarks/RESULTS.md §2o). Shape-generic graphs still carry guards on
+their sizes where the compiler chose by a size (inductor's kernels by ``rows x tokens``, say): on an H100 the first
+few-shot ``/forward`` and ``/forward-backward`` (128 rows of 1,561 tokens) took 5-40x their steady time after
+the warm-up on small batches (§2za). So when the client says what it will send
+(``ds_worker_config.batch_shape``, :class:`~arctic_rl.protocol.BatchShape`; our adapter sends verl's sizes) each
+call path also runs once at those sizes, on the head path its logits take (:func:`client_shapes`). What can still
+compile in step 1: the
 fused chunks specialise on the temperature (a Python float; the warm-up uses 1, or the job's ZoRRO
 ``temperature``) and on whether the loss asks for entropy (``/forward-backward`` warms without, as verl asks by
 default: ``entropy_coeff`` 0); a guard this warm-up does not foresee recompiles as before. Once the warm-up has
@@ -74,14 +80,20 @@ from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.flex import response_attention
 from arctic_rl.server.zorro.planner import ZorroPlanner
 
-__all__ = ["WARM_UP_SHAPES", "compiled_paths_on", "synthetic_body", "warm_up", "warm_up_wanted"]
+__all__ = ["WARM_UP_MAX_TOKENS", "WARM_UP_SHAPES", "client_shapes", "compiled_paths_on", "synthetic_body", "warm_up",
+           "warm_up_wanted"]
 
 logger = logging.getLogger("arctic_rl.server")
+
+#: a warm-up batch's (prompts, rows per prompt, prompt length, response length)
+Shape = tuple[int, int, int, int]
 
 #: (prompts per micro-batch, rows per prompt, prompt length, response length) of the two warm-up batches: every
 #: size differs between them; in the second, the sizes and the 128-padded FlexAttention lengths (prompt 256,
 #: responses of a prompt 384, keys 640) are pairwise distinct
 WARM_UP_SHAPES = ((2, 2, 6, 5), (5, 3, 130, 90))
+#: the most tokens (rows x (prompt + response)) of one call the warm-up runs at the client's batch shape
+WARM_UP_MAX_TOKENS = 1 << 23
 #: positions per LM-head chunk while the second shape runs: its passes take the chunked head (several chunks, none
 #: of 1 row), the path of real passes whose logits exceed one chunk; the first takes the plain head
 WARM_UP_HEAD_CHUNK_ROWS = 97
@@ -209,41 +221,80 @@ def _planner(call: str, zorro: bool) -> ZorroPlanner:
 
 
 def _head_path(engine: Any, seed: int) -> contextlib.AbstractContextManager:
-    """The LM-head path of the warm-up's ``seed``-th shape: the plain head first, the chunked head second."""
-    if seed == 0:
+    """The LM-head path of the warm-up's ``seed``-th shape: the plain head first, the chunked head second, and at
+    the client's shape (the third) the path its logits take, as a real call's do."""
+    if seed != 1:
         return contextlib.nullcontext()
     return head_chunk_budget(WARM_UP_HEAD_CHUNK_ROWS * max(1, int(engine.vocab_size)) * 4)
 
 
-def _warm_training(engine: Any) -> int:
+def client_shapes(engine: Any) -> tuple[Shape | None, Shape | None]:
+    """The warm-up's shapes at the client's ``ds_worker_config.batch_shape`` (:class:`~arctic_rl.protocol.BatchShape`):
+    ``(one /forward-backward micro-batch, one /forward)``, each ``(prompts, rows per prompt, P, R)`` with the job's
+    ``rollout_n`` rows per prompt where they divide the rows (else 1); ``None`` for a call the job does not take,
+    a shape not given, one of more than :data:`WARM_UP_MAX_TOKENS` tokens, or mini-batch rows that do not split
+    into the job's ``gradient_accumulation_steps`` (the call itself would be refused)."""
+    shape = getattr(engine.knobs, "batch_shape", None)
+    if shape is None:
+        return None, None
+    n = max(1, int(engine.knobs.rollout_n or 1))
+    length = shape.prompt_len + shape.response_len
+
+    def rows_shape(rows: int, call_rows: int, call: str) -> Shape | None:
+        if call_rows * length > WARM_UP_MAX_TOKENS:
+            logger.warning("%s job: no warm-up of %s at the client's batch shape: %d rows x %d tokens exceed %d",
+                           engine.job_type.value, call, call_rows, length, WARM_UP_MAX_TOKENS)
+            return None
+        per = n if rows % n == 0 else 1
+        return rows // per, per, shape.prompt_len, shape.response_len
+
+    forward = rows_shape(shape.forward_rows, shape.forward_rows, "/forward")
+    if engine.job_type != JobType.TRAINING:
+        return None, forward
+    gas = int(engine.gas)
+    if shape.forward_backward_rows % gas:
+        logger.warning("training job: no warm-up of /forward-backward at the client's batch shape: %d rows do not "
+                       "split into gradient_accumulation_steps=%d", shape.forward_backward_rows, gas)
+        return None, forward
+    micro = rows_shape(shape.forward_backward_rows // gas, shape.forward_backward_rows, "/forward-backward")
+    return micro, forward
+
+
+def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None]) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
+    client_micro, client_forward = client
     calls = 0
     for zorro in (False, True) if zorro_job else (False,):
         engine.zorro_planners = {call: _planner(call, zorro) for call in ("/forward", "/forward-backward")}
-        for seed, shape in enumerate(WARM_UP_SHAPES):
+        # the synthetic shapes (every size symbolic), then the client's (the head path its logits take)
+        for seed, (micro, forward) in enumerate([*((shape, shape) for shape in WARM_UP_SHAPES),
+                                                 (client_micro, client_forward)]):
             with _head_path(engine, seed):
-                body = synthetic_body(engine.vocab_size, shape, micro_batches=engine.gas, train=True,
-                                      zorro=zorro_job, temperature=temperature, seed=seed)
-                engine.forward_backward(parse_batch_body(body, vocab_size=engine.vocab_size, train=True))
-                engine.discard_gradients()
-                engine.pending = 0
-                for entropy in (True, False):
-                    body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job,
+                if micro is not None:
+                    body = synthetic_body(engine.vocab_size, micro, micro_batches=engine.gas, train=True,
+                                          zorro=zorro_job, temperature=temperature, seed=seed)
+                    engine.forward_backward(parse_batch_body(body, vocab_size=engine.vocab_size, train=True))
+                    engine.discard_gradients()
+                    engine.pending = 0
+                    calls += 1
+                for entropy in (True, False) if forward is not None else ():
+                    body = synthetic_body(engine.vocab_size, forward, train=False, zorro=zorro_job,
                                           temperature=temperature, entropy=entropy, seed=seed)
                     engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
-            calls += 3
+                    calls += 1
     return calls
 
 
-def _warm_logprob(engine: Any) -> int:
+def _warm_logprob(engine: Any, client: tuple[Shape | None, Shape | None]) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
+    _, client_forward = client
     calls = 0
     for zorro in (False, True) if zorro_job else (False,):
         engine.zorro_planner = _planner("/forward", zorro)
-        for seed, shape in enumerate(WARM_UP_SHAPES):
-            for entropy in (True, False):
+        for seed, shape in enumerate([*WARM_UP_SHAPES, client_forward]):
+            for entropy in (True, False) if shape is not None else ():
                 body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
                                       entropy=entropy, seed=seed)
                 with _head_path(engine, seed):
@@ -268,9 +319,11 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
     job = engine.job_type.value
     memory = device_memory or DeviceMemory.of(getattr(engine, "device", None))
     t0 = time.perf_counter()
+    client = client_shapes(engine)
     try:
         with _job_state_kept(engine):
-            calls = _warm_training(engine) if engine.job_type == JobType.TRAINING else _warm_logprob(engine)
+            warm = _warm_training if engine.job_type == JobType.TRAINING else _warm_logprob
+            calls = warm(engine, client)
     except Exception as exc:  # noqa: BLE001 -- a warm-up must not fail the job: its first calls compile instead
         memory.release_unused()
         logger.warning("%s job: warm-up failed after %.1fs (%s: %s); the first calls compile instead", job,
@@ -280,6 +333,9 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
         log_recompiles()  # from now on a recompile is one the warm-up did not foresee
     released = memory.release_unused()["allocator_released_bytes"]
     engine.warm_up_s = round(time.perf_counter() - t0, 3)
-    logger.info("%s job: warm-up of %d calls on synthetic batches in %.1fs (compiles before step 1); %.2f GB of "
-                "cached blocks released", job, calls, engine.warm_up_s, released / 1e9)
+    sizes = [f"{call} {shape[0] * shape[1]} rows x {shape[2]} + {shape[3]}"
+             for call, shape in zip(("/forward-backward micro-batches of", "/forward"), client) if shape is not None]
+    logger.info("%s job: warm-up of %d calls on synthetic batches%s in %.1fs (compiles before step 1); %.2f GB of "
+                "cached blocks released", job, calls, f" and at the client's batch shape ({', '.join(sizes)})"
+                if sizes else "", engine.warm_up_s, released / 1e9)
     return engine.warm_up_s

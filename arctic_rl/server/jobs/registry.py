@@ -62,6 +62,7 @@ class Job:
 
     def info(self) -> dict[str, Any]:
         """``GET /job/{id}`` (:class:`arctic_rl.protocol.JobInfo` plus engine details)."""
+        worker = self.config.ds_worker_config
         info: dict[str, Any] = {
             "job_id": self.job_id,
             "job_type": self.job_type.value,
@@ -73,6 +74,8 @@ class Job:
             "created_at": self.created_at,
             "calls": self.calls,
             "client_tag": self.config.client_tag,
+            # the sizes the client said it sends (ds_worker_config.batch_shape: the warm-up runs at them too)
+            "batch_shape": None if worker is None or worker.batch_shape is None else worker.batch_shape.model_dump(),
             "busy": self.lock.locked() or self.generating > 0,  # a call is computing on the job (or waits for it)
             # seconds since the job last finished a call (or was created); 0 while busy. A client whose
             # driver was SIGKILLed leaves jobs that only grow idle: see remote_backend.server.reclaim_idle_jobs_s

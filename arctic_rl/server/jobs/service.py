@@ -69,17 +69,9 @@ logger = logging.getLogger("arctic_rl.server")
 
 SERVER_NAME = "arctic_rl-reference"
 FEATURES = (
-    Features.TOKEN_PROMPTS,
-    Features.N_SAMPLES,
-    Features.IDEMPOTENCY,
-    Features.LOAD_CHECKPOINT,
-    Features.INSTANCE_ID,
-    Features.COMPACT_RESULTS,
-    Features.POLICY_LOSSES,
-    Features.CONTINUOUS_BATCHING,
-    Features.RESPONSE_LOGPROBS,
-    Features.CONCURRENT_JOBS,
-    Features.SAMPLER_SLEEP,
+    Features.TOKEN_PROMPTS, Features.N_SAMPLES, Features.IDEMPOTENCY, Features.LOAD_CHECKPOINT, Features.INSTANCE_ID,
+    Features.COMPACT_RESULTS, Features.POLICY_LOSSES, Features.CONTINUOUS_BATCHING, Features.RESPONSE_LOGPROBS,
+    Features.CONCURRENT_JOBS, Features.SAMPLER_SLEEP, Features.BATCH_SHAPE,
 )
 
 

@@ -54,6 +54,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "OperationRequest": {"operation_type": "weight-sync"},
     "WeightNormRequest": {"training_job_id": 1, "sampling_job_id": 2},
     "LogProbsRequest": {"prompts": ["a"]},
+    "BatchShape": {"prompt_len": 8, "response_len": 4, "forward_rows": 16, "forward_backward_rows": 8},
 }
 #: a valid body of every answer model (what a client reads)
 ANSWERS: dict[str, dict[str, Any]] = {
@@ -129,6 +130,18 @@ def test_job_config_ignores_unknown_keys_and_ds_worker_config_keeps_the_vendors(
     with pytest.raises(ValidationError) as err:
         JobConfig.model_validate({"model_name": "m", "ds_worker_config": {"rollout_n": 0}})
     assert err.value.errors()[0]["loc"] == ("ds_worker_config", "rollout_n")
+
+
+def test_batch_shape_travels_in_ds_worker_config_and_refuses_bad_sizes_naming_them():
+    shape = REQUESTS["BatchShape"]
+    config = JobConfig.model_validate({"model_name": "m", "ds_worker_config": {"batch_shape": shape}})
+    assert config.ds_worker_config.batch_shape.forward_rows == 16
+    assert config.model_dump(mode="json")["ds_worker_config"] == {"batch_shape": shape}
+    assert JobConfig.model_validate({"model_name": "m", "ds_worker_config": {}}).ds_worker_config.batch_shape is None
+    for key, bad in (("prompt_len", 0), ("forward_rows", protocol.MAX_BATCH_SHAPE_SIZE + 1), ("response_len", "x")):
+        with pytest.raises(ValidationError) as err:
+            JobConfig.model_validate({"model_name": "m", "ds_worker_config": {"batch_shape": {**shape, key: bad}}})
+        assert err.value.errors()[0]["loc"] == ("ds_worker_config", "batch_shape", key)
 
 
 def test_sampling_params_are_typed_and_sent_as_given():

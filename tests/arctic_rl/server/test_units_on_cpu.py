@@ -240,6 +240,11 @@ def test_worker_knobs():
         with pytest.raises(BadRequest) as err:
             parse_worker_knobs(bad)
         assert err.value.field == f"ds_worker_config.{next(iter(bad))}"
+    shape = {"prompt_len": 8, "response_len": 4, "forward_rows": 16, "forward_backward_rows": 8}
+    assert parse_worker_knobs({"batch_shape": shape})[0].batch_shape.prompt_len == 8
+    with pytest.raises(BadRequest) as err:
+        parse_worker_knobs({"batch_shape": {**shape, "forward_backward_rows": -1}})
+    assert err.value.field == "ds_worker_config.batch_shape.forward_backward_rows"
 
 
 # --------------------------------------------------------------------------- body validation

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import verl.remote_backend.builtin  # noqa: F401  (registers the built-in backends)
-from arctic_rl.protocol import DsWorkerConfig, JobConfig, LossConfig
+from arctic_rl.protocol import DsWorkerConfig, Features, JobConfig, LossConfig
 from tests.support.arctic import ARCTIC_YAML, verl_main_config
 from verl.remote_backend import RemoteBackend, RemoteBackendRegistry
 from verl.remote_backend.errors import RemoteBackendConfigError
@@ -340,6 +340,21 @@ def test_job_configs_golden():
                                        "enable_chunked_prefill": True, "enable_prefix_caching": True}
     assert (sampling["num_devices"], sampling["seed"], sampling["ds_config"]) == (4, 7, None)
     assert build_job_config("training", v, a)["checkpoint_path"] == "/ckpt/run"
+
+
+def test_batch_shape_goes_to_a_server_listing_the_feature_only():
+    """The sizes verl sends (warm-up hint): prompts <= 64 tokens, responses <= 32, a /forward of 8 x 2 rows, a
+    /forward-backward per mini-batch of 4 x 2 rows; the vendor's server (no features) never sees the key."""
+    v, a = settings(GRPO, ARCTIC)
+    expected = {"prompt_len": 64, "response_len": 32, "forward_rows": 16, "forward_backward_rows": 8}
+    for job in ("training", "log_prob"):
+        body = build_job_config(job, v, a, features=frozenset({Features.BATCH_SHAPE}))
+        assert body["ds_worker_config"]["batch_shape"] == expected
+        assert JobConfig.model_validate(body).ds_worker_config.batch_shape.forward_rows == 16
+        without = build_job_config(job, v, a, features=frozenset({Features.N_SAMPLES}))
+        assert "batch_shape" not in without["ds_worker_config"] and without == build_job_config(job, v, a)
+    sampling = build_job_config("sampling", v, a, features=frozenset({Features.BATCH_SHAPE}))
+    assert sampling == build_job_config("sampling", v, a)
 
 
 def test_the_sampling_job_gets_verls_rollout_engine_options():

@@ -94,9 +94,13 @@ class TestFullCycleV2:
             yield client
             client.destroy()  # idempotent
 
-    def test_the_backend_is_the_arctic_adapter_owning_three_jobs(self, client):
+    def test_the_backend_is_the_arctic_adapter_owning_three_jobs(self, client, server):
         assert isinstance(client, ArcticRLClient) and client.protocol == 2 and client.requires_single_forwarder()
         assert set(client.job_ids) == {"sampling", "log_prob", "training"} == set(client.owned_job_ids)
+        # the server lists Features.BATCH_SHAPE: its DeepSpeed jobs were told verl's sizes (for their warm-up)
+        shapes = {job["job_type"]: job["batch_shape"] for job in server_jobs(server).values()}
+        expected = {"prompt_len": 16, "response_len": 8, "forward_rows": 4 * N, "forward_backward_rows": MINI * N}
+        assert shapes == {"training": expected, "log_prob": expected, "sampling": None}
 
     def test_the_reconnect_handle_is_json_without_the_token(self, client, server):
         handle = json.loads(json.dumps(client.reconnect_handle()))

@@ -26,6 +26,8 @@ from arctic_rl.tiny_models import build_tiny_model
 
 #: a real call's sizes: none of them is one the warm-up used (prompts, rows per prompt, P, R)
 REAL_SHAPE = (4, 4, 40, 9)  # ZoRRO saves 61% of its tokens: the rule takes it
+#: a client's ``ds_worker_config.batch_shape`` (the sizes it will send)
+CLIENT_SHAPE = {"prompt_len": 30, "response_len": 7, "forward_rows": 16, "forward_backward_rows": 8}
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,11 @@ def model_dir(tmp_path_factory):
 
 
 def _training(model_dir, tmp_path, name: str, *, zorro: bool = False, gas: int = 1, stage: int = 0,
-              **settings) -> TrainingEngine:
+              worker: dict | None = None, **settings) -> TrainingEngine:
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}, "gradient_clipping": 0.0,
           "gradient_accumulation_steps": gas, "zero_optimization": {"stage": stage}}
     config = JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING, ds_config=ds, seed=3,
-                       ds_worker_config={"zorro_train_enable": zorro})
+                       ds_worker_config={"zorro_train_enable": zorro, **(worker or {})})
     return TrainingEngine(config, ServerSettings(checkpoint_root=tmp_path / "ck", **settings), tmp_path / name)
 
 
@@ -263,6 +265,92 @@ def test_the_warm_up_compiles_what_the_first_real_calls_need(model_dir, tmp_path
         torch._dynamo.reset()
 
 
+def test_the_warm_up_runs_each_call_at_the_client_batch_shape(model_dir, tmp_path, monkeypatch):
+    """Beside the synthetic batches, one /forward-backward (``gas`` micro-batches of the mini-batch's rows) and the
+    two /forward (with and without entropy) at the sizes the client said it sends, in groups of ``rollout_n``;
+    then the job is as it was."""
+    engine = _training(model_dir, tmp_path, "client", gas=2, worker={"rollout_n": 4, "batch_shape": CLIENT_SHAPE})
+    try:
+        assert warmup.client_shapes(engine) == ((1, 4, 30, 7), (4, 4, 30, 7))
+        seen: list[tuple] = []
+        for name in ("forward", "forward_backward"):
+            call = getattr(engine, name)
+            monkeypatch.setattr(engine, name, lambda batch, _call=call, _name=name: (
+                seen.append((_name, batch.rows, batch.prompt_len, batch.response_len, batch.meta.calculate_entropy)),
+                _call(batch))[1])
+        before = _state(engine)
+        assert warmup.warm_up(engine, ServerSettings(warm_up="on")) is not None
+        _assert_same(before, _state(engine))
+        assert len(seen) == 9 and seen[-3:] == [("forward_backward", 8, 30, 7, False), ("forward", 16, 30, 7, True),
+                                                ("forward", 16, 30, 7, False)]
+        assert {prompt for _, _, prompt, *_ in seen[:-3]} == {6, 130}  # the synthetic batches first
+    finally:
+        engine.close()
+
+
+def test_client_shapes_that_cannot_be_run_as_given(caplog):
+    """Rows that ``rollout_n`` does not divide form groups of one; a mini-batch that does not split into the job's
+    micro-batches, or a call over :data:`WARM_UP_MAX_TOKENS` tokens, is not warmed (logged); a log_prob job takes
+    no /forward-backward."""
+    from types import SimpleNamespace
+
+    from arctic_rl.protocol import BatchShape
+
+    def engine(job_type, gas=1, n=4, **shape):
+        knobs = SimpleNamespace(rollout_n=n, batch_shape=BatchShape(**{**CLIENT_SHAPE, **shape}))
+        return SimpleNamespace(job_type=job_type, gas=gas, knobs=knobs)
+
+    assert warmup.client_shapes(engine(JobType.TRAINING, forward_rows=18)) == ((2, 4, 30, 7), (18, 1, 30, 7))
+    assert warmup.client_shapes(engine(JobType.LOG_PROB)) == (None, (4, 4, 30, 7))
+    assert warmup.client_shapes(SimpleNamespace(job_type=JobType.TRAINING, gas=1, knobs=SimpleNamespace(
+        rollout_n=4, batch_shape=None))) == (None, None)
+    with caplog.at_level("WARNING", logger="arctic_rl.server"):
+        assert warmup.client_shapes(engine(JobType.TRAINING, gas=3)) == (None, (4, 4, 30, 7))
+        long = warmup.WARM_UP_MAX_TOKENS // 8  # x 8 rows of a /forward-backward: over the bound, with the response
+        assert warmup.client_shapes(engine(JobType.TRAINING, prompt_len=long)) == (None, None)
+    assert "8 rows do not split into gradient_accumulation_steps=3" in caplog.text
+    assert f"/forward at the client's batch shape: 16 rows x {long + 7} tokens exceed" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_size_guard_compiles_in_the_warm_up_at_the_client_batch_shape(model_dir, tmp_path, monkeypatch):
+    """A compiled graph may branch on a batch's size (as inductor picks kernels by ``rows x tokens``): Dynamo then
+    guards on it, and a real batch beyond the synthetic sizes recompiled in verl's first step. With the client's
+    ``batch_shape`` the warm-up compiles that branch too: the first real calls compile nothing."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=counter, **kw))
+    tokens_limit = 4096  # above the synthetic batches' rows x tokens (15 x 220), below the client's (16 x 300)
+
+    def run(worker: dict) -> tuple[int, int]:
+        torch._dynamo.reset()
+        engine = _training(model_dir, tmp_path, f"guard{len(worker)}", torch_compile="layers", worker=worker)
+        mlp = type(next(m for name, m in engine.model.named_modules() if name.endswith(".mlp")))
+        forward = mlp.forward
+
+        def size_branch(self, x):  # both branches give the same values; Dynamo guards on the condition
+            out = forward(self, x)
+            return out.clone() if x.shape[:-1].numel() > tokens_limit else out
+
+        monkeypatch.setattr(mlp, "forward", size_branch)
+        try:
+            warmup.warm_up(engine, ServerSettings())
+            compiled = counter.frame_count
+            body = warmup.synthetic_body(engine.vocab_size, (4, 4, 280, 20), train=False, zorro=False, seed=9)
+            engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
+            return compiled, counter.frame_count - compiled
+        finally:
+            monkeypatch.setattr(mlp, "forward", forward)
+            engine.close()
+            torch._dynamo.reset()
+
+    shape = {**CLIENT_SHAPE, "prompt_len": 280, "response_len": 20}
+    assert run({})[1] > 0  # the synthetic sizes alone: the real batch takes the other branch and recompiles
+    assert run({"rollout_n": 4, "batch_shape": shape})[1] == 0
+
+
 def test_the_setting_and_the_flag(model_dir, tmp_path):
     assert WARM_UP_MODES == ("auto", "on", "off") and ServerSettings().warm_up == "auto"
     with pytest.raises(ValueError, match=r"warm_up: expected one of \['auto', 'on', 'off'\], got 'yes'"):
@@ -310,7 +398,8 @@ def test_a_job_warms_up_when_the_server_creates_it(model_dir, tmp_path, caplog):
     async def create(settings: ServerSettings) -> dict:
         state = ServerState(settings)
         config = JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING, checkpoint_path="train",
-                           ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+                           ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                           ds_worker_config={"rollout_n": 2, "batch_shape": CLIENT_SHAPE})
         job_id = (await state.initialize(config))["job_id"]
         try:
             await state.setups.idle()  # the warm-up runs once /initialize has answered (jobs.background_setup)
@@ -322,5 +411,6 @@ def test_a_job_warms_up_when_the_server_creates_it(model_dir, tmp_path, caplog):
     with caplog.at_level("INFO", logger="arctic_rl.server"):
         info = asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "on", warm_up="on")))
     assert info["warm_up_s"] > 0 and info["global_step"] == 0 and info["pending_forward_backward"] == 0
-    assert "training job: warm-up of 6 calls on synthetic batches" in caplog.text
+    assert ("training job: warm-up of 9 calls on synthetic batches and at the client's batch shape "
+            "(/forward-backward micro-batches of 8 rows x 30 + 7, /forward 16 rows x 30 + 7)") in caplog.text
     assert asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "auto")))["warm_up_s"] is None  # CPU: eager

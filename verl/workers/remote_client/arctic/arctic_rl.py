@@ -115,7 +115,7 @@ class ArcticRLClient(RemoteBackend):
         # built in dependency order: state, recovery (its own call: the weight sync of a restore), calls, roles
         state, sync = self._state, weight_sync_request(arctic)
         recovery = self._recovery = Recovery(state, arctic.recovery, weight_sync=sync,
-                                             job_bodies=functools.partial(job_bodies, verl, arctic, client_tag))
+                                             job_bodies=lambda: job_bodies(verl, arctic, client_tag, state.features))
         self._local = local_server
         calls = JobCalls(state, recovery)
         schedule = CheckpointSchedule(arctic.recovery, recovery.journal, recovery.stats,
@@ -179,6 +179,7 @@ class ArcticRLClient(RemoteBackend):
                     logger.warning("arctic: remote_backend.train.attn_implementation=%s: the vendor's server packs the "
                                    "rows of a call into one sequence that only a flash-attention backend keeps apart "
                                    "(rows attend to each other with %s)", attn, attn)
+            bodies = job_bodies(verl, arctic, tag, frozenset(health.features))  # what this server takes
             for job_type in JOB_ORDER:
                 job_id = create_job(http, job_type, bodies[job_type], tag=tag,
                                     reclaim_idle_s=arctic.server.reclaim_idle_jobs_s)

@@ -21,7 +21,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from arctic_rl.protocol import DsWorkerConfig, JobConfig, JobType, LossConfig
+from arctic_rl.protocol import (
+    MAX_BATCH_SHAPE_SIZE,
+    BatchShape,
+    DsWorkerConfig,
+    Features,
+    JobConfig,
+    JobType,
+    LossConfig,
+)
 from verl.remote_backend.errors import RemoteBackendConfigError
 
 from ..common.verl_settings import OptimSettings, VerlSettings
@@ -30,6 +38,7 @@ from .arctic_config import ArcticConfig, DeepSpeedSettings
 __all__ = [
     "VENDOR_ACTOR_KEYS",
     "BatchPlan",
+    "build_batch_shape",
     "build_ds_config",
     "build_ds_worker_config",
     "build_job_config",
@@ -256,10 +265,23 @@ def resolve_attn_implementation(verl: VerlSettings, arctic: ArcticConfig) -> str
     return verl.attn_implementation or "flash_attention_2"
 
 
+def build_batch_shape(verl: VerlSettings, arctic: ArcticConfig) -> dict:
+    """``ds_worker_config.batch_shape`` (:class:`arctic_rl.protocol.BatchShape`): the largest batches verl will
+    send -- prompts of ``data.max_prompt_length`` tokens at most, responses of ``data.max_response_length``, a
+    ``/forward`` per step's batch (``data.train_batch_size`` x ``rollout.n`` rows) and a ``/forward-backward`` per
+    mini-batch. A warm-up hint: sizes beyond the protocol's bound are sent at the bound."""
+    plan = plan_batches(verl, arctic)
+    sizes = {"prompt_len": verl.max_prompt_length, "response_len": verl.max_response_length,
+             "forward_rows": verl.train_batch_size * verl.rollout_n, "forward_backward_rows": plan.mini_batch_rows}
+    return BatchShape(**{k: min(int(v), MAX_BATCH_SHAPE_SIZE) for k, v in sizes.items()}).model_dump(mode="json")
+
+
 def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: ArcticConfig, *,
-                     client_tag: str | None = None) -> dict:
+                     client_tag: str | None = None, features: frozenset[str] = frozenset()) -> dict:
     """The ``/initialize`` body of one job, validated by ``arctic_rl.protocol.JobConfig``. ``client_tag``
-    labels the run's jobs (servers that do not know it ignore it: ``JobConfig`` is tolerant)."""
+    labels the run's jobs (servers that do not know it ignore it: ``JobConfig`` is tolerant). ``features``
+    are the server's (``/health``): one listing ``Features.BATCH_SHAPE`` gets the training and log_prob jobs'
+    ``ds_worker_config.batch_shape`` (:func:`build_batch_shape`); others never see the key."""
     job_type = JobType(job_type)
     seed = arctic.train.seed if arctic.train.seed is not None else verl.data_loader_seed
     body: dict[str, Any] = {
@@ -299,6 +321,8 @@ def build_job_config(job_type: JobType | str, verl: VerlSettings, arctic: Arctic
         vllm.update(verl.rollout_engine)
         vllm.update(arctic.rollout.vllm_config)
         body.update(num_devices=arctic.rollout.num_devices, vllm_config=vllm)
+    if Features.BATCH_SHAPE in features and job_type is not JobType.SAMPLING:
+        body["ds_worker_config"] = {**body["ds_worker_config"], "batch_shape": build_batch_shape(verl, arctic)}
     return JobConfig.model_validate(body).model_dump(mode="json")
 
 

@@ -46,9 +46,11 @@ JOB_ORDER = (JobType.SAMPLING, JobType.LOG_PROB, JobType.TRAINING)
 _POLL_S = 0.5
 
 
-def job_bodies(verl: VerlSettings, arctic: ArcticConfig, tag: str | None) -> dict[JobType, dict]:
-    """The ``/initialize`` body of each of the run's jobs, carrying the run's ``client_tag``."""
-    return {t: build_job_config(t, verl, arctic, client_tag=tag) for t in JOB_ORDER}
+def job_bodies(verl: VerlSettings, arctic: ArcticConfig, tag: str | None,
+               features: frozenset[str] = frozenset()) -> dict[JobType, dict]:
+    """The ``/initialize`` body of each of the run's jobs, carrying the run's ``client_tag``, for a server with
+    ``features`` (its ``/health``)."""
+    return {t: build_job_config(t, verl, arctic, client_tag=tag, features=features) for t in JOB_ORDER}
 
 
 def read_health(http: ArcticHttp) -> HealthResponse:
