@@ -15,6 +15,7 @@ pytest's ``pythonpath`` option in pyproject.toml).
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import sys
@@ -137,8 +138,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _reset_process_wide_server_switches():
     """A training engine built with compilation turns on process-wide switches (compiled log-prob
-    chunks, ZoRRO's FlexAttention pass); put them back so that no test inherits another's."""
+    chunks, ZoRRO's FlexAttention pass), and a server's job setup freezes the garbage collector's objects
+    (``arctic_rl.server.jobs.gc_freeze``); put them back so that no test inherits another's."""
     yield
+    gc.unfreeze()
     logprobs = sys.modules.get("arctic_rl.server.compute.token_logprobs")
     if logprobs is not None:
         logprobs.set_compiled_token_stats(False)

@@ -24,11 +24,14 @@ TOKEN_ENV = "ARCTIC_RL_SERVER_TOKEN"
 ZORRO_MIN_SAVING_ENV = "ARCTIC_RL_ZORRO_MIN_SAVING"
 #: the default of ``--zorro-trials`` when the flag is not given
 ZORRO_TRIALS_ENV = "ARCTIC_RL_ZORRO_TRIALS"
+#: the default of ``--gc-freeze`` when the flag is not given
+GC_FREEZE_ENV = "ARCTIC_RL_GC_FREEZE"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from arctic_rl.server.memory_probe import PROBE_ENV  # light: torch only once the probe starts
     from arctic_rl.server.settings import (  # light: no torch, no FastAPI
+        GC_FREEZE_MODES,
         IN_FLIGHT_ON_WEIGHT_LOAD,
         SAMPLERS,
         TORCH_COMPILE_MODES,
@@ -57,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-up", choices=WARM_UP_MODES, default="auto",
                    help="run each training and log_prob job's passes once on a small batch when it is created, so "
                    "that torch.compile's compiles happen before step 1: auto (default) where torch.compile is in use")
+    p.add_argument("--gc-freeze", choices=GC_FREEZE_MODES, default=None,
+                   help="once a job is built and warmed up, freeze the process's objects so that Python's garbage "
+                   "collections (vLLM's sleep runs one) skip them: on (default) or off "
+                   f"(default ${GC_FREEZE_ENV} or on; arctic_rl/server/jobs/gc_freeze.py)")
     p.add_argument(
         "--sampler",
         choices=SAMPLERS,
@@ -100,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.zorro_min_saving = _share(os.environ.get(ZORRO_MIN_SAVING_ENV, "0.55"))
         except argparse.ArgumentTypeError as exc:
             p.error(f"${ZORRO_MIN_SAVING_ENV}: {exc}")
+    if args.gc_freeze is None:
+        args.gc_freeze = os.environ.get(GC_FREEZE_ENV) or "on"
+        if args.gc_freeze not in GC_FREEZE_MODES:
+            p.error(f"${GC_FREEZE_ENV}: expected one of {list(GC_FREEZE_MODES)}, got {args.gc_freeze!r}")
     if args.zorro_trials is None:
         try:
             args.zorro_trials = _count(os.environ.get(ZORRO_TRIALS_ENV, "2"))
@@ -208,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         generate_batch_size=args.generate_batch_size,
         torch_compile=args.torch_compile,
         warm_up=args.warm_up,
+        gc_freeze=args.gc_freeze,
         body_timeout_s=args.body_timeout_s,
         head_timeout_s=args.head_timeout_s,
         limit_concurrency=args.limit_concurrency,

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["IN_FLIGHT_ON_WEIGHT_LOAD", "SAMPLERS", "TORCH_COMPILE_MODES", "ServerSettings", "is_loopback_host"]
+__all__ = ["GC_FREEZE_MODES", "IN_FLIGHT_ON_WEIGHT_LOAD", "SAMPLERS", "TORCH_COMPILE_MODES", "ServerSettings",
+           "is_loopback_host"]
 
 Device = Literal["cpu", "cuda"]
 #: ``torch.compile`` of the training model: ``auto`` (whole decoder layers on CUDA when a compile probe
@@ -21,6 +22,9 @@ TORCH_COMPILE_MODES = ("auto", "off", "layers", "modules")
 #: the warm-up of training and log_prob jobs at creation (:mod:`arctic_rl.server.engines.warmup`): ``auto`` where
 #: torch.compile is in use, ``on`` always, ``off`` never
 WARM_UP_MODES = ("auto", "on", "off")
+#: Python's garbage collector once a job is set up (:mod:`arctic_rl.server.jobs.gc_freeze`): ``on`` freezes the
+#: objects alive then (later collections skip them), ``off`` leaves the collector as Python runs it
+GC_FREEZE_MODES = ("on", "off")
 #: the sampling engine: ``auto`` (vLLM where CUDA and ``vllm`` are there, else ``transformers``), or one of
 #: the two (see :mod:`arctic_rl.server.engines.sampler_choice`)
 SAMPLERS = ("auto", "vllm", "transformers")
@@ -77,6 +81,8 @@ class ServerSettings:
     zorro_trials: int = 2
     #: compile before step 1: a job's warm-up passes at creation (:data:`WARM_UP_MODES`)
     warm_up: str = "auto"
+    #: freeze the long-lived objects after each job's setup (:data:`GC_FREEZE_MODES`)
+    gc_freeze: str = "on"
     #: the sampler's weight load and the ``/generate`` calls in flight (:data:`IN_FLIGHT_ON_WEIGHT_LOAD`)
     in_flight_on_weight_load: str = "wait"
     #: where the GPU memory probe writes (:mod:`arctic_rl.server.memory_probe`; a diagnostic); None = off
@@ -107,6 +113,8 @@ class ServerSettings:
                 f"zorro_trials: expected an integer >= 0 (0 = no timing, ZoRRO whenever the rule says), "
                 f"got {self.zorro_trials!r}"
             )
+        if self.gc_freeze not in GC_FREEZE_MODES:
+            raise ValueError(f"gc_freeze: expected one of {list(GC_FREEZE_MODES)}, got {self.gc_freeze!r}")
         if self.warm_up not in WARM_UP_MODES:
             raise ValueError(f"warm_up: expected one of {list(WARM_UP_MODES)}, got {self.warm_up!r}")
         if self.sampler not in SAMPLERS:

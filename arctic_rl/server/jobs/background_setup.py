@@ -31,6 +31,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from arctic_rl.server.jobs.gc_freeze import freeze_long_lived
 from arctic_rl.server.jobs.registry import Job, JobState
 from arctic_rl.server.jobs.setup_hold import RunInThread, samplers_asleep
 
@@ -65,6 +66,8 @@ def job_setup(job: Job, others: list[Job], settings: ServerSettings, run: RunInT
                     await run(warm_up, job.engine, settings)  # compiles before step 1
                 finally:
                     job.warming_up = False
+            # the job's objects, and what its warm-up compiled, outside later collections (vLLM's sleep runs one)
+            await run(freeze_long_lived, settings.gc_freeze, f"after the setup of job {job.job_id}")
         built()  # no warm-up: answered once the samplers are awake again, as before
 
     return setup

@@ -56,6 +56,7 @@ from arctic_rl.server.http.idempotency import IdempotencyCache
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import checkpoint as ckpt
 from arctic_rl.server.jobs.background_setup import BackgroundSetups, job_setup
+from arctic_rl.server.jobs.gc_freeze import freeze_long_lived, thaw
 from arctic_rl.server.jobs.registry import Job, JobRegistry
 from arctic_rl.server.jobs.sleep_gate import SleepGate
 from arctic_rl.server.memory import job_memory, memory_metrics
@@ -137,6 +138,7 @@ class ServerState:
                 except Exception:
                     logger.exception("closing job %d failed", job.job_id)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        thaw(self.settings.gc_freeze)
 
     def _log_jobs(self) -> None:
         jobs = ", ".join(f"{j.job_id}:{j.job_type.value}({j.state})" for j in self.jobs.all()) or "none"
@@ -199,8 +201,10 @@ class ServerState:
         async with job.lock:
             self.jobs.remove(job_id)
             if job.engine is not None:
+                thaw(self.settings.gc_freeze)  # the job's objects may sit in cycles holding device memory
                 await self._in_thread(job.engine.close)
                 job.engine = None
+                await self._in_thread(freeze_long_lived, self.settings.gc_freeze, f"after destroying job {job_id}")
         self.idempotency.drop_scope(f"job:{job_id}")
         logger.info("destroy: job %d (%s)", job_id, job.job_type.value)
         self._log_jobs()
