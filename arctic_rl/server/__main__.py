@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run each training and log_prob job's passes once on a small batch when it is created, so "
                    "that torch.compile's compiles happen before step 1: auto (default) where torch.compile is in use")
     p.add_argument("--gc-freeze", choices=GC_FREEZE_MODES, default=None,
-                   help="once a job is built and warmed up, freeze the process's objects so that Python's garbage "
+                   help="once a job's warm-up has ended, freeze the process's objects so that Python's garbage "
                    "collections (vLLM's sleep runs one) skip them: on (default) or off "
                    f"(default ${GC_FREEZE_ENV} or on; arctic_rl/server/jobs/gc_freeze.py)")
     p.add_argument(

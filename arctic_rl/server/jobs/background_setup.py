@@ -66,8 +66,8 @@ def job_setup(job: Job, others: list[Job], settings: ServerSettings, run: RunInT
                     await run(warm_up, job.engine, settings)  # compiles before step 1
                 finally:
                     job.warming_up = False
-            # the job's objects, and what its warm-up compiled, outside later collections (vLLM's sleep runs one)
-            await run(freeze_long_lived, settings.gc_freeze, f"after the setup of job {job.job_id}")
+                # what the warm-up compiled, and the job's objects, outside later collections (vLLM's sleep runs one)
+                await run(freeze_long_lived, settings.gc_freeze, f"after the warm-up of job {job.job_id}")
         built()  # no warm-up: answered once the samplers are awake again, as before
 
     return setup

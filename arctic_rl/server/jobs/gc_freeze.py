@@ -9,11 +9,13 @@ the training job was built and 0.38-0.45 s in the loop (benchmarks/RESULTS.md §
 overhead. Python's own automatic collections of the oldest generation walk the same objects, at moments nobody
 chooses.
 
-:func:`freeze_long_lived` (at the end of each job's setup, :mod:`.background_setup`) collects once and then
+:func:`freeze_long_lived` (at the end of each job's warm-up, :mod:`.background_setup`) collects once and then
 ``gc.freeze()``\\ s what is left: those objects move to a permanent generation that later collections skip (on the
 same CPU: 0.0000 s per collection after it). They are still freed by reference counting; only garbage in reference
 cycles among them waits. So :func:`thaw` runs before a job is destroyed -- its model and engines may sit in cycles
-that hold device memory -- and :func:`freeze_long_lived` again after. ``--gc-freeze off``
+that hold device memory -- and :func:`freeze_long_lived` again after. A job without a warm-up (no ``torch.compile``:
+the CPU's default) freezes nothing: its objects are few, and each freeze's full collection would cost its
+``/initialize`` and ``/destroy`` more than it saves. ``--gc-freeze off``
 (:data:`~arctic_rl.server.settings.GC_FREEZE_MODES`) leaves the collector as Python runs it.
 
 What is not here: when a job is set up or destroyed (:mod:`.background_setup`, :mod:`.service`).
@@ -44,7 +46,10 @@ def freeze_long_lived(mode: str, why: str) -> int:
     return frozen
 
 
-def thaw(mode: str) -> None:
-    """With ``mode`` ``on``: the frozen objects back in the collector's care (before a job's objects are let go)."""
-    if mode == "on":
-        gc.unfreeze()
+def thaw(mode: str) -> bool:
+    """With ``mode`` ``on``: the frozen objects back in the collector's care (before a job's objects are let go).
+    Whether any were frozen (then the caller freezes what is left once the job is gone)."""
+    if mode != "on" or not gc.get_freeze_count():
+        return False
+    gc.unfreeze()
+    return True

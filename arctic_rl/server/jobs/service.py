@@ -201,10 +201,11 @@ class ServerState:
         async with job.lock:
             self.jobs.remove(job_id)
             if job.engine is not None:
-                thaw(self.settings.gc_freeze)  # the job's objects may sit in cycles holding device memory
+                frozen = thaw(self.settings.gc_freeze)  # the job's objects may sit in cycles holding device memory
                 await self._in_thread(job.engine.close)
                 job.engine = None
-                await self._in_thread(freeze_long_lived, self.settings.gc_freeze, f"after destroying job {job_id}")
+                if frozen:
+                    await self._in_thread(freeze_long_lived, self.settings.gc_freeze, f"after destroying job {job_id}")
         self.idempotency.drop_scope(f"job:{job_id}")
         logger.info("destroy: job %d (%s)", job_id, job.job_type.value)
         self._log_jobs()

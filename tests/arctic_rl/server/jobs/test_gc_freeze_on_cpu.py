@@ -2,7 +2,8 @@
 
 What freezing means (objects alive at the freeze are skipped by later collections, new ones are not; a thaw gives
 them back), the flag and its variable, and a real :class:`ServerState` (tiny Qwen3, DeepSpeed on CPU): a job's
-setup freezes, and a destroyed job's model -- held in a reference cycle -- is collected, not kept frozen.
+warm-up freezes (a job without one does not), and a destroyed job's model -- held in a reference cycle -- is
+collected, not kept frozen.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ def test_frozen_objects_are_skipped_until_thawed(caplog):
     new = _cycle()  # made after the freeze: collected as always
     gc.collect()
     assert new() is None
-    thaw("on")
-    assert gc.get_freeze_count() == 0
+    assert thaw("on") and gc.get_freeze_count() == 0 and not thaw("on")
     gc.collect()
     assert held() is None
 
@@ -53,8 +53,7 @@ def test_frozen_objects_are_skipped_until_thawed(caplog):
 def test_off_leaves_the_collector_alone():
     assert freeze_long_lived("off", "in the test") == 0 and gc.get_freeze_count() == 0
     gc.freeze()
-    thaw("off")
-    assert gc.get_freeze_count() > 0  # not ours to thaw (the test's conftest does)
+    assert not thaw("off") and gc.get_freeze_count() > 0  # not ours to thaw (the test's conftest does)
 
 
 def test_the_flag_and_its_variable(monkeypatch):
@@ -69,7 +68,7 @@ def test_the_flag_and_its_variable(monkeypatch):
 @pytest.mark.parametrize("mode", GC_FREEZE_MODES)
 def test_a_job_setup_freezes_and_its_destroy_lets_the_job_go(tiny_model_dir, tmp_path, mode):
     async def run() -> tuple[int, int, bool]:
-        state = ServerState(ServerSettings(checkpoint_root=tmp_path / mode, gc_freeze=mode))
+        state = ServerState(ServerSettings(checkpoint_root=tmp_path / mode, gc_freeze=mode, warm_up="on"))
         config = JobConfig(model_name=str(tiny_model_dir), job_type=JobType.TRAINING, checkpoint_path="train",
                            ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
         try:
@@ -94,3 +93,21 @@ def test_a_job_setup_freezes_and_its_destroy_lets_the_job_go(tiny_model_dir, tmp
     else:
         assert frozen == after == 0
     assert gone  # the destroyed job's model was collected, frozen or not
+
+
+@pytest.mark.slow
+def test_a_job_without_a_warm_up_freezes_nothing(tiny_model_dir, tmp_path):
+    async def run() -> int:
+        state = ServerState(ServerSettings(checkpoint_root=tmp_path / "auto"))  # CPU: no torch.compile, no warm-up
+        try:
+            job_id = (await state.initialize(JobConfig(model_name=str(tiny_model_dir), job_type=JobType.LOG_PROB)))[
+                "job_id"]
+            await state.setups.idle()
+            frozen = gc.get_freeze_count()
+            await state.destroy(job_id, None)
+            return frozen + gc.get_freeze_count()
+        finally:
+            state.shutdown()
+
+    gc.unfreeze()
+    assert asyncio.run(run()) == 0
