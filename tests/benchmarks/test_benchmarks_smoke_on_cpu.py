@@ -31,6 +31,7 @@ BENCH = REPO / "benchmarks"
 #: script -> (arguments, with {out} for a fresh output folder; texts its output must hold)
 SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "gen_throughput.py": (["--cpu-smoke", "--out", "{out}"], ['"weight_sync"', "| 2 x 4 |"]),
+    "gc_after_warm_up.py": (["--smoke", "--repeat", "1"], ["| after the freeze (", "the baseline's collection"]),
     "generate_answer.py": (["--smoke"], ["| 4 x 16 | 64 |", "compact vs vendor, engine + JSON"]),
     # the budget bounds a GPU run; the tiny CPU run takes ~20 s and must not skip a section
     "gpu_throughput.py": (["--device", "cpu", "--tiny", "--out", "{out}", "--budget-s", "600", "--repeats", "1",

@@ -6,8 +6,9 @@ server's process holds the models, DeepSpeed's engine, vLLM's engine and, above 
 warm-up, against 0.2 s before it. vLLM's sleep (``CuMemAllocator.sleep``) ends with such a collection, and verl's
 old-log-prob ``/forward`` waits for the sampler's sleep (:mod:`.sleep_gate`): on an H100 a sleep took 0.015 s before
 the training job was built and 0.38-0.45 s in the loop (benchmarks/RESULTS.md §2za), most of the step's old-log-prob
-overhead. Python's own automatic collections of the oldest generation walk the same objects, at moments nobody
-chooses.
+overhead. (vLLM freezes the heap itself at the end of its engine's start, ``freeze_gc_heap``: what the sampler's
+start made is skipped already, what the training job and its compiles make after it is not.) Python's own automatic
+collections of the oldest generation walk the same objects, at moments nobody chooses.
 
 :func:`freeze_long_lived` (at the end of each job's warm-up, :mod:`.background_setup`) collects once and then
 ``gc.freeze()``\\ s what is left: those objects move to a permanent generation that later collections skip (on the
