@@ -1,7 +1,8 @@
 """``benchmarks/device/server_calls.sh``: which of the reference server's log lines a GPU run brings back.
 
 The lines are the server's own formats (``arctic_rl/server``); a run's memory is lined up with them by time, so a
-checkpoint save (with the memory it used while it ran) and the process group's backend must be among them."""
+checkpoint save (with the memory it used while it ran), the process group's backend, the jobs' warm-ups and the
+garbage collector's freezes must be among them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ KEPT = [
      "start the allocator held 1024 MiB of freed blocks cached (in use on the device, not by tensors)"),
     "2026-12-06 07:57:39,300 INFO arctic_rl.server: save job=3 -> /ck/run/checkpoint-5 (step 5) 3.41s",
     "2026-12-06 07:58:00,000 INFO arctic_rl.server: load-checkpoint job=3 <- /ck/run/checkpoint-5 (step 5) 1.20s",
+    ("2026-12-06 07:58:01,000 INFO arctic_rl.server: training job: warm-up of 9 calls on synthetic batches and at the "
+     "client's batch shape (/forward 128 rows x 1600 + 128) in 201.3s (compiles before step 1); 0.50 GB of cached "
+     "blocks released"),
+    "2026-12-06 07:58:02,000 INFO arctic_rl.server: gc: 2210417 objects frozen after the warm-up of job 3 in 0.61s "
+    "(later collections skip them)",
 ]
 DROPPED = [
     "2026-12-06 07:57:30,000 INFO uvicorn.access: 127.0.0.1:5000 - \"POST /generate HTTP/1.1\" 200",
