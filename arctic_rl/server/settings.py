@@ -22,7 +22,7 @@ TORCH_COMPILE_MODES = ("auto", "off", "layers", "modules")
 #: the warm-up of training and log_prob jobs at creation (:mod:`arctic_rl.server.engines.warmup`): ``auto`` where
 #: torch.compile is in use, ``on`` always, ``off`` never
 WARM_UP_MODES = ("auto", "on", "off")
-#: Python's garbage collector once a job is set up (:mod:`arctic_rl.server.jobs.gc_freeze`): ``on`` freezes the
+#: Python's garbage collector once a job has warmed up (:mod:`arctic_rl.server.jobs.gc_freeze`): ``on`` freezes the
 #: objects alive then (later collections skip them), ``off`` leaves the collector as Python runs it
 GC_FREEZE_MODES = ("on", "off")
 #: the sampling engine: ``auto`` (vLLM where CUDA and ``vllm`` are there, else ``transformers``), or one of
@@ -81,7 +81,7 @@ class ServerSettings:
     zorro_trials: int = 2
     #: compile before step 1: a job's warm-up passes at creation (:data:`WARM_UP_MODES`)
     warm_up: str = "auto"
-    #: freeze the long-lived objects after each job's setup (:data:`GC_FREEZE_MODES`)
+    #: freeze the long-lived objects after each job's warm-up (:data:`GC_FREEZE_MODES`)
     gc_freeze: str = "on"
     #: the sampler's weight load and the ``/generate`` calls in flight (:data:`IN_FLIGHT_ON_WEIGHT_LOAD`)
     in_flight_on_weight_load: str = "wait"

@@ -1,4 +1,4 @@
-"""Python's garbage collector and the jobs' long-lived objects: frozen once a job is set up.
+"""Python's garbage collector and the jobs' long-lived objects: frozen once a job has warmed up.
 
 A full ``gc.collect()`` walks every container object of the process. Once a job is built and warmed up, the
 server's process holds the models, DeepSpeed's engine, vLLM's engine and, above all, what ``torch.compile`` left
