@@ -36,7 +36,7 @@ module                                 what it is
 :mod:`.jobs.setup_hold`                the samplers asleep while a training or log-prob job is built (start-up peak)
 :mod:`.jobs.background_setup`          a job's building and warm-up as one task: ``/initialize`` answers before the warm-up
 :mod:`.jobs.sleep_gate`                a training or log-prob pass waits for a sampler sleep in progress
-:mod:`.jobs.gc_freeze`                 the garbage collector frozen after each job's setup (later collections skip those objects)
+:mod:`.jobs.gc_freeze`                 the garbage collector frozen after each job's warm-up (later collections skip those objects)
 **engines/** -- one per job type
 :mod:`.engines.protocols`              what the server asks of a training, log-prob and sampling engine
 :mod:`.engines.batch`                  the validated batch an engine computes on (``ParsedBatch``)
