@@ -26,8 +26,8 @@ KEPT = [
     ("2026-12-06 07:58:01,000 INFO arctic_rl.server: training job: warm-up of 9 calls on synthetic batches and at the "
      "client's batch shape (/forward 128 rows x 1600 + 128) in 201.3s (compiles before step 1); 0.50 GB of cached "
      "blocks released"),
-    "2026-12-06 07:58:02,000 INFO arctic_rl.server: gc: 2210417 objects frozen after the warm-up of job 3 in 0.61s "
-    "(later collections skip them)",
+    ("2026-12-06 07:58:02,000 INFO arctic_rl.server: gc: 2210417 objects frozen after the warm-up of job 3 in 0.61s "
+     "(later collections skip them)"),
 ]
 DROPPED = [
     "2026-12-06 07:57:30,000 INFO uvicorn.access: 127.0.0.1:5000 - \"POST /generate HTTP/1.1\" 200",
