@@ -53,6 +53,16 @@ def _real_batch(engine, *, train: bool, zorro: bool, seed: int = 7, entropy: boo
     return parse_batch_body(body, vocab_size=engine.vocab_size, train=train)
 
 
+def counting_compiles(monkeypatch):
+    """Every ``nn.Module.compile`` with Dynamo's counting backend (eager graphs, no C compiler): the counter."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=counter, **kw))
+    return counter
+
+
 def _state(engine: TrainingEngine) -> dict:
     ds = engine.engine
     opt = ds.optimizer
@@ -230,11 +240,7 @@ def test_the_warm_up_hands_its_cached_blocks_back(model_dir, tmp_path, monkeypat
 def test_the_warm_up_compiles_what_the_first_real_calls_need(model_dir, tmp_path, monkeypatch, zorro):
     """torch_compile=layers with Dynamo's counting backend (eager graphs): the warm-up compiles; a real batch of
     other sizes then compiles no new graph, in /forward-backward (grad) nor /forward (eval, no grad)."""
-    from torch._dynamo.testing import CompileCounter
-
-    counter = CompileCounter()
-    compile_ = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=counter, **kw))
+    counter = counting_compiles(monkeypatch)
 
     def counted_token_stats(enabled: bool) -> None:  # the fused chunks, compiled as the server does, counted
         fns = {"stats": token_logprobs._chunk_stats, "grad": token_logprobs._chunk_grad}
@@ -317,11 +323,7 @@ def test_a_size_guard_compiles_in_the_warm_up_at_the_client_batch_shape(model_di
     """A compiled graph may branch on a batch's size (as inductor picks kernels by ``rows x tokens``): Dynamo then
     guards on it, and a real batch beyond the synthetic sizes recompiled in verl's first step. With the client's
     ``batch_shape`` the warm-up compiles that branch too: the first real calls compile nothing."""
-    from torch._dynamo.testing import CompileCounter
-
-    counter = CompileCounter()
-    compile_ = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=counter, **kw))
+    counter = counting_compiles(monkeypatch)
     tokens_limit = 4096  # above the synthetic batches' rows x tokens (15 x 220), below the client's (16 x 300)
 
     def run(worker: dict) -> tuple[int, int]:
