@@ -17,31 +17,36 @@ made the first ``/forward`` and ``/forward-backward`` of a SmolLM2-135M job take
 
 **Shapes.** Nothing here is compiled with ``dynamic=False``: the layers (``nn.Module.compile()``) and FlexAttention
 (``torch.compile(flex_attention)``) use Dynamo's default *automatic dynamic* shapes -- the first call of a graph
-compiles for its exact sizes, a second call whose sizes differ recompiles once with those dimensions symbolic,
-and later sizes reuse that graph; the fused chunks are compiled with ``dynamic=True`` from the start. So each
-call path is run on **two** batches whose every varying size differs (rows, prompt groups, rows per prompt,
-prompt length, response length, their sums and FlexAttention's 128-padded lengths), and whose sizes within the
-second batch are pairwise distinct and above 1 (Dynamo specialises sizes 0 and 1, and gives equal sizes one
-symbol). The batches' responses are right-padded as verl's are: without padding, the model's attention takes
-its unmasked path (``attention_mask`` ``None``), whose graphs real batches do not use. The fused chunks get
-detached aliases and are traced without duck sizing
-(:func:`~arctic_rl.server.compute.token_logprobs.compile_chunk_fn`), so that passes of one chunk and of several,
-with and without grad, share a graph. The first shape's passes run the plain LM head, the second's the chunked
-head (:data:`WARM_UP_HEAD_CHUNK_ROWS` positions a chunk): real passes take one or the other by the size of their
-logits. ``/forward`` runs with and without entropy. A real batch then finds shape-generic graphs and does not
-recompile (before these, on an H200, verl's step 1 still compiled: 14 s each for the first ``/forward`` and
-``/forward-backward`` after a 5 s warm-up, benchmarks/RESULTS.md §2o). Shape-generic graphs still carry guards on
-their sizes where the compiler chose by a size (inductor's kernels by ``rows x tokens``, say): on an H100 the first
-few-shot ``/forward`` and ``/forward-backward`` (128 rows of 1,561 tokens) took 5-40x their steady time after
-the warm-up on small batches (§2za). So when the client says what it will send
-(``ds_worker_config.batch_shape``, :class:`~arctic_rl.protocol.BatchShape`; our adapter sends verl's sizes) each
-call path also runs once at those sizes, on the head path its logits take (:func:`client_shapes`). What can still
-compile in step 1: the
-fused chunks specialise on the temperature (a Python float; the warm-up uses 1, or the job's ZoRRO
-``temperature``) and on whether the loss asks for entropy (``/forward-backward`` warms without, as verl asks by
-default: ``entropy_coeff`` 0); a guard this warm-up does not foresee recompiles as before. Once the warm-up has
-ended, every recompile is written to the server's log with the guard that failed
-(:func:`~arctic_rl.server.engines.common.log_recompiles`).
+compiles for its exact sizes, a second call whose sizes differ recompiles once with those dimensions symbolic, and
+later sizes reuse that graph; the fused chunks are compiled with ``dynamic=True`` from the start. So each call path
+is run on **two** batches whose every varying size differs (rows, prompt groups, rows per prompt, prompt length,
+response length, their sums and FlexAttention's 128-padded lengths), and whose sizes within the second batch are
+pairwise distinct and above 1 (Dynamo specialises sizes 0 and 1, and gives equal sizes one symbol). The batches'
+responses are right-padded as verl's are: without padding, the model's attention takes its unmasked path
+(``attention_mask`` ``None``), whose graphs real batches do not use. Each synthetic batch runs twice, its prompts
+full-length and then left-padded as verl's are (the client's shape runs left-padded): a pass whose prompts are all
+full-length (ZoRRO's prompt pass, say) runs unmasked, one with a padded prompt masked -- separate graphs, each
+needing two sizes, and real batches take either (the first real few-shot calls on an H100 recompiled the masked
+prompt pass, which the warm-up had met at one size). A ZoRRO job runs the plain pass, then ZoRRO's, then the plain
+pass again: Dynamo tries a frame's compiled entries most recently used first, and after ZoRRO's calls a plain pass
+can enter a layer entry of ZoRRO's (one that breaks the graph before the attention) and run the attention as a frame
+of its own -- graphs the first plain pass, inlined, never built (the tuner's first plain calls in verl's step 2
+compiled them: 4.8 and 8.7 s on an H100, benchmarks/RESULTS.md §2zb). The fused chunks get detached aliases and are
+traced without duck sizing (:func:`~arctic_rl.server.compute.token_logprobs.compile_chunk_fn`), so that passes of
+one chunk and of several, with and without grad, share a graph. The first shape's passes run the plain LM head, the
+second's the chunked head (:data:`WARM_UP_HEAD_CHUNK_ROWS` positions a chunk): real passes take one or the other by
+the size of their logits. ``/forward`` runs with and without entropy. A real batch then finds shape-generic graphs
+and does not recompile (before these, on an H200, verl's step 1 still compiled: 14 s each for the first ``/forward``
+and ``/forward-backward`` after a 5 s warm-up, benchmarks/RESULTS.md §2o). Shape-generic graphs still carry guards
+on their sizes where the compiler chose by a size (inductor's kernels by ``rows x tokens``, say): on an H100 the
+first few-shot ``/forward`` and ``/forward-backward`` (128 rows of 1,561 tokens) took 5-40x their steady time after
+the warm-up on small batches (§2za). So when the client says what it will send (``ds_worker_config.batch_shape``,
+:class:`~arctic_rl.protocol.BatchShape`; our adapter sends verl's sizes) each call path also runs once at those
+sizes, on the head path its logits take (:func:`client_shapes`). What can still compile in step 1: the fused chunks
+specialise on the temperature (a Python float; the warm-up uses 1, or the job's ZoRRO ``temperature``) and on
+whether the loss asks for entropy (``/forward-backward`` warms without, as verl asks by default: ``entropy_coeff``
+0); a guard this warm-up does not foresee recompiles as before. Once the warm-up has ended, every recompile is
+written to the server's log with the guard that failed (:func:`~arctic_rl.server.engines.common.log_recompiles`).
 
 **State.** The warm-up leaves the job as it found it: no ``/step`` runs, so the weights and optimizer state are
 untouched; gradients are discarded (``None`` again); DeepSpeed's counters (steps, samples, the un-stepped
@@ -139,13 +144,16 @@ def compiled_paths_on() -> bool:
 
 def synthetic_body(
     vocab_size: int, shape: tuple[int, int, int, int], *, micro_batches: int = 1, train: bool, zorro: bool,
-    temperature: float = 1.0, entropy: bool = False, seed: int = 0,
+    temperature: float = 1.0, entropy: bool = False, seed: int = 0, left_pad: bool = False,
 ) -> dict[str, Any]:
     """A decoded ``/forward-backward`` (``train``) or ``/forward`` body of ``shape`` (see :data:`WARM_UP_SHAPES`)
     repeated ``micro_batches`` times: each prompt's rows are consecutive and share its tokens. Like verl's, its
     responses are right-padded: a prompt's first row is full-length, the others end 1 or 2 tokens early (a batch
     without padding takes the model's other attention path, ``attention_mask`` ``None``: its compiled graphs would
-    not serve real batches)."""
+    not serve real batches). ``left_pad``: prompts are left-padded as verl's are (the call's ``g``-th prompt
+    ``g % 3`` tokens short, so that a pass holds padded and unpadded prompts): a pass whose prompts are all full
+    length (ZoRRO's prompt pass, say) runs without an attention mask, one with a padded prompt with it -- two
+    graphs, and a real batch's prompts are nearly always padded."""
     groups, n, p, r = shape
     groups *= micro_batches
     g = torch.Generator().manual_seed(seed)
@@ -155,8 +163,14 @@ def synthetic_body(
     short = (torch.arange(groups * n) % n).clamp(max=2)  # tokens of padding at the end of each row: 0, 1, 2, 2, ...
     pad = torch.arange(r).unsqueeze(0) >= (r - short).unsqueeze(1)
     responses[pad] = 0
+    prompt_mask = torch.ones_like(prompts)
+    if left_pad:
+        short_prompt = (torch.arange(groups) % 3).clamp(max=p - 1).repeat_interleave(n)
+        prompt_pad = torch.arange(p).unsqueeze(0) < short_prompt.unsqueeze(1)
+        prompts[prompt_pad] = 0
+        prompt_mask[prompt_pad] = 0
     ids = torch.cat([prompts, responses], dim=1)
-    mask = torch.cat([torch.ones_like(prompts), (~pad).long()], dim=1)
+    mask = torch.cat([prompt_mask, (~pad).long()], dim=1)
     batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "prompts": prompts, "responses": responses,
                              "response_mask": mask[:, p:].clone()}
     meta: dict[str, Any] = {"zorro_train_enable": zorro, "temperature": temperature, "calculate_entropy": entropy}
@@ -260,27 +274,39 @@ def client_shapes(engine: Any) -> tuple[Shape | None, Shape | None]:
     return micro, forward
 
 
+def _batches(client: tuple[Shape | None, Shape | None]) -> list[tuple[int, Shape | None, Shape | None, bool]]:
+    """The warm-up's batches, in order: ``(seed, /forward-backward micro-batch, /forward, left_pad)``. Each synthetic
+    shape (every size symbolic) with full-length prompts, then left-padded; then the client's shape, left-padded as
+    verl's prompts are (module docstring, *Shapes*). The seed also picks the LM-head path (:func:`_head_path`)."""
+    synthetic = [(seed, shape, shape, left_pad)
+                 for seed, shape in enumerate(WARM_UP_SHAPES) for left_pad in (False, True)]
+    return [*synthetic, (len(WARM_UP_SHAPES), *client, True)]
+
+
+def _phases(zorro_job: bool) -> tuple[bool, ...]:
+    """Whether each round of the warm-up takes ZoRRO's pass: the plain pass, and for a ZoRRO job then ZoRRO's and the
+    plain pass again (module docstring, *Shapes*)."""
+    return (False, True, False) if zorro_job else (False,)
+
+
 def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None]) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
-    client_micro, client_forward = client
     calls = 0
-    for zorro in (False, True) if zorro_job else (False,):
+    for zorro in _phases(zorro_job):
         engine.zorro_planners = {call: _planner(call, zorro) for call in ("/forward", "/forward-backward")}
-        # the synthetic shapes (every size symbolic), then the client's (the head path its logits take)
-        for seed, (micro, forward) in enumerate([*((shape, shape) for shape in WARM_UP_SHAPES),
-                                                 (client_micro, client_forward)]):
+        for seed, micro, forward, left_pad in _batches(client):
             with _head_path(engine, seed):
                 if micro is not None:
                     body = synthetic_body(engine.vocab_size, micro, micro_batches=engine.gas, train=True,
-                                          zorro=zorro_job, temperature=temperature, seed=seed)
+                                          zorro=zorro_job, temperature=temperature, seed=seed, left_pad=left_pad)
                     engine.forward_backward(parse_batch_body(body, vocab_size=engine.vocab_size, train=True))
                     engine.discard_gradients()
                     engine.pending = 0
                     calls += 1
                 for entropy in (True, False) if forward is not None else ():
                     body = synthetic_body(engine.vocab_size, forward, train=False, zorro=zorro_job,
-                                          temperature=temperature, entropy=entropy, seed=seed)
+                                          temperature=temperature, entropy=entropy, seed=seed, left_pad=left_pad)
                     engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
                     calls += 1
     return calls
@@ -289,14 +315,13 @@ def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None]) -> in
 def _warm_logprob(engine: Any, client: tuple[Shape | None, Shape | None]) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
-    _, client_forward = client
     calls = 0
-    for zorro in (False, True) if zorro_job else (False,):
+    for zorro in _phases(zorro_job):
         engine.zorro_planner = _planner("/forward", zorro)
-        for seed, shape in enumerate([*WARM_UP_SHAPES, client_forward]):
+        for seed, _, shape, left_pad in _batches((None, client[1])):
             for entropy in (True, False) if shape is not None else ():
                 body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
-                                      entropy=entropy, seed=seed)
+                                      entropy=entropy, seed=seed, left_pad=left_pad)
                 with _head_path(engine, seed):
                     engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
                 calls += 1

@@ -22,6 +22,7 @@ from arctic_rl.server.engines.logprob_engine import LogProbEngine
 from arctic_rl.server.engines.training import TrainingEngine
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.settings import WARM_UP_MODES, ServerSettings
+from arctic_rl.server.zorro.planner import ZorroPlanner
 from arctic_rl.tiny_models import build_tiny_model
 
 #: a real call's sizes: none of them is one the warm-up used (prompts, rows per prompt, P, R)
@@ -153,7 +154,8 @@ def test_the_warm_up_of_a_log_prob_job_changes_nothing(model_dir, tmp_path, capl
         with caplog.at_level("INFO", logger="arctic_rl.server"):
             seconds = warmup.warm_up(engine, ServerSettings(warm_up="on"))
         assert seconds is not None and engine.info()["warm_up_s"] == seconds
-        assert "log_prob job: warm-up of 8 calls" in caplog.text  # plain and ZoRRO, 2 shapes, with and without entropy
+        # plain, ZoRRO and plain again; 2 shapes, each with full-length and left-padded prompts; with and without entropy
+        assert "log_prob job: warm-up of 24 calls" in caplog.text
         assert log_state.is_artifact_enabled("recompiles")  # from now on a recompile is logged with its guard
         assert engine.zorro_planner is planner and planner.tuner.trial_calls == trial_calls
         assert torch.equal(torch.get_rng_state(), rng)
@@ -287,7 +289,7 @@ def test_the_warm_up_runs_each_call_at_the_client_batch_shape(model_dir, tmp_pat
         before = _state(engine)
         assert warmup.warm_up(engine, ServerSettings(warm_up="on")) is not None
         _assert_same(before, _state(engine))
-        assert len(seen) == 9 and seen[-3:] == [("forward_backward", 8, 30, 7, False), ("forward", 16, 30, 7, True),
+        assert len(seen) == 15 and seen[-3:] == [("forward_backward", 8, 30, 7, False), ("forward", 16, 30, 7, True),
                                                 ("forward", 16, 30, 7, False)]
         assert {prompt for _, _, prompt, *_ in seen[:-3]} == {6, 130}  # the synthetic batches first
     finally:
@@ -351,6 +353,64 @@ def test_a_size_guard_compiles_in_the_warm_up_at_the_client_batch_shape(model_di
     shape = {**CLIENT_SHAPE, "prompt_len": 280, "response_len": 20}
     assert run({})[1] > 0  # the synthetic sizes alone: the real batch takes the other branch and recompiles
     assert run({"rollout_n": 4, "batch_shape": shape})[1] == 0
+
+
+def _verl_batch(engine, *, groups: int, n: int, prompt_len: int, response_len: int, train: bool, left_pad: bool,
+                seed: int):
+    """A batch as verl sends it: ``groups`` prompts of ``n`` rows (the second a copy of the first, so one prompt
+    fewer than groups is unique), prompts left-padded by 0-9 tokens (``left_pad``; else full-length), responses
+    right-padded to lengths of 3 and more."""
+    body = warmup.synthetic_body(engine.vocab_size, (groups, n, prompt_len, response_len), train=train, zorro=True,
+                                 seed=seed)
+    batch, g = body["batch"], torch.Generator().manual_seed(seed)
+    batch["input_ids"][n:2 * n, :prompt_len] = batch["input_ids"][:n, :prompt_len]
+    batch["prompts"][n:2 * n] = batch["prompts"][:n]
+    for group in range(2, groups) if left_pad else ():
+        short, rows = int(torch.randint(0, 10, (1,), generator=g)), slice(group * n, (group + 1) * n)
+        for key in ("input_ids", "attention_mask", "prompts"):
+            batch[key][rows, :short] = 0
+    for row in range(groups * n):
+        length = int(torch.randint(3, response_len + 1, (1,), generator=g))
+        batch["attention_mask"][row, prompt_len + length:] = 0
+        batch["response_mask"][row, length:] = 0
+    return parse_batch_body(body, vocab_size=engine.vocab_size, train=train)
+
+
+@pytest.mark.slow
+def test_verl_shaped_calls_in_the_zorro_tuner_order_compile_nothing_after_the_warm_up(model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """A ZoRRO job at verl's sizes (``batch_shape``; ``max_token_len`` chunks of /forward; micro-batches), then the
+    calls of verl's first steps in the tuner's order -- ZoRRO's /forward and /forward-backward, then the plain
+    pass's -- on batches with left-padded prompts and with full-length ones: no call compiles. (On an H100 the
+    first ZoRRO calls recompiled the masked prompt pass, met at one size in the warm-up, and the first plain calls
+    after them the attention frames a plain pass enters after ZoRRO's, benchmarks/RESULTS.md §2zb.)"""
+    counter = counting_compiles(monkeypatch)
+    torch._dynamo.reset()
+    groups, n, prompt_len, response_len, gas = 8, 4, 60, 10, 4
+    shape = {"prompt_len": prompt_len, "response_len": response_len, "forward_rows": groups * n,
+             "forward_backward_rows": groups * n}
+    engine = _training(model_dir, tmp_path, "tuner_order", zorro=True, gas=gas, torch_compile="layers", worker={
+        "rollout_n": n, "batch_shape": shape, "max_token_len": 10 * (prompt_len + response_len)})
+    try:
+        warmup.warm_up(engine, ServerSettings())
+        compiled, seed = counter.frame_count, 20
+        for left_pad in (True, False):
+            for zorro in (True, False):
+                engine.zorro_planners = {call: ZorroPlanner("tuner order", call, min_saving=0.0 if zorro else 99.0,
+                                                            trials=0) for call in ("/forward", "/forward-backward")}
+                for train in (False, True):
+                    seed += 1
+                    batch = _verl_batch(engine, groups=groups, n=n, prompt_len=prompt_len,
+                                        response_len=response_len, train=train, left_pad=left_pad, seed=seed)
+                    (engine.forward_backward if train else engine.forward)(batch)
+                    engine.discard_gradients()
+                    engine.pending = 0
+                    what = f"{'/forward-backward' if train else '/forward'}, {'ZoRRO' if zorro else 'plain'} pass, " \
+                           f"{'left-padded' if left_pad else 'full-length'} prompts"
+                    assert counter.frame_count == compiled, f"{what}: compiled after the warm-up"
+    finally:
+        engine.close()
+        torch._dynamo.reset()
 
 
 def test_the_setting_and_the_flag(model_dir, tmp_path):
