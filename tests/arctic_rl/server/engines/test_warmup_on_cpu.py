@@ -473,6 +473,6 @@ def test_a_job_warms_up_when_the_server_creates_it(model_dir, tmp_path, caplog):
     with caplog.at_level("INFO", logger="arctic_rl.server"):
         info = asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "on", warm_up="on")))
     assert info["warm_up_s"] > 0 and info["global_step"] == 0 and info["pending_forward_backward"] == 0
-    assert ("training job: warm-up of 9 calls on synthetic batches and at the client's batch shape "
+    assert ("training job: warm-up of 15 calls on synthetic batches and at the client's batch shape "
             "(/forward-backward micro-batches of 8 rows x 30 + 7, /forward 16 rows x 30 + 7)") in caplog.text
     assert asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "auto")))["warm_up_s"] is None  # CPU: eager
