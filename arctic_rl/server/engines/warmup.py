@@ -55,8 +55,9 @@ backward count; ZeRO-1/2's gradient window: micro-step id, boundary flag, the ac
 (the warm-up uses its own untimed planners), the job's memory report (buffers, the last call's peak) and the
 process's device peak are restored. (The RNG and the peak are the process's: no other job's call runs meanwhile --
 the server runs the warm-up after ``/initialize`` has answered and holds every other compute call until it ends,
-:mod:`arctic_rl.server.jobs.background_setup`.) Its seconds are logged and
-reported in the job's info (``warm_up_s``). ``--warm-up`` (:data:`~arctic_rl.server.settings.WARM_UP_MODES`):
+:mod:`arctic_rl.server.jobs.background_setup`.) Its seconds are logged -- by round (plain, ZoRRO's, plain
+again) and, across them, at the client's shape (a few-shot ZoRRO job's took 235 s on an H100, longer than verl's
+start-up, benchmarks/RESULTS.md §2zc) -- and reported in the job's info (``warm_up_s``). ``--warm-up`` (:data:`~arctic_rl.server.settings.WARM_UP_MODES`):
 ``auto`` runs it where ``torch.compile`` is in use (a training job whose model is compiled; a log_prob job once a
 training job has turned the compiled passes on, :func:`compiled_paths_on` -- created before one, it has nothing
 of its own to warm: the training job's ``/forward`` warm-up compiles the same process-wide kernels), ``on``
@@ -289,14 +290,58 @@ def _phases(zorro_job: bool) -> tuple[bool, ...]:
     return (False, True, False) if zorro_job else (False,)
 
 
-def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None]) -> int:
+#: the log's name of each round of :func:`_phases`, by its index
+_ROUND_NAMES = ("plain pass", "ZoRRO's pass", "plain pass again")
+#: the log's name of the calls at the client's batch shape (timed across the rounds)
+_CLIENT_PART = "at the client's shape"
+
+
+class _PartTimes:
+    """Seconds of the warm-up's parts, for its log line (where a long warm-up goes): each round of :func:`_phases`,
+    and across them the calls at the client's batch shape. A part's end synchronises the device (its kernels are
+    queued)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device is not None and self.device.type == "cuda" and torch.cuda.is_available():
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def text(self) -> str:
+        """``plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; 60.0s of it at the client's shape``."""
+        rounds = ", ".join(f"{name} {self.seconds[name]:.1f}s" for name in _ROUND_NAMES if name in self.seconds)
+        client = self.seconds.get(_CLIENT_PART)
+        return rounds + (f"; {client:.1f}s of it {_CLIENT_PART}" if client is not None else "")
+
+
+def _rounds(zorro_job: bool, times: _PartTimes) -> Iterator[bool]:
+    """:func:`_phases`, each timed as a part of ``times``."""
+    for index, zorro in enumerate(_phases(zorro_job)):
+        with times.part(_ROUND_NAMES[index]):
+            yield zorro
+
+
+def _client_part(seed: int, times: _PartTimes) -> contextlib.AbstractContextManager:
+    """The calls of batch ``seed`` timed as the client's part when it is the client's shape."""
+    return times.part(_CLIENT_PART) if seed == len(WARM_UP_SHAPES) else contextlib.nullcontext()
+
+
+def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None], times: _PartTimes) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
     calls = 0
-    for zorro in _phases(zorro_job):
+    for zorro in _rounds(zorro_job, times):
         engine.zorro_planners = {call: _planner(call, zorro) for call in ("/forward", "/forward-backward")}
         for seed, micro, forward, left_pad in _batches(client):
-            with _head_path(engine, seed):
+            with _head_path(engine, seed), _client_part(seed, times):
                 if micro is not None:
                     body = synthetic_body(engine.vocab_size, micro, micro_batches=engine.gas, train=True,
                                           zorro=zorro_job, temperature=temperature, seed=seed, left_pad=left_pad)
@@ -312,17 +357,17 @@ def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None]) -> in
     return calls
 
 
-def _warm_logprob(engine: Any, client: tuple[Shape | None, Shape | None]) -> int:
+def _warm_logprob(engine: Any, client: tuple[Shape | None, Shape | None], times: _PartTimes) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
     calls = 0
-    for zorro in _phases(zorro_job):
+    for zorro in _rounds(zorro_job, times):
         engine.zorro_planner = _planner("/forward", zorro)
         for seed, _, shape, left_pad in _batches((None, client[1])):
             for entropy in (True, False) if shape is not None else ():
                 body = synthetic_body(engine.vocab_size, shape, train=False, zorro=zorro_job, temperature=temperature,
                                       entropy=entropy, seed=seed, left_pad=left_pad)
-                with _head_path(engine, seed):
+                with _head_path(engine, seed), _client_part(seed, times):
                     engine.forward(parse_batch_body(body, vocab_size=engine.vocab_size, train=False))
                 calls += 1
     return calls
@@ -348,7 +393,8 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
     try:
         with _job_state_kept(engine):
             warm = _warm_training if engine.job_type == JobType.TRAINING else _warm_logprob
-            calls = warm(engine, client)
+            times = _PartTimes(getattr(engine, "device", None))
+            calls = warm(engine, client, times)
     except Exception as exc:  # noqa: BLE001 -- a warm-up must not fail the job: its first calls compile instead
         memory.release_unused()
         logger.warning("%s job: warm-up failed after %.1fs (%s: %s); the first calls compile instead", job,
@@ -360,7 +406,7 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
     engine.warm_up_s = round(time.perf_counter() - t0, 3)
     sizes = [f"{call} {shape[0] * shape[1]} rows x {shape[2]} + {shape[3]}"
              for call, shape in zip(("/forward-backward micro-batches of", "/forward"), client) if shape is not None]
-    logger.info("%s job: warm-up of %d calls on synthetic batches%s in %.1fs (compiles before step 1); %.2f GB of "
-                "cached blocks released", job, calls, f" and at the client's batch shape ({', '.join(sizes)})"
-                if sizes else "", engine.warm_up_s, released / 1e9)
+    logger.info("%s job: warm-up of %d calls on synthetic batches%s in %.1fs (%s; compiles before step 1); %.2f GB "
+                "of cached blocks released", job, calls, f" and at the client's batch shape ({', '.join(sizes)})"
+                if sizes else "", engine.warm_up_s, times.text(), released / 1e9)
     return engine.warm_up_s

@@ -10,6 +10,8 @@ compiles every graph the first real calls need -- a batch of other sizes compile
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -156,6 +158,9 @@ def test_the_warm_up_of_a_log_prob_job_changes_nothing(model_dir, tmp_path, capl
         assert seconds is not None and engine.info()["warm_up_s"] == seconds
         # plain, ZoRRO and plain again; 2 shapes, each with full-length and left-padded prompts; with and without entropy
         assert "log_prob job: warm-up of 24 calls" in caplog.text
+        # where the seconds went, by round (no client shape here)
+        assert re.search(r"log_prob job: warm-up of 24 calls on synthetic batches in [0-9.]+s \(plain pass [0-9.]+s, "
+                         r"ZoRRO's pass [0-9.]+s, plain pass again [0-9.]+s; compiles before step 1\)", caplog.text)
         assert log_state.is_artifact_enabled("recompiles")  # from now on a recompile is logged with its guard
         assert engine.zorro_planner is planner and planner.tuner.trial_calls == trial_calls
         assert torch.equal(torch.get_rng_state(), rng)
@@ -413,6 +418,21 @@ def test_verl_shaped_calls_in_the_zorro_tuner_order_compile_nothing_after_the_wa
         torch._dynamo.reset()
 
 
+def test_the_warm_up_times_its_parts_for_the_log():
+    """The log line's parts: each round's seconds, and the calls at the client's shape counted across the rounds."""
+    times = warmup._PartTimes()
+    assert times.text() == ""
+    times.seconds.update({"plain pass": 80.06, "ZoRRO's pass": 110.2, "plain pass again": 44.6})
+    assert times.text() == "plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s"
+    with times.part("at the client's shape"):
+        pass
+    with times.part("at the client's shape"):
+        pass
+    assert 0 <= times.seconds["at the client's shape"] < 1
+    assert times.text().startswith("plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; 0.0s of it at the "
+                                   "client's shape")
+
+
 def test_the_setting_and_the_flag(model_dir, tmp_path):
     assert WARM_UP_MODES == ("auto", "on", "off") and ServerSettings().warm_up == "auto"
     with pytest.raises(ValueError, match=r"warm_up: expected one of \['auto', 'on', 'off'\], got 'yes'"):
@@ -475,4 +495,6 @@ def test_a_job_warms_up_when_the_server_creates_it(model_dir, tmp_path, caplog):
     assert info["warm_up_s"] > 0 and info["global_step"] == 0 and info["pending_forward_backward"] == 0
     assert ("training job: warm-up of 15 calls on synthetic batches and at the client's batch shape "
             "(/forward-backward micro-batches of 8 rows x 30 + 7, /forward 16 rows x 30 + 7)") in caplog.text
+    assert re.search(r"16 rows x 30 \+ 7\) in [0-9.]+s \(plain pass [0-9.]+s; [0-9.]+s of it at the client's shape; "
+                     r"compiles before step 1\)", caplog.text)
     assert asyncio.run(create(ServerSettings(checkpoint_root=tmp_path / "auto")))["warm_up_s"] is None  # CPU: eager
