@@ -49,20 +49,20 @@ whether the loss asks for entropy (``/forward-backward`` warms without, as verl 
 written to the server's log with the guard that failed (:func:`~arctic_rl.server.engines.common.log_recompiles`).
 
 **State.** The warm-up leaves the job as it found it: no ``/step`` runs, so the weights and optimizer state are
-untouched; gradients are discarded (``None`` again); DeepSpeed's counters (steps, samples, the un-stepped
-backward count; ZeRO-1/2's gradient window: micro-step id, boundary flag, the accumulated gradient tensors), the
-``/forward-backward``-pending flag, the torch RNG states (CPU and CUDA), the job's ZoRRO tuners and choice log
-(the warm-up uses its own untimed planners), the job's memory report (buffers, the last call's peak) and the
-process's device peak are restored. (The RNG and the peak are the process's: no other job's call runs meanwhile --
-the server runs the warm-up after ``/initialize`` has answered and holds every other compute call until it ends,
-:mod:`arctic_rl.server.jobs.background_setup`.) Its seconds are logged -- by round (plain, ZoRRO's, plain
-again) and, across them, at the client's shape (a few-shot ZoRRO job's took 235 s on an H100, longer than verl's
-start-up, benchmarks/RESULTS.md §2zc) -- and reported in the job's info (``warm_up_s``). ``--warm-up`` (:data:`~arctic_rl.server.settings.WARM_UP_MODES`):
-``auto`` runs it where ``torch.compile`` is in use (a training job whose model is compiled; a log_prob job once a
-training job has turned the compiled passes on, :func:`compiled_paths_on` -- created before one, it has nothing
-of its own to warm: the training job's ``/forward`` warm-up compiles the same process-wide kernels), ``on``
-always, ``off`` never. A warm-up that fails is logged
-and the job runs on (its first calls then compile as before).
+untouched; gradients are discarded (``None`` again); DeepSpeed's counters (steps, samples, the un-stepped backward
+count; ZeRO-1/2's gradient window: micro-step id, boundary flag, the accumulated gradient tensors), the
+``/forward-backward``-pending flag, the torch RNG states (CPU and CUDA), the job's ZoRRO tuners and choice log (the
+warm-up uses its own untimed planners), the job's memory report (buffers, the last call's peak) and the process's
+device peak are restored. (The RNG and the peak are the process's: no other job's call runs meanwhile -- the server
+runs the warm-up after ``/initialize`` has answered and holds every other compute call until it ends,
+:mod:`arctic_rl.server.jobs.background_setup`.) Its seconds are logged -- by round (plain, ZoRRO's, plain again)
+and, across them, at the client's shape (a few-shot ZoRRO job's took 235 s on an H100, longer than verl's start-up,
+benchmarks/RESULTS.md §2zc) -- and reported in the job's info (``warm_up_s``). ``--warm-up``
+(:data:`~arctic_rl.server.settings.WARM_UP_MODES`): ``auto`` runs it where ``torch.compile`` is in use (a training
+job whose model is compiled; a log_prob job once a training job has turned the compiled passes on,
+:func:`compiled_paths_on` -- created before one, it has nothing of its own to warm: the training job's ``/forward``
+warm-up compiles the same process-wide kernels), ``on`` always, ``off`` never. A warm-up that fails is logged and
+the job runs on (its first calls then compile as before).
 """
 
 from __future__ import annotations
