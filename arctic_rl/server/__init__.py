@@ -47,6 +47,7 @@ module                                 what it is
 :mod:`.engines.micro_metrics`          one call's metrics from those of its micro-batches
 :mod:`.engines.logprob_engine`         the forward-only log-prob engine (the reference policy)
 :mod:`.engines.warmup`                 a job's compile warm-up after its creation, state left as it was
+:mod:`.engines.part_times`             seconds by named part of long work (the warm-up's log line)
 :mod:`.engines.common`                 device, dtype, model loading, process group, no-grad log-probs of a batch
 :mod:`.engines.weights`                weight transfer between engines of one process (``/weight-sync``)
 :mod:`.engines.sampler_choice`         which sampler a server runs (``--sampler``)

@@ -81,6 +81,7 @@ from arctic_rl.server import memory as memory_mod
 from arctic_rl.server.compute.token_logprobs import head_chunk_budget
 from arctic_rl.server.engines.common import log_recompiles
 from arctic_rl.server.engines.device_memory import DeviceMemory
+from arctic_rl.server.engines.part_times import PartTimes
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.settings import ServerSettings
 from arctic_rl.server.zorro.flex import response_attention
@@ -296,45 +297,26 @@ _ROUND_NAMES = ("plain pass", "ZoRRO's pass", "plain pass again")
 _CLIENT_PART = "at the client's shape"
 
 
-class _PartTimes:
-    """Seconds of the warm-up's parts, for its log line (where a long warm-up goes): each round of :func:`_phases`,
-    and across them the calls at the client's batch shape. A part's end synchronises the device (its kernels are
-    queued)."""
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def part(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.device is not None and self.device.type == "cuda" and torch.cuda.is_available():
-                torch.cuda.synchronize(self.device)
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-    def text(self) -> str:
-        """``plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; 60.0s of it at the client's shape``."""
-        rounds = ", ".join(f"{name} {self.seconds[name]:.1f}s" for name in _ROUND_NAMES if name in self.seconds)
-        client = self.seconds.get(_CLIENT_PART)
-        return rounds + (f"; {client:.1f}s of it {_CLIENT_PART}" if client is not None else "")
+def _parts_text(times: PartTimes) -> str:
+    """``plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; 60.0s of it at the client's shape``."""
+    rounds = ", ".join(f"{name} {times.seconds[name]:.1f}s" for name in _ROUND_NAMES if name in times.seconds)
+    client = times.seconds.get(_CLIENT_PART)
+    return rounds + (f"; {client:.1f}s of it {_CLIENT_PART}" if client is not None else "")
 
 
-def _rounds(zorro_job: bool, times: _PartTimes) -> Iterator[bool]:
+def _rounds(zorro_job: bool, times: PartTimes) -> Iterator[bool]:
     """:func:`_phases`, each timed as a part of ``times``."""
     for index, zorro in enumerate(_phases(zorro_job)):
         with times.part(_ROUND_NAMES[index]):
             yield zorro
 
 
-def _client_part(seed: int, times: _PartTimes) -> contextlib.AbstractContextManager:
+def _client_part(seed: int, times: PartTimes) -> contextlib.AbstractContextManager:
     """The calls of batch ``seed`` timed as the client's part when it is the client's shape."""
     return times.part(_CLIENT_PART) if seed == len(WARM_UP_SHAPES) else contextlib.nullcontext()
 
 
-def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None], times: _PartTimes) -> int:
+def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None], times: PartTimes) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
     calls = 0
@@ -357,7 +339,7 @@ def _warm_training(engine: Any, client: tuple[Shape | None, Shape | None], times
     return calls
 
 
-def _warm_logprob(engine: Any, client: tuple[Shape | None, Shape | None], times: _PartTimes) -> int:
+def _warm_logprob(engine: Any, client: tuple[Shape | None, Shape | None], times: PartTimes) -> int:
     zorro_job = bool(engine.knobs.zorro_train_enable)
     temperature = float(engine.knobs.temperature) if zorro_job and engine.knobs.temperature else 1.0
     calls = 0
@@ -393,7 +375,7 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
     try:
         with _job_state_kept(engine):
             warm = _warm_training if engine.job_type == JobType.TRAINING else _warm_logprob
-            times = _PartTimes(getattr(engine, "device", None))
+            times = PartTimes(getattr(engine, "device", None))
             calls = warm(engine, client, times)
     except Exception as exc:  # noqa: BLE001 -- a warm-up must not fail the job: its first calls compile instead
         memory.release_unused()
@@ -408,5 +390,5 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
              for call, shape in zip(("/forward-backward micro-batches of", "/forward"), client) if shape is not None]
     logger.info("%s job: warm-up of %d calls on synthetic batches%s in %.1fs (%s; compiles before step 1); %.2f GB "
                 "of cached blocks released", job, calls, f" and at the client's batch shape ({', '.join(sizes)})"
-                if sizes else "", engine.warm_up_s, times.text(), released / 1e9)
+                if sizes else "", engine.warm_up_s, _parts_text(times), released / 1e9)
     return engine.warm_up_s

@@ -21,6 +21,7 @@ from arctic_rl.server.compute import token_logprobs
 from arctic_rl.server.engines import training as training_mod
 from arctic_rl.server.engines import warmup
 from arctic_rl.server.engines.logprob_engine import LogProbEngine
+from arctic_rl.server.engines.part_times import PartTimes
 from arctic_rl.server.engines.training import TrainingEngine
 from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.settings import WARM_UP_MODES, ServerSettings
@@ -420,17 +421,16 @@ def test_verl_shaped_calls_in_the_zorro_tuner_order_compile_nothing_after_the_wa
 
 def test_the_warm_up_times_its_parts_for_the_log():
     """The log line's parts: each round's seconds, and the calls at the client's shape counted across the rounds."""
-    times = warmup._PartTimes()
-    assert times.text() == ""
+    times = PartTimes()
+    assert warmup._parts_text(times) == ""
     times.seconds.update({"plain pass": 80.06, "ZoRRO's pass": 110.2, "plain pass again": 44.6})
-    assert times.text() == "plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s"
-    with times.part("at the client's shape"):
-        pass
-    with times.part("at the client's shape"):
-        pass
+    assert warmup._parts_text(times) == "plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s"
+    for _ in range(2):  # a part's seconds add up
+        with times.part("at the client's shape"):
+            pass
     assert 0 <= times.seconds["at the client's shape"] < 1
-    assert times.text().startswith("plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; 0.0s of it at the "
-                                   "client's shape")
+    assert warmup._parts_text(times).startswith("plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; "
+                                                "0.0s of it at the client's shape")
 
 
 def test_the_setting_and_the_flag(model_dir, tmp_path):
