@@ -1,16 +1,15 @@
 """Seconds spent in named parts of a long piece of server work (the job warm-up's rounds), for its log line.
 
-A part's end synchronises the device first: the work's kernels are queued, and the next part would be charged for
-them otherwise. Parts may nest or repeat; each name's seconds add up.
+A part's end waits for the device first (``synchronize``, e.g.
+:attr:`~arctic_rl.server.engines.device_memory.DeviceMemory.synchronize`): the work's kernels are queued, and the next
+part would be charged for them otherwise. Parts may nest or repeat; each name's seconds add up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-
-import torch
+from collections.abc import Callable, Iterator
 
 __all__ = ["PartTimes"]
 
@@ -18,8 +17,8 @@ __all__ = ["PartTimes"]
 class PartTimes:
     """Seconds by part name (``seconds``), measured with :meth:`part`."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
+    def __init__(self, synchronize: Callable[[], None] = lambda: None) -> None:
+        self.synchronize = synchronize
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -29,6 +28,5 @@ class PartTimes:
         try:
             yield
         finally:
-            if self.device is not None and self.device.type == "cuda" and torch.cuda.is_available():
-                torch.cuda.synchronize(self.device)
+            self.synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0

@@ -375,7 +375,7 @@ def warm_up(engine: Any, settings: ServerSettings, device_memory: DeviceMemory |
     try:
         with _job_state_kept(engine):
             warm = _warm_training if engine.job_type == JobType.TRAINING else _warm_logprob
-            times = PartTimes(getattr(engine, "device", None))
+            times = PartTimes(memory.synchronize)
             calls = warm(engine, client, times)
     except Exception as exc:  # noqa: BLE001 -- a warm-up must not fail the job: its first calls compile instead
         memory.release_unused()

@@ -421,14 +421,15 @@ def test_verl_shaped_calls_in_the_zorro_tuner_order_compile_nothing_after_the_wa
 
 def test_the_warm_up_times_its_parts_for_the_log():
     """The log line's parts: each round's seconds, and the calls at the client's shape counted across the rounds."""
-    times = PartTimes()
+    synchronised: list[int] = []
+    times = PartTimes(lambda: synchronised.append(1))  # a part's end waits for the device's queued work
     assert warmup._parts_text(times) == ""
     times.seconds.update({"plain pass": 80.06, "ZoRRO's pass": 110.2, "plain pass again": 44.6})
     assert warmup._parts_text(times) == "plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s"
     for _ in range(2):  # a part's seconds add up
         with times.part("at the client's shape"):
             pass
-    assert 0 <= times.seconds["at the client's shape"] < 1
+    assert 0 <= times.seconds["at the client's shape"] < 1 and len(synchronised) == 2
     assert warmup._parts_text(times).startswith("plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; "
                                                 "0.0s of it at the client's shape")
 
