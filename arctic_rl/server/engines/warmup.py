@@ -285,29 +285,25 @@ def _batches(client: tuple[Shape | None, Shape | None]) -> list[tuple[int, Shape
     return [*synthetic, (len(WARM_UP_SHAPES), *client, True)]
 
 
-def _phases(zorro_job: bool) -> tuple[bool, ...]:
-    """Whether each round of the warm-up takes ZoRRO's pass: the plain pass, and for a ZoRRO job then ZoRRO's and the
-    plain pass again (module docstring, *Shapes*)."""
-    return (False, True, False) if zorro_job else (False,)
-
-
-#: the log's name of each round of :func:`_phases`, by its index
-_ROUND_NAMES = ("plain pass", "ZoRRO's pass", "plain pass again")
+#: the warm-up's rounds, ``(name in the log, whether it takes ZoRRO's pass)``: the plain pass, and for a ZoRRO job
+#: then ZoRRO's and the plain pass again (module docstring, *Shapes*)
+_ROUNDS = (("plain pass", False), ("ZoRRO's pass", True), ("plain pass again", False))
 #: the log's name of the calls at the client's batch shape (timed across the rounds)
 _CLIENT_PART = "at the client's shape"
 
 
 def _parts_text(times: PartTimes) -> str:
     """``plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; 60.0s of it at the client's shape``."""
-    rounds = ", ".join(f"{name} {times.seconds[name]:.1f}s" for name in _ROUND_NAMES if name in times.seconds)
+    rounds = ", ".join(f"{name} {times.seconds[name]:.1f}s" for name, _ in _ROUNDS if name in times.seconds)
     client = times.seconds.get(_CLIENT_PART)
     return rounds + (f"; {client:.1f}s of it {_CLIENT_PART}" if client is not None else "")
 
 
 def _rounds(zorro_job: bool, times: PartTimes) -> Iterator[bool]:
-    """:func:`_phases`, each timed as a part of ``times``."""
-    for index, zorro in enumerate(_phases(zorro_job)):
-        with times.part(_ROUND_NAMES[index]):
+    """Whether each round of the job's warm-up (:data:`_ROUNDS`; a job without ZoRRO runs the first only) takes
+    ZoRRO's pass, each round timed as a part of ``times``."""
+    for name, zorro in _ROUNDS if zorro_job else _ROUNDS[:1]:
+        with times.part(name):
             yield zorro
 
 
