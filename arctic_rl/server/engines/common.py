@@ -168,6 +168,13 @@ def compile_model(model: torch.nn.Module, mode: str) -> int:
     dynamo_config = torch._dynamo.config
     limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, limit_name, max(int(getattr(dynamo_config, limit_name)), _RECOMPILE_LIMIT))
+    if mode == "layers" and hasattr(dynamo_config, "nested_graph_breaks"):
+        # ZoRRO's attention wrapper is a graph break inside the attention module, which the layer's graph inlines.
+        # Without nested graph breaks Dynamo moves the break out to the layer's call of its attention: the layer's
+        # entry for ZoRRO's passes then holds no guard on the attention implementation, and a plain pass after
+        # ZoRRO's (Dynamo tries the entry used last first) runs through it -- three graphs a layer instead of one.
+        # Resuming inside the attention keeps the guard in the layer's graph and halves ZoRRO's graphs.
+        dynamo_config.nested_graph_breaks = True
     for module in targets:
         module.compile()
     logger.info("torch_compile=%s: %d modules compiled (first calls of each shape compile)", mode, len(targets))

@@ -27,11 +27,14 @@ responses are right-padded as verl's are: without padding, the model's attention
 full-length and then left-padded as verl's are (the client's shape runs left-padded): a pass whose prompts are all
 full-length (ZoRRO's prompt pass, say) runs unmasked, one with a padded prompt masked -- separate graphs, each
 needing two sizes, and real batches take either (the first real few-shot calls on an H100 recompiled the masked
-prompt pass, which the warm-up had met at one size). A ZoRRO job runs the plain pass, then ZoRRO's, then the plain
-pass again: Dynamo tries a frame's compiled entries most recently used first, and after ZoRRO's calls a plain pass
-can enter a layer entry of ZoRRO's (one that breaks the graph before the attention) and run the attention as a frame
-of its own -- graphs the first plain pass, inlined, never built (the tuner's first plain calls in verl's step 2
-compiled them: 4.8 and 8.7 s on an H100, benchmarks/RESULTS.md §2zb). The fused chunks get detached aliases and are
+prompt pass, which the warm-up had met at one size). A ZoRRO job runs the plain pass, then ZoRRO's. ZoRRO's
+attention wrapper is a graph break inside each layer; the layers are compiled with nested graph breaks
+(:func:`~arctic_rl.server.engines.common.compile_model`), so ZoRRO's layer graphs guard on the attention
+implementation and a plain pass after ZoRRO's finds the plain graphs. (Without them ZoRRO's layer entry broke before
+the attention and held no such guard: Dynamo tries a frame's entries most recently used first, so a plain pass after
+ZoRRO's ran through it and compiled the attention as a frame of its own -- the tuner's first plain calls in verl's
+step 2 took 4.8 and 8.7 s on an H100, benchmarks/RESULTS.md §2zb -- and kept running three graphs a layer.) The
+fused chunks get detached aliases and are
 traced without duck sizing (:func:`~arctic_rl.server.compute.token_logprobs.compile_chunk_fn`), so that passes of
 one chunk and of several, with and without grad, share a graph. The first shape's passes run the plain LM head, the
 second's the chunked head (:data:`WARM_UP_HEAD_CHUNK_ROWS` positions a chunk): real passes take one or the other by
@@ -55,8 +58,8 @@ count; ZeRO-1/2's gradient window: micro-step id, boundary flag, the accumulated
 warm-up uses its own untimed planners), the job's memory report (buffers, the last call's peak) and the process's
 device peak are restored. (The RNG and the peak are the process's: no other job's call runs meanwhile -- the server
 runs the warm-up after ``/initialize`` has answered and holds every other compute call until it ends,
-:mod:`arctic_rl.server.jobs.background_setup`.) Its seconds are logged -- by round (plain, ZoRRO's, plain again)
-and, across them, at the client's shape (a few-shot ZoRRO job's took 235 s on an H100, longer than verl's start-up,
+:mod:`arctic_rl.server.jobs.background_setup`.) Its seconds are logged -- by round (plain, ZoRRO's) and,
+across them, at the client's shape (a few-shot ZoRRO job's took 235 s on an H100, longer than verl's start-up,
 benchmarks/RESULTS.md §2zc) -- and reported in the job's info (``warm_up_s``). ``--warm-up``
 (:data:`~arctic_rl.server.settings.WARM_UP_MODES`): ``auto`` runs it where ``torch.compile`` is in use (a training
 job whose model is compiled; a log_prob job once a training job has turned the compiled passes on,
@@ -286,14 +289,14 @@ def _batches(client: tuple[Shape | None, Shape | None]) -> list[tuple[int, Shape
 
 
 #: the warm-up's rounds, ``(name in the log, whether it takes ZoRRO's pass)``: the plain pass, and for a ZoRRO job
-#: then ZoRRO's and the plain pass again (module docstring, *Shapes*)
-_ROUNDS = (("plain pass", False), ("ZoRRO's pass", True), ("plain pass again", False))
+#: then ZoRRO's (module docstring, *Shapes*)
+_ROUNDS = (("plain pass", False), ("ZoRRO's pass", True))
 #: the log's name of the calls at the client's batch shape (timed across the rounds)
 _CLIENT_PART = "at the client's shape"
 
 
 def _parts_text(times: PartTimes) -> str:
-    """``plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; 60.0s of it at the client's shape``."""
+    """``plain pass 80.1s, ZoRRO's pass 110.2s; 60.0s of it at the client's shape``."""
     rounds = ", ".join(f"{name} {times.seconds[name]:.1f}s" for name, _ in _ROUNDS if name in times.seconds)
     client = times.seconds.get(_CLIENT_PART)
     return rounds + (f"; {client:.1f}s of it {_CLIENT_PART}" if client is not None else "")

@@ -57,11 +57,33 @@ def _real_batch(engine, *, train: bool, zorro: bool, seed: int = 7, entropy: boo
     return parse_batch_body(body, vocab_size=engine.vocab_size, train=train)
 
 
-def counting_compiles(monkeypatch):
-    """Every ``nn.Module.compile`` with Dynamo's counting backend (eager graphs, no C compiler): the counter."""
-    from torch._dynamo.testing import CompileCounter
+class _CountingBackend:
+    """Dynamo's counting backend (eager graphs, no C compiler; ``frame_count`` compiles), which also counts the
+    compiled graphs' runs (``runs``)."""
 
-    counter = CompileCounter()
+    def __init__(self) -> None:
+        from torch._dynamo.testing import CompileCounter
+
+        self._compiles = CompileCounter()
+        self.runs = 0
+
+    @property
+    def frame_count(self) -> int:
+        return self._compiles.frame_count
+
+    def __call__(self, graph, example_inputs):
+        forward = self._compiles(graph, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return forward(*args)
+
+        return run
+
+
+def counting_compiles(monkeypatch) -> _CountingBackend:
+    """Every ``nn.Module.compile`` with :class:`_CountingBackend`: the counter."""
+    counter = _CountingBackend()
     compile_ = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend=counter, **kw))
     return counter
@@ -157,11 +179,11 @@ def test_the_warm_up_of_a_log_prob_job_changes_nothing(model_dir, tmp_path, capl
         with caplog.at_level("INFO", logger="arctic_rl.server"):
             seconds = warmup.warm_up(engine, ServerSettings(warm_up="on"))
         assert seconds is not None and engine.info()["warm_up_s"] == seconds
-        # plain, ZoRRO and plain again; 2 shapes, each with full-length and left-padded prompts; with and without entropy
-        assert "log_prob job: warm-up of 24 calls" in caplog.text
+        # plain and ZoRRO; 2 shapes, each with full-length and left-padded prompts; with and without entropy
+        assert "log_prob job: warm-up of 16 calls" in caplog.text
         # where the seconds went, by round (no client shape here)
-        assert re.search(r"log_prob job: warm-up of 24 calls on synthetic batches in [0-9.]+s \(plain pass [0-9.]+s, "
-                         r"ZoRRO's pass [0-9.]+s, plain pass again [0-9.]+s; compiles before step 1\)", caplog.text)
+        assert re.search(r"log_prob job: warm-up of 16 calls on synthetic batches in [0-9.]+s \(plain pass [0-9.]+s, "
+                         r"ZoRRO's pass [0-9.]+s; compiles before step 1\)", caplog.text)
         assert log_state.is_artifact_enabled("recompiles")  # from now on a recompile is logged with its guard
         assert engine.zorro_planner is planner and planner.tuner.trial_calls == trial_calls
         assert torch.equal(torch.get_rng_state(), rng)
@@ -397,6 +419,10 @@ def test_verl_shaped_calls_in_the_zorro_tuner_order_compile_nothing_after_the_wa
              "forward_backward_rows": groups * n}
     engine = _training(model_dir, tmp_path, "tuner_order", zorro=True, gas=gas, torch_compile="layers", worker={
         "rollout_n": n, "batch_shape": shape, "max_token_len": 10 * (prompt_len + response_len)})
+    decoder = engine.model.model  # the stack of layers: one call per pass over them
+    layers = len(decoder.layers)
+    stack_calls = []
+    decoder.register_forward_pre_hook(lambda module, args: stack_calls.append(1))
     try:
         warmup.warm_up(engine, ServerSettings())
         compiled, seed = counter.frame_count, 20
@@ -408,12 +434,16 @@ def test_verl_shaped_calls_in_the_zorro_tuner_order_compile_nothing_after_the_wa
                     seed += 1
                     batch = _verl_batch(engine, groups=groups, n=n, prompt_len=prompt_len,
                                         response_len=response_len, train=train, left_pad=left_pad, seed=seed)
+                    runs, stacks = counter.runs, len(stack_calls)
                     (engine.forward_backward if train else engine.forward)(batch)
+                    runs, stacks = counter.runs - runs, len(stack_calls) - stacks
                     engine.discard_gradients()
                     engine.pending = 0
                     what = f"{'/forward-backward' if train else '/forward'}, {'ZoRRO' if zorro else 'plain'} pass, " \
                            f"{'left-padded' if left_pad else 'full-length'} prompts"
                     assert counter.frame_count == compiled, f"{what}: compiled after the warm-up"
+                    # a plain pass runs one graph per layer; ZoRRO's wrapper splits a layer in two (its graph break)
+                    assert stacks > 0 and runs == stacks * layers * (2 if zorro else 1), (what, runs, stacks)
     finally:
         engine.close()
         torch._dynamo.reset()
@@ -424,13 +454,13 @@ def test_the_warm_up_times_its_parts_for_the_log():
     synchronised: list[int] = []
     times = PartTimes(lambda: synchronised.append(1))  # a part's end waits for the device's queued work
     assert warmup._parts_text(times) == ""
-    times.seconds.update({"plain pass": 80.06, "ZoRRO's pass": 110.2, "plain pass again": 44.6})
-    assert warmup._parts_text(times) == "plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s"
+    times.seconds.update({"plain pass": 80.06, "ZoRRO's pass": 110.2, "a part not a round": 44.6})
+    assert warmup._parts_text(times) == "plain pass 80.1s, ZoRRO's pass 110.2s"  # the rounds, in their order
     for _ in range(2):  # a part's seconds add up
         with times.part("at the client's shape"):
             pass
     assert 0 <= times.seconds["at the client's shape"] < 1 and len(synchronised) == 2
-    assert warmup._parts_text(times).startswith("plain pass 80.1s, ZoRRO's pass 110.2s, plain pass again 44.6s; "
+    assert warmup._parts_text(times).startswith("plain pass 80.1s, ZoRRO's pass 110.2s; "
                                                 "0.0s of it at the client's shape")
 
 
