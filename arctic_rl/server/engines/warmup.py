@@ -34,9 +34,9 @@ implementation and a plain pass after ZoRRO's finds the plain graphs. (Without t
 the attention and held no such guard: Dynamo tries a frame's entries most recently used first, so a plain pass after
 ZoRRO's ran through it and compiled the attention as a frame of its own -- the tuner's first plain calls in verl's
 step 2 took 4.8 and 8.7 s on an H100, benchmarks/RESULTS.md §2zb -- and kept running three graphs a layer.) The
-fused chunks get detached aliases and are
-traced without duck sizing (:func:`~arctic_rl.server.compute.token_logprobs.compile_chunk_fn`), so that passes of
-one chunk and of several, with and without grad, share a graph. The first shape's passes run the plain LM head, the
+fused chunks get detached aliases and are traced without duck sizing
+(:func:`~arctic_rl.server.compute.token_logprobs.compile_chunk_fn`), so that passes of one chunk and of several,
+with and without grad, share a graph. The first shape's passes run the plain LM head, the
 second's the chunked head (:data:`WARM_UP_HEAD_CHUNK_ROWS` positions a chunk): real passes take one or the other by
 the size of their logits. ``/forward`` runs with and without entropy. A real batch then finds shape-generic graphs
 and does not recompile (before these, on an H200, verl's step 1 still compiled: 14 s each for the first ``/forward``
