@@ -13,7 +13,9 @@
 # Meant to be started detached (setsid) on the lent GPU machine after benchmarks/device/unpack.sh, then polled
 # (benchmarks/device/collect.sh packs what is there so far): RESULTS_DIR/status gets a line when a run starts and
 # ends, and ALLDONE at the end. The repository is copied first, so a later call that lays a new working tree does
-# not change the scripts under a running job. One invocation at a time (a lock): a second queues behind the first.
+# not change the scripts under a running job. One invocation at a time (a lock): a second queues behind the first
+# (its status says so). Only this script holds the lock, not what it starts: a chain killed midway leaves samplers
+# or a run behind, which must not keep the next invocation waiting.
 #
 # PARALLEL=0 (default): the runs one after another, each alone on the GPU; gpu_mem.csv is the GPU's total, and
 #   gpu_procs.csv each process's share every 5 s (gpu_mem_by_run.py --procs).
@@ -51,7 +53,11 @@ if [ -n "${ENV_FILE:-}" ]; then  # from the snapshot: unpack.sh's env.sh links t
 fi
 
 exec 9>/tmp/grpo_runs.lock
-flock 9
+if ! flock -n 9; then  # say so where the poll looks: a run queued behind another shows nothing else until it starts
+    echo "$(date -u +%H:%M:%S) waiting for /tmp/grpo_runs.lock (held by: $(fuser /tmp/grpo_runs.lock 2>/dev/null))" \
+        >>"$results/status"
+    flock 9
+fi
 
 cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference server, vLLM engines
     ray stop --force >/dev/null 2>&1 || true
@@ -78,16 +84,16 @@ run_one() {  # SPEC OWN_SMI: one run, its files copied into RESULTS/NAME (OWN_SM
     if [ "$own_smi" = 1 ]; then
         # every 200 ms with its wall-clock time (a step's update or a save lasts well under the 2 s used before
         # 2026-12-06, whose samples missed such peaks), to be lined up with the server's and verl's logs
-        nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 200 >"$out/gpu_mem.csv" 2>/dev/null &
+        nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 200 >"$out/gpu_mem.csv" 2>/dev/null 9>&- &
         smi=$!
         # which process holds what (the run is alone on the GPU): gpu_procs.csv
-        python3 benchmarks/device/gpu_mem_by_run.py --procs "$out/gpu_procs.csv" --interval 5 &
+        python3 benchmarks/device/gpu_mem_by_run.py --procs "$out/gpu_procs.csv" --interval 5 9>&- &
         procs=$!
     fi
     start=$(date +%s)
     echo "$(date -u +%H:%M:%S) start $name ($spec)" >>"$results/status"
     GRPO_RUN_NAME="$name" OUT_DIR="$OUT_BASE" RUN_NAME="$name" STEPS="${STEPS:-50}" SEED="$seed" PROMPT_STYLE="$style" \
-        ZORRO="$zorro" ASYNC="$async" PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" "${overrides[@]}" >"$out/console.txt" 2>&1
+        ZORRO="$zorro" ASYNC="$async" PYTHON=python3 timeout "${RUN_TIMEOUT:-3000}" bash "$script" "${overrides[@]}" >"$out/console.txt" 2>&1 9>&-
     rc=$?
     [ -n "$smi" ] && kill "$smi" 2>/dev/null
     [ -n "$procs" ] && kill "$procs" 2>/dev/null
@@ -126,7 +132,7 @@ echo "$(date -u +%H:%M:%S) preparing the model and data" >>"$results/status"
 prepare_all "$@" || { echo "prepare failed: see prepare.log" >>"$results/status"; echo "ALLDONE" >>"$results/status"; exit 1; }
 if [ "${PARALLEL:-0}" = 1 ]; then
     for spec in "$@"; do [ "$spec" = -- ] || mkdir -p "$results/${spec%%:*}"; done
-    python3 benchmarks/device/gpu_mem_by_run.py "$results" &
+    python3 benchmarks/device/gpu_mem_by_run.py "$results" 9>&- &
     sampler=$!
     pids=()
     for spec in "$@"; do
@@ -136,7 +142,7 @@ if [ "${PARALLEL:-0}" = 1 ]; then
             cleanup_gpu
             continue
         fi
-        run_one "$spec" 0 &
+        run_one "$spec" 0 9>&- &
         pids+=($!)
         sleep "${STAGGER_S:-15}"
     done
