@@ -59,8 +59,8 @@ warm-up uses its own untimed planners), the job's memory report (buffers, the la
 device peak are restored. (The RNG and the peak are the process's: no other job's call runs meanwhile -- the server
 runs the warm-up after ``/initialize`` has answered and holds every other compute call until it ends,
 :mod:`arctic_rl.server.jobs.background_setup`.) Its seconds are logged -- by round (plain, ZoRRO's) and,
-across them, at the client's shape (a few-shot ZoRRO job's took 235 s on an H100, longer than verl's start-up,
-benchmarks/RESULTS.md §2zc) -- and reported in the job's info (``warm_up_s``). ``--warm-up``
+across them, at the client's shape (a few-shot ZoRRO job's took 159 s on an H100, a little longer than verl's start-up,
+benchmarks/RESULTS.md §2zd) -- and reported in the job's info (``warm_up_s``). ``--warm-up``
 (:data:`~arctic_rl.server.settings.WARM_UP_MODES`): ``auto`` runs it where ``torch.compile`` is in use (a training
 job whose model is compiled; a log_prob job once a training job has turned the compiled passes on,
 :func:`compiled_paths_on` -- created before one, it has nothing of its own to warm: the training job's ``/forward``
