@@ -163,19 +163,24 @@ arithmetic_groups() {
     recipe_generated_task_groups "${PROJECT_NAME}"  # ALGO REWARD TRAINER
 }
 
-# KV_CACHE_BYTES: empty (vLLM's memory profiling sizes the cache), a positive number of bytes, or batch: what one
-# step's BATCH x N sequences of PROMPT_LEN + RESP_LEN tokens need at once for MODEL_DIR's shape (kv_cache_bytes.py).
+# KV_CACHE_BYTES: empty (vLLM's memory profiling sizes the cache), a positive number of bytes, batch (what one
+# step's BATCH x N sequences of PROMPT_LEN + RESP_LEN tokens need at once for MODEL_DIR's shape) or shared (the same
+# with each prompt's blocks held once, as vLLM's prefix cache holds them for its N samples); kv_cache_bytes.py.
 arithmetic_kv_cache_knob() {
-    if [ -n "${KV_CACHE_BYTES}" ] && [ "${KV_CACHE_BYTES}" != batch ] && ! [[ "${KV_CACHE_BYTES}" =~ ^[1-9][0-9]*$ ]]; then
-        echo "KV_CACHE_BYTES: expected a positive number of bytes, batch, or nothing, got '${KV_CACHE_BYTES}'" >&2
-        exit 2
-    fi
+    case "${KV_CACHE_BYTES}" in
+        ""|batch|shared) ;;
+        *) if ! [[ "${KV_CACHE_BYTES}" =~ ^[1-9][0-9]*$ ]]; then
+               echo "KV_CACHE_BYTES: expected a positive number of bytes, batch, shared, or nothing," \
+                   "got '${KV_CACHE_BYTES}'" >&2
+               exit 2
+           fi ;;
+    esac
 }
 
 # vLLM's engine sizing on a GPU, through verl's own rollout keys so that stock verl's engine and the remote
 # sampler get the same values: GPU_MEMORY_UTILIZATION (vLLM's share of the GPU), the context (prompt + response),
 # every sample of a step in the running batch, and a fixed KV cache of KV_CACHE_BYTES when set (batch: sized to
-# that running batch). Changes nothing that is learned.
+# that running batch; shared: the same with its prompts held once). Changes nothing that is learned.
 arithmetic_vllm_sizing() {
     ROLLOUT+=(
         actor_rollout_ref.rollout.gpu_memory_utilization="${GPU_MEMORY_UTILIZATION}"
@@ -186,6 +191,9 @@ arithmetic_vllm_sizing() {
     if [ "${kv_bytes}" = batch ]; then
         kv_bytes="$("${PYTHON}" "${ARITHMETIC_COMMON_DIR}/kv_cache_bytes.py" "${MODEL_DIR}" --seqs $((BATCH * N)) \
             --max-model-len $((PROMPT_LEN + RESP_LEN)))"
+    elif [ "${kv_bytes}" = shared ]; then
+        kv_bytes="$("${PYTHON}" "${ARITHMETIC_COMMON_DIR}/kv_cache_bytes.py" "${MODEL_DIR}" --seqs $((BATCH * N)) \
+            --max-model-len $((PROMPT_LEN + RESP_LEN)) --samples "${N}" --response-len "${RESP_LEN}")"
     fi
     if [ -n "${kv_bytes}" ]; then
         ROLLOUT+=(+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="${kv_bytes}")

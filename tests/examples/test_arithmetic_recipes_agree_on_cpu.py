@@ -261,14 +261,18 @@ def test_verls_fused_log_prob_path_computes_the_plain_log_probs():
 @pytest.mark.slow
 def test_kv_cache_sized_to_the_batch_is_the_same_on_both_sides(tmp_path):
     """KV_CACHE_BYTES=batch gives stock's vLLM and the remote sampler one cache that holds a step's 16 x 8
-    sequences of 256 + 128 tokens: 128 x (24 + 1) blocks of 16 tokens, 30 layers x K and V x 3 heads x 64 x 2 bytes."""
+    sequences of 256 + 128 tokens: 128 x (24 + 1) blocks of 16 tokens, 30 layers x K and V x 3 heads x 64 x 2 bytes;
+    KV_CACHE_BYTES=shared the same batch with each prompt's blocks once."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2_ATTENTION))
     expected = 128 * 25 * 16 * (30 * 2 * 3 * 64 * 2)
     assert expected == 1_179_648_000
-    knobs = {"KV_CACHE_BYTES": "batch", "BATCH": "16", "N": "8"}
-    for side in SCRIPTS:
-        cfg = compose(side, tmp_path, env_extra=knobs)
-        rollout = cfg["actor_rollout_ref"]["rollout"]
-        assert rollout["engine_kwargs"]["vllm"]["kv_cache_memory_bytes"] == expected, side
-        assert rollout["max_num_seqs"] == 128 and rollout["max_model_len"] == 384, side
+    # shared: 16 prompts x 16 blocks, each sample its 8 response blocks + 1, vLLM's null block
+    expected_shared = (16 * 16 + 128 * 9 + 1) * 16 * (30 * 2 * 3 * 64 * 2)
+    for knob, bytes_ in (("batch", expected), ("shared", expected_shared)):
+        knobs = {"KV_CACHE_BYTES": knob, "BATCH": "16", "N": "8"}
+        for side in SCRIPTS:
+            cfg = compose(side, tmp_path, env_extra=knobs)
+            rollout = cfg["actor_rollout_ref"]["rollout"]
+            assert rollout["engine_kwargs"]["vllm"]["kv_cache_memory_bytes"] == bytes_, (knob, side)
+            assert rollout["max_num_seqs"] == 128 and rollout["max_model_len"] == 384, side

@@ -113,7 +113,7 @@ def test_env_knobs_then_hydra_overrides_win(tmp_path):
         ({"DEVICE": "cpu", "MICRO": "5"}, "MICRO: expected a positive divisor of MINI_BATCH x N = 32, got '5'"),
         ({"DEVICE": "cpu", "AGENT_WORKERS": "0"}, "AGENT_WORKERS: expected a positive integer, got '0'"),
         ({"DEVICE": "cuda", "KV_CACHE_BYTES": "4G"},
-         "KV_CACHE_BYTES: expected a positive number of bytes, batch, or nothing, got '4G'"),
+         "KV_CACHE_BYTES: expected a positive number of bytes, batch, shared, or nothing, got '4G'"),
     ],
 )
 def test_bad_knobs_stop_the_script_with_the_reason(tmp_path, env, message):
@@ -122,9 +122,11 @@ def test_bad_knobs_stop_the_script_with_the_reason(tmp_path, env, message):
     assert not (tmp_path / "out").exists()  # nothing was built
 
 
-def test_kv_cache_sized_to_the_batch_needs_the_models_config(tmp_path):
-    """KV_CACHE_BYTES=batch reads MODEL_DIR's config.json; without one the script stops naming the knob and file."""
+@pytest.mark.parametrize("knob", ["batch", "shared"])
+def test_kv_cache_sized_to_the_batch_needs_the_models_config(tmp_path, knob):
+    """KV_CACHE_BYTES=batch|shared read MODEL_DIR's config.json; without one the script stops naming the knob
+    and file."""
     model_dir = tmp_path / "no_model"
-    proc = _run({"DEVICE": "cuda", "KV_CACHE_BYTES": "batch", "MODEL_DIR": str(model_dir)}, tmp_path, "--cfg", "job")
+    proc = _run({"DEVICE": "cuda", "KV_CACHE_BYTES": knob, "MODEL_DIR": str(model_dir)}, tmp_path, "--cfg", "job")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "KV_CACHE_BYTES=batch" in proc.stderr and str(model_dir / "config.json") in proc.stderr
+    assert f"KV_CACHE_BYTES={knob}" in proc.stderr and str(model_dir / "config.json") in proc.stderr

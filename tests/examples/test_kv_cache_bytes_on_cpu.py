@@ -18,6 +18,7 @@ from tests.support.scripts import REPO_ROOT, load_script
 SCRIPT = REPO_ROOT / "examples" / "common" / "kv_cache_bytes.py"
 kv = load_script("examples/common/kv_cache_bytes.py")
 batch_kv_cache_bytes, kv_elements_per_token = kv.batch_kv_cache_bytes, kv.kv_elements_per_token
+shared_prompt_kv_cache_bytes = kv.shared_prompt_kv_cache_bytes
 # Qwen3-4B: head_dim is given and is not hidden_size / heads (2560 / 32 = 80)
 QWEN3_4B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 2560,
             "head_dim": 128}
@@ -36,6 +37,37 @@ def test_the_batch_in_whole_blocks_with_one_spare_per_sequence():
     # 385 tokens need a 25th block; float32 doubles the bytes
     assert batch_kv_cache_bytes(SMOLLM2, seqs=1, max_model_len=385, dtype="float32") == 26 * 16 * 11_520 * 4
     assert batch_kv_cache_bytes(QWEN3_4B, seqs=512, max_model_len=1024, block_size=32) == 512 * 33 * 32 * 73_728 * 2
+
+
+def test_shared_prompts_hold_each_prompts_blocks_once():
+    per_block = 16 * 11_520 * 2
+    # 64 prompts x 8 samples of 256 + 128 tokens: 64 x 16 prompt blocks, 512 x (8 + 1), the null block
+    assert shared_prompt_kv_cache_bytes(SMOLLM2, seqs=512, samples=8, max_model_len=384, response_len=128) \
+        == (64 * 16 + 512 * 9 + 1) * per_block
+    # a 1,600-token few-shot prompt at 16 x 8: one fifth of the full-length batch
+    shared = shared_prompt_kv_cache_bytes(SMOLLM2, seqs=128, samples=8, max_model_len=1728, response_len=128)
+    assert shared == (16 * 100 + 128 * 9 + 1) * per_block
+    assert shared < batch_kv_cache_bytes(SMOLLM2, seqs=128, max_model_len=1728) / 5
+    # one sample a prompt holds what the full-length sizing holds, give or take the last partial block
+    single = shared_prompt_kv_cache_bytes(SMOLLM2, seqs=4, samples=1, max_model_len=40, response_len=8)
+    assert single == (4 * 2 + 4 * 2 + 1) * per_block
+    assert single >= batch_kv_cache_bytes(SMOLLM2, seqs=4, max_model_len=40) - per_block
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seqs": 12, "samples": 8, "max_model_len": 384, "response_len": 128},
+         r"samples: expected a divisor of seqs \(12\), got 8"),
+        ({"seqs": 16, "samples": 0, "max_model_len": 384, "response_len": 128},
+         "samples: expected a positive integer, got 0"),
+        ({"seqs": 16, "samples": 8, "max_model_len": 128, "response_len": 128},
+         r"response_len: expected fewer tokens than max_model_len \(128\), got 128"),
+    ],
+)
+def test_shared_sizing_names_the_bad_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        shared_prompt_kv_cache_bytes(SMOLLM2, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -66,3 +98,10 @@ def test_the_command_prints_the_bytes_or_says_what_is_wrong(tmp_path):
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stdout == ""
     assert "KV_CACHE_BYTES=batch" in bad.stderr and "num_hidden_layers" in bad.stderr
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    shared = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--seqs", "128", "--max-model-len", "384",
+                             "--samples", "8", "--response-len", "128"], capture_output=True, text=True, check=False)
+    assert shared.returncode == 0 and shared.stdout.strip() == str((16 * 16 + 128 * 9 + 1) * 16 * 11_520 * 2)
+    alone = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--seqs", "128", "--max-model-len", "384",
+                            "--samples", "8"], capture_output=True, text=True, check=False)
+    assert alone.returncode == 2 and "--samples and --response-len go together" in alone.stderr
