@@ -54,10 +54,12 @@ fi
 
 exec 9>/tmp/grpo_runs.lock
 if ! flock -n 9; then  # say so where the poll looks: a run queued behind another shows nothing else until it starts
-    echo "$(date -u +%H:%M:%S) waiting for /tmp/grpo_runs.lock (held by: $(fuser /tmp/grpo_runs.lock 2>/dev/null))" \
+    # the holder wrote its PID and results beside the lock (fuser would list every waiting invocation too)
+    echo "$(date -u +%H:%M:%S) waiting for /tmp/grpo_runs.lock (held by: $(cat /tmp/grpo_runs.lock.owner 2>/dev/null))" \
         >>"$results/status"
     flock 9
 fi
+echo "PID $$, $results" >/tmp/grpo_runs.lock.owner
 
 cleanup_gpu() {  # whatever a run left behind: Ray, the run's own reference server, vLLM engines
     ray stop --force >/dev/null 2>&1 || true
