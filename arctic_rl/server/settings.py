@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["GC_FREEZE_MODES", "IN_FLIGHT_ON_WEIGHT_LOAD", "SAMPLERS", "TORCH_COMPILE_MODES", "ServerSettings",
-           "is_loopback_host"]
+__all__ = ["GC_FREEZE_MODES", "IN_FLIGHT_ON_WEIGHT_LOAD", "JOB_STREAMS_MODES", "SAMPLERS", "TORCH_COMPILE_MODES",
+           "ServerSettings", "is_loopback_host"]
 
 Device = Literal["cpu", "cuda"]
 #: ``torch.compile`` of the training model: ``auto`` (whole decoder layers on CUDA when a compile probe
@@ -32,6 +32,9 @@ SAMPLERS = ("auto", "vllm", "transformers")
 #: weights (the default), or ``restart`` them on the new weights after the running engine step (the load waits for
 #: that step only, and the calls' work so far is lost; see :mod:`arctic_rl.server.engines.continuous`)
 IN_FLIGHT_ON_WEIGHT_LOAD = ("restart", "wait")
+#: each training and log_prob job's calls on a CUDA stream of its own (:mod:`arctic_rl.server.jobs.job_streams`):
+#: ``on``, or ``off`` (every job on the device's default stream, as before)
+JOB_STREAMS_MODES = ("on", "off")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -85,6 +88,8 @@ class ServerSettings:
     gc_freeze: str = "on"
     #: the sampler's weight load and the ``/generate`` calls in flight (:data:`IN_FLIGHT_ON_WEIGHT_LOAD`)
     in_flight_on_weight_load: str = "wait"
+    #: a CUDA stream per training and log_prob job (:data:`JOB_STREAMS_MODES`)
+    job_streams: str = "off"
     #: where the GPU memory probe writes (:mod:`arctic_rl.server.memory_probe`; a diagnostic); None = off
     memory_probe: Path | None = None
 
@@ -122,4 +127,6 @@ class ServerSettings:
         if self.in_flight_on_weight_load not in IN_FLIGHT_ON_WEIGHT_LOAD:
             raise ValueError(f"in_flight_on_weight_load: expected one of {list(IN_FLIGHT_ON_WEIGHT_LOAD)}, "
                              f"got {self.in_flight_on_weight_load!r}")
+        if self.job_streams not in JOB_STREAMS_MODES:
+            raise ValueError(f"job_streams: expected one of {list(JOB_STREAMS_MODES)}, got {self.job_streams!r}")
         object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

@@ -23,6 +23,8 @@ Decisions documented here (and in ``docs/SERVER.md``):
   and every other job's compute calls wait for it (:mod:`arctic_rl.server.jobs.background_setup`).
 * A ``/forward`` or ``/forward-backward`` that arrives while a sampler falls asleep parses its batch, then waits for
   the sleep before its pass (:mod:`arctic_rl.server.jobs.sleep_gate`): no pass runs beside the KV cache it frees.
+* Under ``--job-streams on`` a training or log_prob job's calls run on a CUDA stream of its own, and a weight sync
+  waits for the device before it releases its jobs (:mod:`arctic_rl.server.jobs.job_streams`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import checkpoint as ckpt
 from arctic_rl.server.jobs.background_setup import BackgroundSetups, job_setup
 from arctic_rl.server.jobs.gc_freeze import freeze_long_lived, thaw
+from arctic_rl.server.jobs.job_streams import JobStreams
 from arctic_rl.server.jobs.registry import Job, JobRegistry
 from arctic_rl.server.jobs.sleep_gate import SleepGate
 from arctic_rl.server.memory import job_memory, memory_metrics
@@ -110,6 +113,7 @@ class ServerState:
         self.sleep_gate = SleepGate()
         #: the jobs being built or warmed up (:mod:`arctic_rl.server.jobs.background_setup`)
         self.setups = BackgroundSetups()
+        self.streams = JobStreams(settings.job_streams)  # each training/log_prob job's CUDA stream (.job_streams)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -126,7 +130,8 @@ class ServerState:
                 raise BadRequest(f"job {job.job_id} was destroyed", field="job_id", received=job.job_id)
             job.calls += 1
             try:
-                return await self._in_thread(fn, *args)
+                device = getattr(job.engine, "device", None)
+                return await self._in_thread(self.streams.call, job.job_id, job.job_type, device, fn, *args)
             finally:
                 job.last_call_at = time.time()
 
@@ -207,6 +212,7 @@ class ServerState:
                 if frozen:
                     await self._in_thread(freeze_long_lived, self.settings.gc_freeze, f"after destroying job {job_id}")
         self.idempotency.drop_scope(f"job:{job_id}")
+        self.streams.drop(job_id)
         logger.info("destroy: job %d (%s)", job_id, job.job_type.value)
         self._log_jobs()
         return {"job_id": job_id, "job_type": job.job_type.value, "destroyed": True}
@@ -248,15 +254,8 @@ class ServerState:
 
         t0 = time.perf_counter()
         batch, (tensors, metrics, alignment) = await self.run_on_job(job, run)
-        logger.info(
-            "forward job=%d (%s) rows=%d tokens=%d alignment=%s %.2fs",
-            job_id,
-            job.job_type.value,
-            batch.rows,
-            batch.rows * batch.total_len,
-            alignment.value,
-            time.perf_counter() - t0,
-        )
+        logger.info("forward job=%d (%s) rows=%d tokens=%d alignment=%s %.2fs", job_id, job.job_type.value, batch.rows,
+                    batch.rows * batch.total_len, alignment.value, time.perf_counter() - t0)
         return {"job_id": job_id, "batch": tensors, "metrics": metrics, "logprob_alignment": alignment.value}
 
     async def step(self, job_id: int, request: StepRequest) -> dict[str, Any]:
@@ -264,14 +263,8 @@ class ServerState:
         t0 = time.perf_counter()
         out = await self.run_on_job(job, job.engine.step, request.learning_rate)
         m = out["metrics"]
-        logger.info(
-            "step job=%d global_step=%d grad_norm=%s lr=%.3g %.2fs",
-            job_id,
-            m["global_step"],
-            m["grad_norm"],
-            m["last_lr"],
-            time.perf_counter() - t0,
-        )
+        logger.info("step job=%d global_step=%d grad_norm=%s lr=%.3g %.2fs", job_id, m["global_step"], m["grad_norm"],
+                    m["last_lr"], time.perf_counter() - t0)
         return {"job_id": job_id, **out}
 
     def _base(self, job: Job, path: str | None) -> Path:
@@ -335,7 +328,9 @@ class ServerState:
 
         def run():
             weights = source.engine.weights()
-            return {t.job_id: t.engine.load_weights(weights) for t in targets}
+            versions = {t.job_id: t.engine.load_weights(weights) for t in targets}
+            self.streams.settle(getattr(source.engine, "device", None))  # the loads' copies done (.job_streams)
+            return versions
 
         t0 = time.perf_counter()
         await self.setups.idle()  # no sync beside a job's building or warm-up (.background_setup)
