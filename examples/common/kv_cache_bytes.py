@@ -11,9 +11,8 @@ flight.
 ``--samples N`` sizes the same batch as ``seqs / N`` prompts of N samples each, with each prompt's blocks held
 once: vLLM's prefix cache shares a prompt's full blocks between the requests that carry it (GRPO's N samples of
 one prompt; on by default in vLLM and in verl's rollout config), so a sample holds only its response and the
-prompt's last, partly filled block. At the arithmetic
-recipe's 64 x 8 (256 + 128 tokens) that is 5,633 blocks instead of 12,800; with 1,600-token few-shot prompts at
-16 x 8, 2,753 instead of 13,952.
+prompt's last, partly filled block. At the arithmetic recipe's 64 x 8 (256 + 128 tokens) that is 5,633 blocks
+instead of 12,800; with 1,600-token few-shot prompts at 16 x 8, 2,753 instead of 13,952.
 
     python examples/common/kv_cache_bytes.py MODEL_DIR --seqs 128 --max-model-len 384          # prints the bytes
     python examples/common/kv_cache_bytes.py MODEL_DIR --seqs 128 --max-model-len 384 --samples 8 --response-len 128
