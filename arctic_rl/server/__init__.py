@@ -37,7 +37,7 @@ module                                 what it is
 :mod:`.jobs.background_setup`          a job's building and warm-up as one task: ``/initialize`` answers before the warm-up
 :mod:`.jobs.sleep_gate`                a training or log-prob pass waits for a sampler sleep in progress
 :mod:`.jobs.gc_freeze`                 the garbage collector frozen after each job's warm-up (later collections skip those objects)
-:mod:`.jobs.job_streams`               each training and log-prob job's calls on a CUDA stream of its own (``--job-streams``)
+:mod:`.jobs.training_stream`           the training and log-prob jobs' calls on a CUDA stream apart from the sampler's
 **engines/** -- one per job type
 :mod:`.engines.protocols`              what the server asks of a training, log-prob and sampling engine
 :mod:`.engines.batch`                  the validated batch an engine computes on (``ParsedBatch``)

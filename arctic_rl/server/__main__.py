@@ -33,9 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from arctic_rl.server.settings import (  # light: no torch, no FastAPI
         GC_FREEZE_MODES,
         IN_FLIGHT_ON_WEIGHT_LOAD,
-        JOB_STREAMS_MODES,
         SAMPLERS,
         TORCH_COMPILE_MODES,
+        TRAINING_STREAM_MODES,
         WARM_UP_MODES,
     )
 
@@ -80,10 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default), or waits for the running engine step only and restarts those calls from their prompts on the new "
         "weights (restart: their work so far is lost); either way no answer mixes two weight versions",
     )
-    p.add_argument("--job-streams", choices=JOB_STREAMS_MODES, default="off",
-                   help="run each training and log_prob job's calls on a CUDA stream of its own, so that they and "
-                   "the sampler's generation (asynchronous GRPO) neither queue behind each other's kernels nor share "
-                   "the caching allocator's free blocks: on, or off (default; arctic_rl/server/jobs/job_streams.py)")
+    p.add_argument("--training-stream", choices=TRAINING_STREAM_MODES, default="off",
+                   help="run the training and log_prob jobs' calls on a CUDA stream apart from the sampler's, so "
+                   "that they and the sampler's generation (asynchronous GRPO) neither queue behind each other's "
+                   "kernels nor share the caching allocator's free blocks: on, or off (default; "
+                   "arctic_rl/server/jobs/training_stream.py)")
     p.add_argument("--zorro-min-saving", type=_share, default=None,
                    metavar="SHARE",
                    help="a ZoRRO request takes the ZoRRO pass only when it saves at least this share of the tokens, "
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         zorro_min_saving=args.zorro_min_saving,
         zorro_trials=args.zorro_trials,
         in_flight_on_weight_load=args.in_flight_on_weight_load,
-        job_streams=args.job_streams,
+        training_stream=args.training_stream,
         memory_probe=args.memory_probe,  # a Path (argparse converts the env default too) or None
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)

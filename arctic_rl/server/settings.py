@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["GC_FREEZE_MODES", "IN_FLIGHT_ON_WEIGHT_LOAD", "JOB_STREAMS_MODES", "SAMPLERS", "TORCH_COMPILE_MODES",
-           "ServerSettings", "is_loopback_host"]
+__all__ = [
+    "GC_FREEZE_MODES",
+    "IN_FLIGHT_ON_WEIGHT_LOAD",
+    "SAMPLERS",
+    "TORCH_COMPILE_MODES",
+    "TRAINING_STREAM_MODES",
+    "ServerSettings",
+    "is_loopback_host",
+]
 
 Device = Literal["cpu", "cuda"]
 #: ``torch.compile`` of the training model: ``auto`` (whole decoder layers on CUDA when a compile probe
@@ -32,9 +39,9 @@ SAMPLERS = ("auto", "vllm", "transformers")
 #: weights (the default), or ``restart`` them on the new weights after the running engine step (the load waits for
 #: that step only, and the calls' work so far is lost; see :mod:`arctic_rl.server.engines.continuous`)
 IN_FLIGHT_ON_WEIGHT_LOAD = ("restart", "wait")
-#: each training and log_prob job's calls on a CUDA stream of its own (:mod:`arctic_rl.server.jobs.job_streams`):
-#: ``on``, or ``off`` (every job on the device's default stream, as before)
-JOB_STREAMS_MODES = ("on", "off")
+#: the training and log_prob jobs' calls on a CUDA stream apart from the sampler's
+#: (:mod:`arctic_rl.server.jobs.training_stream`): ``on``, or ``off`` (every job on the default stream, as before)
+TRAINING_STREAM_MODES = ("on", "off")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -88,8 +95,8 @@ class ServerSettings:
     gc_freeze: str = "on"
     #: the sampler's weight load and the ``/generate`` calls in flight (:data:`IN_FLIGHT_ON_WEIGHT_LOAD`)
     in_flight_on_weight_load: str = "wait"
-    #: a CUDA stream per training and log_prob job (:data:`JOB_STREAMS_MODES`)
-    job_streams: str = "off"
+    #: the training side's calls on a CUDA stream of their own (:data:`TRAINING_STREAM_MODES`)
+    training_stream: str = "off"
     #: where the GPU memory probe writes (:mod:`arctic_rl.server.memory_probe`; a diagnostic); None = off
     memory_probe: Path | None = None
 
@@ -127,6 +134,7 @@ class ServerSettings:
         if self.in_flight_on_weight_load not in IN_FLIGHT_ON_WEIGHT_LOAD:
             raise ValueError(f"in_flight_on_weight_load: expected one of {list(IN_FLIGHT_ON_WEIGHT_LOAD)}, "
                              f"got {self.in_flight_on_weight_load!r}")
-        if self.job_streams not in JOB_STREAMS_MODES:
-            raise ValueError(f"job_streams: expected one of {list(JOB_STREAMS_MODES)}, got {self.job_streams!r}")
+        if self.training_stream not in TRAINING_STREAM_MODES:
+            raise ValueError(f"training_stream: expected one of {list(TRAINING_STREAM_MODES)}, "
+                             f"got {self.training_stream!r}")
         object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

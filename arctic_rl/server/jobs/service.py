@@ -23,8 +23,8 @@ Decisions documented here (and in ``docs/SERVER.md``):
   and every other job's compute calls wait for it (:mod:`arctic_rl.server.jobs.background_setup`).
 * A ``/forward`` or ``/forward-backward`` that arrives while a sampler falls asleep parses its batch, then waits for
   the sleep before its pass (:mod:`arctic_rl.server.jobs.sleep_gate`): no pass runs beside the KV cache it frees.
-* Under ``--job-streams on`` a training or log_prob job's calls run on a CUDA stream of its own, and a weight sync
-  waits for the device before it releases its jobs (:mod:`arctic_rl.server.jobs.job_streams`).
+* Under ``--training-stream on`` the training and log_prob jobs' calls run on a CUDA stream apart from the sampler's,
+  and a weight sync waits for the device before it releases its jobs (:mod:`arctic_rl.server.jobs.training_stream`).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ from arctic_rl.server.http.validation import parse_batch_body
 from arctic_rl.server.jobs import checkpoint as ckpt
 from arctic_rl.server.jobs.background_setup import BackgroundSetups, job_setup
 from arctic_rl.server.jobs.gc_freeze import freeze_long_lived, thaw
-from arctic_rl.server.jobs.job_streams import JobStreams
 from arctic_rl.server.jobs.registry import Job, JobRegistry
 from arctic_rl.server.jobs.sleep_gate import SleepGate
+from arctic_rl.server.jobs.training_stream import TrainingStream
 from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
 
@@ -113,7 +113,7 @@ class ServerState:
         self.sleep_gate = SleepGate()
         #: the jobs being built or warmed up (:mod:`arctic_rl.server.jobs.background_setup`)
         self.setups = BackgroundSetups()
-        self.streams = JobStreams(settings.job_streams)  # each training/log_prob job's CUDA stream (.job_streams)
+        self.training_stream = TrainingStream(settings.training_stream)  # apart from the sampler's (.training_stream)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -131,7 +131,7 @@ class ServerState:
             job.calls += 1
             try:
                 device = getattr(job.engine, "device", None)
-                return await self._in_thread(self.streams.call, job.job_id, job.job_type, device, fn, *args)
+                return await self._in_thread(self.training_stream.call, job.job_id, job.job_type, device, fn, *args)
             finally:
                 job.last_call_at = time.time()
 
@@ -212,7 +212,7 @@ class ServerState:
                 if frozen:
                     await self._in_thread(freeze_long_lived, self.settings.gc_freeze, f"after destroying job {job_id}")
         self.idempotency.drop_scope(f"job:{job_id}")
-        self.streams.drop(job_id)
+        self.training_stream.drop(job_id)
         logger.info("destroy: job %d (%s)", job_id, job.job_type.value)
         self._log_jobs()
         return {"job_id": job_id, "job_type": job.job_type.value, "destroyed": True}
@@ -329,7 +329,7 @@ class ServerState:
         def run():
             weights = source.engine.weights()
             versions = {t.job_id: t.engine.load_weights(weights) for t in targets}
-            self.streams.settle(getattr(source.engine, "device", None))  # the loads' copies done (.job_streams)
+            self.training_stream.settle(getattr(source.engine, "device", None))  # the loads' copies are done
             return versions
 
         t0 = time.perf_counter()

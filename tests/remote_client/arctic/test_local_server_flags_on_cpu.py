@@ -1,7 +1,7 @@
 """``remote_backend.server.local``'s server options: each reaches the server it starts as the flag of that name.
 
 ``in_flight_on_weight_load`` (what a weight sync does with the ``/generate`` calls in flight), ``warm_up`` (the
-jobs' compile warm-up before step 1) and ``job_streams`` (a CUDA stream per training and log_prob job): null keeps the server's own default and adds no flag; a value becomes the flag
+jobs' compile warm-up before step 1) and ``training_stream`` (a CUDA stream per training and log_prob job): null keeps the server's own default and adds no flag; a value becomes the flag
 and the server's command line reads it back; anything else is refused before a server starts, naming the key, the
 allowed values and what was received.
 """
@@ -23,7 +23,7 @@ def _local(**options):
 def test_null_keeps_the_servers_defaults():
     args = parse_args(list(_extra_args(_local())))
     assert _extra_args(_local()) == ()
-    assert (args.in_flight_on_weight_load, args.warm_up, args.job_streams) == ("wait", "auto", "off")
+    assert (args.in_flight_on_weight_load, args.warm_up, args.training_stream) == ("wait", "auto", "off")
 
 
 @pytest.mark.parametrize(("key", "value", "flag"), [
@@ -31,8 +31,8 @@ def test_null_keeps_the_servers_defaults():
     ("in_flight_on_weight_load", "wait", "--in-flight-on-weight-load"),
     ("warm_up", "off", "--warm-up"),
     ("warm_up", "on", "--warm-up"),
-    ("job_streams", "on", "--job-streams"),
-    ("job_streams", "off", "--job-streams"),
+    ("training_stream", "on", "--training-stream"),
+    ("training_stream", "off", "--training-stream"),
 ])
 def test_a_value_becomes_the_servers_flag(key, value, flag):
     extra = _extra_args(_local(**{key: value}))
@@ -43,7 +43,7 @@ def test_a_value_becomes_the_servers_flag(key, value, flag):
 @pytest.mark.parametrize(("key", "value", "allowed"), [
     ("in_flight_on_weight_load", "abort", r"\['wait', 'restart'\]"),
     ("warm_up", "yes", r"\['auto', 'on', 'off'\]"),
-    ("job_streams", "true", r"\['on', 'off'\]"),
+    ("training_stream", "true", r"\['on', 'off'\]"),
 ])
 def test_a_bad_value_is_refused_naming_the_key_the_choices_and_the_value(key, value, allowed):
     with pytest.raises(RemoteBackendConfigError, match=rf"server\.local\.{key}(.|\n)*{allowed}(.|\n)*{value}"):

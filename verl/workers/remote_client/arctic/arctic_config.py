@@ -44,11 +44,11 @@ ROOT = "remote_backend"
 ZERO_STAGES = (0, 1, 2, 3)
 #: ``train.attn_implementation``; ``auto`` resolves to verl's override or flash_attention_2 (``builders``)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-#: ``local_server.in_flight_on_weight_load``, ``local_server.warm_up`` and ``local_server.job_streams``: the server's
-#: flags of those names
+#: ``local_server.in_flight_on_weight_load``, ``local_server.warm_up`` and ``local_server.training_stream``: the
+#: server's flags of those names
 IN_FLIGHT_POLICIES = ("wait", "restart")
 WARM_UP_MODES = ("auto", "on", "off")
-JOB_STREAMS_MODES = ("on", "off")
+TRAINING_STREAM_MODES = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class LocalServerConfig:
     zorro_trials: int | None = None
     in_flight_on_weight_load: str | None = None
     warm_up: str | None = None
-    job_streams: str | None = None
+    training_stream: str | None = None
 
     def _validate(self, p: str) -> None:
         _require(0 <= self.port <= 65535, f"{p}.port", "not a TCP port", "0 (a free port) .. 65535", self.port)
@@ -83,9 +83,10 @@ class LocalServerConfig:
         if self.warm_up is not None:
             _require(self.warm_up in WARM_UP_MODES, f"{p}.warm_up", "not a mode",
                      f"one of {list(WARM_UP_MODES)} or null (the server's default, auto)", self.warm_up)
-        if self.job_streams is not None:
-            _require(self.job_streams in JOB_STREAMS_MODES, f"{p}.job_streams", "not a mode",
-                     f"one of {list(JOB_STREAMS_MODES)} or null (the server's default, off)", self.job_streams)
+        if self.training_stream is not None:
+            _require(self.training_stream in TRAINING_STREAM_MODES, f"{p}.training_stream", "not a mode",
+                     f"one of {list(TRAINING_STREAM_MODES)} or null (the server's default, off)",
+                     self.training_stream)
         _require(self.threads >= 1, f"{p}.threads", "must be positive", ">= 1", self.threads)
         _require(self.startup_timeout_s > 0, f"{p}.startup_timeout_s", "must be positive", "> 0", self.startup_timeout_s)
 

@@ -86,8 +86,8 @@ def _extra_args(cfg: LocalServerConfig) -> tuple[str, ...]:
         args += ("--in-flight-on-weight-load", cfg.in_flight_on_weight_load)
     if cfg.warm_up is not None:
         args += ("--warm-up", cfg.warm_up)
-    if cfg.job_streams is not None:
-        args += ("--job-streams", cfg.job_streams)
+    if cfg.training_stream is not None:
+        args += ("--training-stream", cfg.training_stream)
     return args
 
 

@@ -1,9 +1,10 @@
-"""``--job-streams``: each training and log_prob job's calls on a CUDA stream of its own (``jobs/job_streams.py``).
+"""``--training-stream``: the training and log_prob jobs' calls on a CUDA stream apart from the sampler's
+(``jobs/training_stream.py``).
 
-On a CPU the streams change nothing: a call is a plain call and no CUDA function runs (checked by making every CUDA
-entry point the module uses raise), whatever the mode; a sampler never gets a stream. A server started with
-``--job-streams on`` trains, syncs weights and generates as one without it. The streams themselves run on a GPU:
-``test_job_streams_gpu.py``.
+On a CPU the stream changes nothing: a call is a plain call and no CUDA function runs (checked by making every CUDA
+entry point the module uses raise), whatever the mode; a sampler never runs on it. A server started with
+``--training-stream on`` trains, syncs weights and generates as one without it. The stream itself runs on a GPU:
+``test_training_stream_gpu.py``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import requests
 import torch
 
 from arctic_rl.protocol import JobType
-from arctic_rl.server.jobs.job_streams import JobStreams
+from arctic_rl.server.jobs.training_stream import TrainingStream
 from arctic_rl.server.settings import ServerSettings
 from tests.support.server import decode, make_batch, post_frame, running_server
 
 
 @pytest.fixture
 def no_cuda(monkeypatch):
-    """Every CUDA entry point job_streams uses fails the test if called."""
+    """Every CUDA entry point training_stream uses fails the test if called."""
     def refuse(*_args, **_kwargs):
         raise AssertionError("a CUDA function was called")
 
@@ -29,36 +30,36 @@ def no_cuda(monkeypatch):
 
 
 def test_the_mode_is_checked_naming_the_field():
-    with pytest.raises(ValueError, match=r"job_streams: expected one of \['on', 'off'\], got 'yes'"):
-        JobStreams("yes")
-    with pytest.raises(ValueError, match=r"job_streams: expected one of \['on', 'off'\], got 'true'"):
-        ServerSettings(job_streams="true")
-    assert ServerSettings().job_streams == "off"
+    with pytest.raises(ValueError, match=r"training_stream: expected one of \['on', 'off'\], got 'yes'"):
+        TrainingStream("yes")
+    with pytest.raises(ValueError, match=r"training_stream: expected one of \['on', 'off'\], got 'true'"):
+        ServerSettings(training_stream="true")
+    assert ServerSettings().training_stream == "off"
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_on_a_cpu_a_call_is_a_plain_call(no_cuda, mode):
-    streams = JobStreams(mode)
-    assert streams.call(1, JobType.TRAINING, torch.device("cpu"), lambda a, b: a + b, 2, 3) == 5
+    stream = TrainingStream(mode)
+    assert stream.call(1, JobType.TRAINING, torch.device("cpu"), lambda a, b: a + b, 2, 3) == 5
     with pytest.raises(KeyError, match="raised inside"):
-        streams.call(1, JobType.LOG_PROB, "cpu", lambda: {}["raised inside"])
-    assert streams.stream_of(1) is None
-    streams.settle("cpu")
-    streams.drop(1)
+        stream.call(1, JobType.LOG_PROB, "cpu", lambda: {}["raised inside"])
+    assert stream.stream is None
+    stream.settle("cpu")
+    stream.drop(1)
 
 
 @pytest.mark.parametrize(("mode", "job_type"), [("on", JobType.SAMPLING), ("off", JobType.TRAINING),
                                                 ("off", JobType.LOG_PROB)])
 def test_no_stream_for_a_sampler_or_when_off_even_on_cuda(no_cuda, mode, job_type):
-    streams = JobStreams(mode)
-    assert streams.call(7, job_type, "cuda:0", lambda: "ran") == "ran"
-    assert streams.stream_of(7) is None
+    stream = TrainingStream(mode)
+    assert stream.call(7, job_type, "cuda:0", lambda: "ran") == "ran"
+    assert stream.stream is None
     if mode == "off":
-        streams.settle("cuda:0")  # nothing to wait for when off
+        stream.settle("cuda:0")  # nothing to wait for when off
 
 
-def test_a_server_with_job_streams_on_trains_syncs_and_generates(tmp_path, tiny_model_dir):
-    with running_server(tmp_path, extra_args=["--job-streams", "on"]) as srv:
+def test_a_server_with_the_training_stream_on_trains_syncs_and_generates(tmp_path, tiny_model_dir):
+    with running_server(tmp_path, extra_args=["--training-stream", "on"]) as srv:
         url = srv.url
         training = decode(requests.post(url + "/initialize", timeout=300, json={
             "model_name": str(tiny_model_dir), "job_type": "training", "checkpoint_path": "train",
