@@ -188,12 +188,10 @@ arithmetic_vllm_sizing() {
         actor_rollout_ref.rollout.max_num_seqs=$((BATCH * N))
     )
     local kv_bytes="${KV_CACHE_BYTES}"
-    if [ "${kv_bytes}" = batch ]; then
-        kv_bytes="$("${PYTHON}" "${ARITHMETIC_COMMON_DIR}/kv_cache_bytes.py" "${MODEL_DIR}" --seqs $((BATCH * N)) \
-            --max-model-len $((PROMPT_LEN + RESP_LEN)))"
-    elif [ "${kv_bytes}" = shared ]; then
-        kv_bytes="$("${PYTHON}" "${ARITHMETIC_COMMON_DIR}/kv_cache_bytes.py" "${MODEL_DIR}" --seqs $((BATCH * N)) \
-            --max-model-len $((PROMPT_LEN + RESP_LEN)) --samples "${N}" --response-len "${RESP_LEN}")"
+    if [ "${kv_bytes}" = batch ] || [ "${kv_bytes}" = shared ]; then
+        local -a sizing=(--seqs $((BATCH * N)) --max-model-len $((PROMPT_LEN + RESP_LEN)))
+        [ "${kv_bytes}" = shared ] && sizing+=(--samples "${N}" --response-len "${RESP_LEN}")
+        kv_bytes="$("${PYTHON}" "${ARITHMETIC_COMMON_DIR}/kv_cache_bytes.py" "${MODEL_DIR}" "${sizing[@]}")"
     fi
     if [ -n "${kv_bytes}" ]; then
         ROLLOUT+=(+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="${kv_bytes}")

@@ -51,16 +51,26 @@ def kv_elements_per_token(config: dict) -> int:
     return layers * 2 * kv_heads * head_dim
 
 
+def _check(dtype: str, **positive: int) -> None:
+    """A known dtype, and every keyword a positive integer; the first that is not names itself."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    for name, value in positive.items():
+        if value <= 0:
+            raise ValueError(f"{name}: expected a positive integer, got {value}")
+
+
+def _bytes(config: dict, blocks: int, *, dtype: str, block_size: int) -> int:
+    """``blocks`` whole blocks of ``block_size`` tokens, in bytes, for the model's attention shape."""
+    return blocks * block_size * kv_elements_per_token(config) * DTYPE_BYTES[dtype]
+
+
 def batch_kv_cache_bytes(config: dict, *, seqs: int, max_model_len: int, dtype: str = "bfloat16",
                          block_size: int = 16) -> int:
     """The cache that holds ``seqs`` sequences of ``max_model_len`` tokens at once, in whole blocks."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    for name, value in (("seqs", seqs), ("max_model_len", max_model_len), ("block_size", block_size)):
-        if value <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {value}")
+    _check(dtype, seqs=seqs, max_model_len=max_model_len, block_size=block_size)
     blocks = seqs * (math.ceil(max_model_len / block_size) + 1)
-    return blocks * block_size * kv_elements_per_token(config) * DTYPE_BYTES[dtype]
+    return _bytes(config, blocks, dtype=dtype, block_size=block_size)
 
 
 def shared_prompt_kv_cache_bytes(config: dict, *, seqs: int, samples: int, max_model_len: int, response_len: int,
@@ -69,12 +79,8 @@ def shared_prompt_kv_cache_bytes(config: dict, *, seqs: int, samples: int, max_m
     blocks held once (vLLM's prefix cache): per prompt ``ceil(prompt / block_size)`` blocks, per sample its
     response's ``ceil(response_len / block_size)`` plus one (the prompt's last block, partly filled, is the
     sample's own), plus vLLM's one reserved null block."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    for name, value in (("seqs", seqs), ("samples", samples), ("max_model_len", max_model_len),
-                        ("response_len", response_len), ("block_size", block_size)):
-        if value <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {value}")
+    _check(dtype, seqs=seqs, samples=samples, max_model_len=max_model_len, response_len=response_len,
+           block_size=block_size)
     if seqs % samples:
         raise ValueError(f"samples: expected a divisor of seqs ({seqs}), got {samples}")
     if response_len >= max_model_len:
@@ -83,7 +89,7 @@ def shared_prompt_kv_cache_bytes(config: dict, *, seqs: int, samples: int, max_m
     prompts = seqs // samples
     prompt_len = max_model_len - response_len
     blocks = prompts * math.ceil(prompt_len / block_size) + seqs * (math.ceil(response_len / block_size) + 1) + 1
-    return blocks * block_size * kv_elements_per_token(config) * DTYPE_BYTES[dtype]
+    return _bytes(config, blocks, dtype=dtype, block_size=block_size)
 
 
 def main(argv: list[str] | None = None) -> int:
