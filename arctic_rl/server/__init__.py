@@ -38,6 +38,7 @@ module                                 what it is
 :mod:`.jobs.sleep_gate`                a training or log-prob pass waits for a sampler sleep in progress
 :mod:`.jobs.gc_freeze`                 the garbage collector frozen after each job's warm-up (later collections skip those objects)
 :mod:`.jobs.training_stream`           the training and log-prob jobs' calls on a CUDA stream apart from the sampler's
+:mod:`.jobs.weight_sync`               a weight sync's loads, then the allocator's unused blocks released
 **engines/** -- one per job type
 :mod:`.engines.protocols`              what the server asks of a training, log-prob and sampling engine
 :mod:`.engines.batch`                  the validated batch an engine computes on (``ParsedBatch``)

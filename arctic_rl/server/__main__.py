@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from arctic_rl.server.settings import (  # light: no torch, no FastAPI
         GC_FREEZE_MODES,
         IN_FLIGHT_ON_WEIGHT_LOAD,
+        RELEASE_AT_SYNC_MODES,
         SAMPLERS,
         TORCH_COMPILE_MODES,
         TRAINING_STREAM_MODES,
@@ -85,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "that they and the sampler's generation (asynchronous GRPO) neither queue behind each other's "
                    "kernels nor share the caching allocator's free blocks: on, or off (default; "
                    "arctic_rl/server/jobs/training_stream.py)")
+    p.add_argument("--release-at-sync", choices=RELEASE_AT_SYNC_MODES, default="on",
+                   help="after a weight sync's loads, hand the caching allocator's unused blocks back to the device, "
+                   "as the sampler's sleep and wake do in sync mode; in asynchronous GRPO nothing else releases them "
+                   "between steps and the passes' reserve grows: on (default), or off "
+                   "(arctic_rl/server/jobs/weight_sync.py)")
     p.add_argument("--zorro-min-saving", type=_share, default=None,
                    metavar="SHARE",
                    help="a ZoRRO request takes the ZoRRO pass only when it saves at least this share of the tokens, "
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         zorro_trials=args.zorro_trials,
         in_flight_on_weight_load=args.in_flight_on_weight_load,
         training_stream=args.training_stream,
+        release_at_sync=args.release_at_sync,
         memory_probe=args.memory_probe,  # a Path (argparse converts the env default too) or None
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)

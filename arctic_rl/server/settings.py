@@ -15,6 +15,7 @@ from typing import Literal
 __all__ = [
     "GC_FREEZE_MODES",
     "IN_FLIGHT_ON_WEIGHT_LOAD",
+    "RELEASE_AT_SYNC_MODES",
     "SAMPLERS",
     "TORCH_COMPILE_MODES",
     "TRAINING_STREAM_MODES",
@@ -42,6 +43,9 @@ IN_FLIGHT_ON_WEIGHT_LOAD = ("restart", "wait")
 #: the training and log_prob jobs' calls on a CUDA stream apart from the sampler's
 #: (:mod:`arctic_rl.server.jobs.training_stream`): ``on``, or ``off`` (every job on the default stream, as before)
 TRAINING_STREAM_MODES = ("on", "off")
+#: a weight sync hands the caching allocator's unused blocks back after its loads (:mod:`arctic_rl.server.jobs.weight_sync`):
+#: ``on`` (the default), or ``off`` (they stay cached)
+RELEASE_AT_SYNC_MODES = ("on", "off")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -97,6 +101,8 @@ class ServerSettings:
     in_flight_on_weight_load: str = "wait"
     #: the training side's calls on a CUDA stream of their own (:data:`TRAINING_STREAM_MODES`)
     training_stream: str = "off"
+    #: a weight sync releases the allocator's unused blocks (:data:`RELEASE_AT_SYNC_MODES`)
+    release_at_sync: str = "on"
     #: where the GPU memory probe writes (:mod:`arctic_rl.server.memory_probe`; a diagnostic); None = off
     memory_probe: Path | None = None
 
@@ -137,4 +143,7 @@ class ServerSettings:
         if self.training_stream not in TRAINING_STREAM_MODES:
             raise ValueError(f"training_stream: expected one of {list(TRAINING_STREAM_MODES)}, "
                              f"got {self.training_stream!r}")
+        if self.release_at_sync not in RELEASE_AT_SYNC_MODES:
+            raise ValueError(f"release_at_sync: expected one of {list(RELEASE_AT_SYNC_MODES)}, "
+                             f"got {self.release_at_sync!r}")
         object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

@@ -25,6 +25,8 @@ Decisions documented here (and in ``docs/SERVER.md``):
   the sleep before its pass (:mod:`arctic_rl.server.jobs.sleep_gate`): no pass runs beside the KV cache it frees.
 * Under ``--training-stream on`` the training and log_prob jobs' calls run on a CUDA stream apart from the sampler's,
   and a weight sync waits for the device before it releases its jobs (:mod:`arctic_rl.server.jobs.training_stream`).
+* A weight sync hands the caching allocator's unused blocks back to the device after the loads (``--release-at-sync``,
+  on by default): in async mode nothing else releases them between steps (:mod:`arctic_rl.server.jobs.weight_sync`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from arctic_rl.server.jobs.gc_freeze import freeze_long_lived, thaw
 from arctic_rl.server.jobs.registry import Job, JobRegistry
 from arctic_rl.server.jobs.sleep_gate import SleepGate
 from arctic_rl.server.jobs.training_stream import TrainingStream
+from arctic_rl.server.jobs.weight_sync import load_weights_into
 from arctic_rl.server.memory import job_memory, memory_metrics
 from arctic_rl.server.settings import ServerSettings
 
@@ -326,30 +329,26 @@ class ServerState:
         ]
         ordered = sorted([source, *targets], key=lambda j: j.job_id)
 
-        def run():
-            weights = source.engine.weights()
-            versions = {t.job_id: t.engine.load_weights(weights) for t in targets}
-            self.training_stream.settle(getattr(source.engine, "device", None))  # the loads' copies are done
-            return versions
-
         t0 = time.perf_counter()
         await self.setups.idle()  # no sync beside a job's building or warm-up (.background_setup)
         for job in ordered:  # fixed order: no deadlock with a concurrent sync
             await job.lock.acquire()
         try:
-            versions = await self._in_thread(run)
+            versions, released = await self._in_thread(load_weights_into, source, targets, self.training_stream,
+                                                       self.settings.release_at_sync == "on")
         finally:
             for job in reversed(ordered):
                 job.lock.release()
-        logger.info(
-            "weight-sync %d -> %s versions=%s %.2fs", source.job_id, list(versions), versions, time.perf_counter() - t0
-        )
+        logger.info("weight-sync %d -> %s versions=%s %.2fs%s", source.job_id, list(versions), versions,
+                    time.perf_counter() - t0, f"; {released['allocator_released_bytes'] / 1e9:.2f} GB of unused "
+                    "cached blocks released" if released else "")
         return {
             "job_id": source.job_id,
             "synced": list(versions),
             "weight_version": max(versions.values()),
             "weight_versions": {str(k): v for k, v in versions.items()},
             "seconds": time.perf_counter() - t0,
+            **released,  # allocator_*_bytes under --release-at-sync on (.weight_sync)
         }
 
     async def generate(self, job_id: int, body: Any) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """``remote_backend.server.local``'s server options: each reaches the server it starts as the flag of that name.
 
 ``in_flight_on_weight_load`` (what a weight sync does with the ``/generate`` calls in flight), ``warm_up`` (the
-jobs' compile warm-up before step 1) and ``training_stream`` (a CUDA stream per training and log_prob job): null keeps the server's own default and adds no flag; a value becomes the flag
-and the server's command line reads it back; anything else is refused before a server starts, naming the key, the
-allowed values and what was received.
+jobs' compile warm-up before step 1), ``training_stream`` (one CUDA stream for the training and log_prob jobs) and
+``release_at_sync`` (the allocator's unused blocks released after a weight sync): null keeps the server's own
+default and adds no flag; a value becomes the flag and the server's command line reads it back; anything else is
+refused before a server starts, naming the key, the allowed values and what was received.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _local(**options):
 def test_null_keeps_the_servers_defaults():
     args = parse_args(list(_extra_args(_local())))
     assert _extra_args(_local()) == ()
-    assert (args.in_flight_on_weight_load, args.warm_up, args.training_stream) == ("wait", "auto", "off")
+    assert (args.in_flight_on_weight_load, args.warm_up, args.training_stream, args.release_at_sync) == (
+        "wait", "auto", "off", "on")
 
 
 @pytest.mark.parametrize(("key", "value", "flag"), [
@@ -33,6 +35,8 @@ def test_null_keeps_the_servers_defaults():
     ("warm_up", "on", "--warm-up"),
     ("training_stream", "on", "--training-stream"),
     ("training_stream", "off", "--training-stream"),
+    ("release_at_sync", "off", "--release-at-sync"),
+    ("release_at_sync", "on", "--release-at-sync"),
 ])
 def test_a_value_becomes_the_servers_flag(key, value, flag):
     extra = _extra_args(_local(**{key: value}))
@@ -44,6 +48,7 @@ def test_a_value_becomes_the_servers_flag(key, value, flag):
     ("in_flight_on_weight_load", "abort", r"\['wait', 'restart'\]"),
     ("warm_up", "yes", r"\['auto', 'on', 'off'\]"),
     ("training_stream", "true", r"\['on', 'off'\]"),
+    ("release_at_sync", "yes", r"\['on', 'off'\]"),
 ])
 def test_a_bad_value_is_refused_naming_the_key_the_choices_and_the_value(key, value, allowed):
     with pytest.raises(RemoteBackendConfigError, match=rf"server\.local\.{key}(.|\n)*{allowed}(.|\n)*{value}"):

@@ -44,11 +44,12 @@ ROOT = "remote_backend"
 ZERO_STAGES = (0, 1, 2, 3)
 #: ``train.attn_implementation``; ``auto`` resolves to verl's override or flash_attention_2 (``builders``)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-#: ``local_server.in_flight_on_weight_load``, ``local_server.warm_up`` and ``local_server.training_stream``: the
-#: server's flags of those names
+#: ``local_server.in_flight_on_weight_load``, ``local_server.warm_up``, ``local_server.training_stream`` and
+#: ``local_server.release_at_sync``: the server's flags of those names
 IN_FLIGHT_POLICIES = ("wait", "restart")
 WARM_UP_MODES = ("auto", "on", "off")
 TRAINING_STREAM_MODES = ("on", "off")
+RELEASE_AT_SYNC_MODES = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class LocalServerConfig:
     in_flight_on_weight_load: str | None = None
     warm_up: str | None = None
     training_stream: str | None = None
+    release_at_sync: str | None = None
 
     def _validate(self, p: str) -> None:
         _require(0 <= self.port <= 65535, f"{p}.port", "not a TCP port", "0 (a free port) .. 65535", self.port)
@@ -87,6 +89,10 @@ class LocalServerConfig:
             _require(self.training_stream in TRAINING_STREAM_MODES, f"{p}.training_stream", "not a mode",
                      f"one of {list(TRAINING_STREAM_MODES)} or null (the server's default, off)",
                      self.training_stream)
+        if self.release_at_sync is not None:
+            _require(self.release_at_sync in RELEASE_AT_SYNC_MODES, f"{p}.release_at_sync", "not a mode",
+                     f"one of {list(RELEASE_AT_SYNC_MODES)} or null (the server's default, on)",
+                     self.release_at_sync)
         _require(self.threads >= 1, f"{p}.threads", "must be positive", ">= 1", self.threads)
         _require(self.startup_timeout_s > 0, f"{p}.startup_timeout_s", "must be positive", "> 0", self.startup_timeout_s)
 

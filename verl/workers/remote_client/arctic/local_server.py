@@ -88,6 +88,8 @@ def _extra_args(cfg: LocalServerConfig) -> tuple[str, ...]:
         args += ("--warm-up", cfg.warm_up)
     if cfg.training_stream is not None:
         args += ("--training-stream", cfg.training_stream)
+    if cfg.release_at_sync is not None:
+        args += ("--release-at-sync", cfg.release_at_sync)
     return args
 
 
