@@ -2,7 +2,8 @@
 
 Prints a markdown table, one row per probed call: seconds since the first, the call, the device's memory in use,
 the caching allocator's reserve per pool (``0,0`` is the default pool; vLLM's sleep-mode allocator and CUDA
-graphs have pools of their own), its cached free bytes (what ``empty_cache`` returns) and what the allocator does
+graphs have pools of their own), its cached free bytes (what ``empty_cache`` returns; then per CUDA stream where a
+call ran on a stream besides the default one, as under ``--training-stream on``) and what the allocator does
 not see (``outside``: CUDA contexts, NCCL and other libraries; negative while a pool's memory is unmapped, as vLLM's
 is while it sleeps). Then the largest allocation sites at the rows with the most and the least memory in use.
 
@@ -41,12 +42,19 @@ def _gib(value: float) -> str:
 
 def table(rows: list[dict[str, Any]], start: float) -> list[str]:
     pools = sorted({pool for row in rows for pool in row.get("pools", {})})
-    head = ["s", "call", "in use", "reserved", *[f"pool {p}" for p in pools], "cached free", "outside"]
+    streams = sorted({stream for row in rows for stream in row.get("streams", {})}, key=int)
+    if streams == ["0"]:
+        streams = []  # one stream: its cached free bytes are the total's
+    names = {stream: "default stream" if stream == "0" else f"stream {i}" for i, stream in enumerate(streams)}
+    head = ["s", "call", "in use", "reserved", *[f"pool {p}" for p in pools], "cached free",
+            *[f"cached free, {names[s]}" for s in streams], "outside"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [f"{row['time'] - start:.1f}", row["event"], _gib(row["in_use"]), _gib(row["reserved"])]
         cells += [_gib(row.get("pools", {}).get(p, {}).get("reserved", 0)) for p in pools]
-        cells += [_gib(row.get("cached_free", 0)), _gib(row.get("outside_allocator", 0))]
+        cells.append(_gib(row.get("cached_free", 0)))
+        cells += [_gib(row.get("streams", {}).get(s, {}).get("cached_free", 0)) for s in streams]
+        cells.append(_gib(row.get("outside_allocator", 0)))
         out.append("| " + " | ".join(cells) + " |")
     return out
 

@@ -12,7 +12,10 @@ appends one JSON line to FILE (at most one per path every ``min_interval_s``):
   buffers; negative when a pool's blocks are unmapped (vLLM's sleeping memory stays reserved in PyTorch's view);
 * ``sites``: the largest groups of live blocks by where they were allocated (the innermost frame outside
   PyTorch, and the innermost frame of this package when that is another), bytes and block count;
-* ``cached_free``: reserved bytes of the default pool no live block covers (what ``empty_cache`` would return).
+* ``cached_free``: reserved bytes of the default pool no live block covers (what ``empty_cache`` would return);
+* ``streams``: the default pool's ``reserved`` and ``cached_free`` per CUDA stream (the allocator reuses a freed
+  block only for the stream it was allocated on; ``"0"`` is the default stream, another number a stream's handle,
+  such as ``--training-stream on``'s): whose cache the free bytes are.
 
 The per-part reports of :mod:`arctic_rl.server.memory` say what the jobs hold; this says what the process holds,
 which is what the GPU's other users see. Recording stacks slows every allocation a little: a run with the probe
@@ -69,10 +72,12 @@ def allocation_site(frames: list[dict[str, Any]]) -> str:
 
 
 def summarize_snapshot(snapshot: dict[str, Any], top: int = 15) -> dict[str, Any]:
-    """Pools, allocation sites and the default pool's cached free bytes of a ``torch.cuda.memory._snapshot()``."""
+    """Pools, allocation sites and the default pool's cached free bytes (in all and per stream) of a
+    ``torch.cuda.memory._snapshot()``."""
     pools: dict[str, dict[str, int]] = {}
     sites: dict[str, list[int]] = {}
     cached_free = 0
+    streams: dict[str, dict[str, int]] = {}
     for segment in snapshot.get("segments", []):
         pool = _pool_key(segment.get("segment_pool_id"))
         entry = pools.setdefault(pool, {"reserved": 0, "allocated": 0, "segments": 0})
@@ -93,12 +98,16 @@ def summarize_snapshot(snapshot: dict[str, Any], top: int = 15) -> dict[str, Any
         entry["segments"] += 1
         if pool == _DEFAULT_POOL:
             cached_free += total - live
+            stream = streams.setdefault(str(int(segment.get("stream", 0))), {"reserved": 0, "cached_free": 0})
+            stream["reserved"] += total
+            stream["cached_free"] += total - live
     ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
     return {
         "reserved": sum(p["reserved"] for p in pools.values()),
         "allocated": sum(p["allocated"] for p in pools.values()),
         "pools": pools,
         "cached_free": cached_free,
+        "streams": streams,
         "sites": [{"site": k, "bytes": v[0], "blocks": v[1]} for k, v in ranked[:top]],
         "sites_left_out_bytes": sum(v[0] for _, v in ranked[top:]),
     }

@@ -43,6 +43,18 @@ def test_the_report_prints_a_row_per_call_and_the_sites_at_both_extremes(tmp_pat
     assert "2.00 GiB at smaller sites" in out
 
 
+def test_a_side_stream_gets_its_own_cached_free_column(tmp_path, report, capsys):
+    path = tmp_path / "probe.jsonl"
+    probe = MemoryProbe(path)
+    side = {**_segment((0, 0), 6 * GIB, 1 * GIB, "arctic_rl/zorro"), "stream": 93824}  # --training-stream on's
+    probe.record("POST /v2/step", {"segments": [_segment((0, 0), 3 * GIB, 2 * GIB, "vllm/sampler"), side]},
+                 in_use=10 * GIB, total=80 * GIB)
+    assert report.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| reserved | pool 0,0 | cached free | cached free, default stream | cached free, stream 1 | outside |" in out
+    assert "| POST /v2/step | 10.00 | 9.00 | 9.00 | 6.00 | 1.00 | 5.00 | 1.00 |" in out
+
+
 def test_an_empty_file_is_an_error(tmp_path, report, capsys):
     path = tmp_path / "probe.jsonl"
     path.write_text("")

@@ -45,7 +45,9 @@ def _snapshot() -> dict:
         {"total_size": 64 * MIB, "segment_pool_id": (1, 0), "blocks": [
             _block(64 * MIB, frames=[VLLM_FRAME]),
         ]},
-        {"total_size": 2 * MIB, "segment_pool_id": (0, 0), "blocks": [_block(2 * MIB, state="inactive")]},
+        {"total_size": 2 * MIB, "segment_pool_id": (0, 0), "stream": 94000, "blocks": [
+            _block(2 * MIB, state="inactive"),
+        ]},
     ]}
 
 
@@ -68,6 +70,9 @@ def test_the_summary_splits_pools_sites_and_the_cached_free_bytes():
         "1,0": {"reserved": 64 * MIB, "allocated": 64 * MIB, "segments": 1},
     }
     assert summary["cached_free"] == 14 * MIB  # the default pool's inactive blocks; the vLLM pool's are not empty_cache's
+    # per stream: a segment without a stream is the default stream's (0); the other one is a side stream's
+    assert summary["streams"] == {"0": {"reserved": 40 * MIB, "cached_free": 12 * MIB},
+                                  "94000": {"reserved": 2 * MIB, "cached_free": 2 * MIB}}
     assert [(s["bytes"], s["blocks"]) for s in summary["sites"]] == [(64 * MIB, 1), (28 * MIB, 2)]
     assert summary["sites"][0]["site"].startswith("[1,0] vllm/")
     assert summary["sites_left_out_bytes"] == 0
