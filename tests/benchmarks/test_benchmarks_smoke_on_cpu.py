@@ -44,6 +44,8 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                      ["RUN_NAME=0.6b_arctic_base", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"]),
     "memory_probe_report.py": (["--smoke"], ["| POST /generate | 10.00 | 6.00 | 2.00 | 4.00 | 0.00 | 4.00 |",
                                              "### the least in use: 6.00 GiB"]),
+    "overlap_contention.py": (["--cpu-smoke", "--out", "{out}"], ["| alone |", "| python-thread |",
+                                                                 "| python-process |"]),
     "real_model_report.py": (["--smoke"], ["curves:"]),
     "step_overhead.py": (["--smoke"], ["Part A: GRPO step through ArcticRLClient", "client: DSSST1 encode",
                                        "Part B: rollout replica server", "concurrent vs sequential"]),
