@@ -5,10 +5,10 @@ the training stream settled, then the caching allocator's unused blocks handed b
 Why the release: in sync mode the sampler's sleep and wake release the allocator's unused blocks every step
 (:meth:`arctic_rl.server.engines.device_memory.DeviceMemory.release_unused`), so each step's log-prob and training
 passes start from an allocator holding only live tensors. In the asynchronous mode the sampler never sleeps and
-nothing released them: the next step's log-prob pass carved its tensors out of the blocks the update had freed, and
-the update then mapped new segments beside them. On an H100 (benchmarks/RESULTS.md §2zf) the allocator reserved
-29-30 GiB in async mode against a 20.8 GiB allocated peak -- the same peak as the sync run's, whose reserve stayed
-at 20.7 -- with the training stream on or off. A weight sync ends each step in both modes, so releasing there gives
+nothing released them. On an H100 (benchmarks/RESULTS.md §2zf) the allocator then reserved 29-30 GiB from step 2 on,
+against a 20.8 GiB allocated peak -- the same peak as the sync run's, whose reserve stayed at 20.7 -- with the
+training stream on or off; by every sign (not traced) step 2's log-prob pass carved its tensors out of the blocks
+the update had freed, and the next update mapped new segments beside them. A weight sync ends each step in both modes, so releasing there gives
 the async mode sync's per-step release; in sync mode it moves the release the wake did into the sync (the wake then
 finds nothing to release). ``off`` keeps the blocks cached (no new segments to map at the next pass).
 """
