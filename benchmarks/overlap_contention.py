@@ -116,10 +116,14 @@ def make_llm(model_dir: Path, max_model_len: int, core_process: bool = False) ->
     """vLLM's engine with the options the server's vLLM sampler passes: all in this process, or (``core_process``)
     its engine core in a process of its own."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core_process else "0"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # as the server: no FlashInfer JIT build on first use
     from vllm import LLM
 
+    # the recipe's engine options (a KV cache of fixed size, so no memory profiling; 2 GiB holds the few-shot batch
+    # with each prompt's blocks once: ~1.0 GiB, examples/common/kv_cache_bytes.py)
     return LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0, enable_sleep_mode=True,
-               gpu_memory_utilization=0.15, max_model_len=max_model_len, max_num_seqs=128,
+               gpu_memory_utilization=0.1, kv_cache_memory_bytes=2 << 30, max_model_len=max_model_len,
+               max_num_seqs=128, max_num_batched_tokens=8192, enable_chunked_prefill=True,
                enable_prefix_caching=True, logprobs_mode="processed_logprobs")
 
 
