@@ -144,27 +144,44 @@ def generate_loop(llm: Any, prompts: list[list[int]], samples: int, response_len
     counts["work"] = tokens
 
 
+class ThreadContender:
+    """A contender in a thread of this process: pure Python (``llm`` None) or ``llm``'s generation loop."""
+
+    def __init__(self, llm: Any, args: argparse.Namespace) -> None:
+        self._stop, self._ready, self._counts = threading.Event(), threading.Event(), {}
+        if llm is None:
+            self._worker = threading.Thread(target=spin_python, args=(self._stop, self._counts))
+            self._ready.set()
+        else:
+            prompts = prompt_ids(args.prompts, args.prompt_len, args.vocab)
+            self._worker = threading.Thread(target=generate_loop, args=(
+                llm, prompts, args.samples, args.response_len, self._stop, self._counts, self._ready))
+        self._worker.start()
+
+    def started(self) -> bool:
+        """Wait until the contender is warm; False if its thread ended first (an error: its trace is printed)."""
+        while not self._ready.wait(0.5):
+            if not self._worker.is_alive():
+                return False
+        return True
+
+    def stop(self) -> int:
+        """Stop it; its work (Python loops, or generated tokens)."""
+        self._stop.set()
+        self._worker.join()
+        return self._counts.get("work", 0)
+
+
 def child(args: argparse.Namespace) -> int:
     """``--child KIND``: run one contender in this process until the stop file appears; write its work."""
-    stop, ready, counts = threading.Event(), threading.Event(), {}
-    if args.child == "python":
-        worker = threading.Thread(target=spin_python, args=(stop, counts))
-        ready.set()
-    else:
-        llm = make_llm(args.model_dir, args.prompt_len + args.response_len + 8)
-        prompts = prompt_ids(args.prompts, args.prompt_len, args.vocab)
-        worker = threading.Thread(target=generate_loop,
-                                  args=(llm, prompts, args.samples, args.response_len, stop, counts, ready))
-    worker.start()
-    while not ready.wait(0.5):
-        if not worker.is_alive():
-            return 1
+    llm = None if args.child == "python" else make_llm(args.model_dir, args.prompt_len + args.response_len + 8)
+    contender = ThreadContender(llm, args)
+    if not contender.started():
+        return 1
     (args.child_dir / "ready").touch()
     while not (args.child_dir / "stop").exists():
         time.sleep(0.05)
-    stop.set()
-    worker.join()
-    (args.child_dir / "work.json").write_text(json.dumps(counts))
+    (args.child_dir / "work.json").write_text(json.dumps({"work": contender.stop()}))
     return 0
 
 
@@ -175,7 +192,6 @@ def timed(bench: Pass, repeats: int) -> list[float]:
 
 def run_contender(name: str, bench: Pass, args: argparse.Namespace, llm_holder: dict[str, Any]) -> dict[str, Any]:
     """Start ``name``, wait until it is warm, time the pass ``repeats`` times beside it, stop it."""
-    stop, ready, counts = threading.Event(), threading.Event(), {}
     t0 = time.perf_counter()
     if name.endswith("-process"):
         folder = Path(tempfile.mkdtemp(prefix="overlap-"))
@@ -192,27 +208,20 @@ def run_contender(name: str, bench: Pass, args: argparse.Namespace, llm_holder: 
         times = timed(bench, args.repeats)
         (folder / "stop").touch()
         proc.wait(timeout=600)
-        counts = json.loads((folder / "work.json").read_text())
+        work = json.loads((folder / "work.json").read_text())["work"]
     else:
-        if name == "python-thread":
-            worker = threading.Thread(target=spin_python, args=(stop, counts))
-            ready.set()
-        else:
-            if name not in llm_holder:
-                llm_holder[name] = make_llm(args.model_dir, args.prompt_len + args.response_len + 8,
-                                            core_process=name == "vllm-core-process")
-            prompts = prompt_ids(args.prompts, args.prompt_len, args.vocab)
-            worker = threading.Thread(target=generate_loop, args=(llm_holder[name], prompts, args.samples,
-                                                                  args.response_len, stop, counts, ready))
-        worker.start()
-        ready.wait()
+        if name != "python-thread" and name not in llm_holder:
+            llm_holder[name] = make_llm(args.model_dir, args.prompt_len + args.response_len + 8,
+                                        core_process=name == "vllm-core-process")
+        contender = ThreadContender(llm_holder.get(name), args)
+        if not contender.started():
+            raise RuntimeError(f"{name}: the contender's thread ended before it was ready")
         started = time.perf_counter()
         times = timed(bench, args.repeats)
-        stop.set()
-        worker.join()
+        work = contender.stop()
     seconds = time.perf_counter() - started
     return {"contender": name, "pass_s": times, "median_s": statistics.median(times),
-            "contender_work_per_s": counts.get("work", 0) / seconds, "start_s": started - t0}
+            "contender_work_per_s": work / seconds, "start_s": started - t0}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
