@@ -24,11 +24,19 @@ import torch
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm") if torch.cuda.is_available() else None
 
-from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
+from arctic_rl.protocol import JobConfig, JobType
 from arctic_rl.server.errors import BadRequest, Conflict
 from arctic_rl.server.settings import ServerSettings
-
-TOL_MEAN, TOL_MAX = 0.02, 0.15  # bf16 log-probs, two engines' kernels
+from tests.support.vllm_gpu import (
+    TOL_MEAN,
+    assert_close_lps,
+    gen,
+    sampled_lps,
+    submit,
+    train_lps,
+    train_step,
+    vllm_seq_lps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,37 +62,6 @@ def engines(tmp_path_factory):
     yield train, sampler
     sampler.close()
     train.close()
-
-
-def gen(sampler, prompts, **params):
-    return sampler.generate(GenerateRequest(prompts=prompts), SamplingParams(**params))
-
-
-def sampled_lps(result) -> list[float]:
-    return [entry[str(t)]["logprob"] for t, entry in zip(result["token_ids"], result["logprobs"], strict=True)]
-
-
-def train_lps(train, prompt: list[int], response: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + response], device="cuda")
-    with torch.no_grad():
-        logp = train.model(input_ids=ids).logits.float().log_softmax(-1)[0, len(prompt) - 1 : -1]
-    return logp.gather(-1, torch.tensor(response, device="cuda")[:, None])[:, 0].cpu()
-
-
-def vllm_seq_lps(sampler, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """vLLM's log-probs of a fixed sequence (prompt log-probs of prompt + response)."""
-    from vllm import SamplingParams as VP
-    from vllm.inputs import TokensPrompt
-
-    out = sampler.llm.generate([TokensPrompt(prompt_token_ids=prompt + response)],
-                               VP(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
-    seq = prompt + response
-    return torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(len(prompt), len(seq))])
-
-
-def assert_close_lps(a: torch.Tensor, b: torch.Tensor) -> None:
-    diff = (a - b).abs()
-    assert diff.mean() < TOL_MEAN and diff.max() < TOL_MAX, (diff.mean().item(), diff.max().item())
 
 
 def test_sampling_params(engines):
@@ -132,22 +109,6 @@ def test_sampling_params(engines):
         assert info.value.field == field
 
 
-def _train_step(train):
-    from arctic_rl.server.http.validation import parse_batch_body
-
-    g = torch.Generator().manual_seed(3)
-    rows, p, r = 8, 32, 32
-    ids = torch.randint(3, train.vocab_size, (rows, p + r), generator=g)
-    mask = torch.ones_like(ids)
-    body = {"batch": {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1),
-                      "prompts": ids[:, :p], "responses": ids[:, p:], "response_mask": mask[:, p:],
-                      "advantages": torch.randn(rows, r, generator=g), "old_log_probs": torch.full((rows, r), -4.6)},
-            "meta": {}, "processing": {"loss_fn": "grpo", "config": {}}}
-    batch = parse_batch_body(body, vocab_size=train.vocab_size, train=True)
-    train.forward_backward(batch)
-    train.step()
-
-
 def test_logprobs_and_weight_sync(engines):
     train, sampler = engines
     prompt = list(range(20, 52))
@@ -156,7 +117,7 @@ def test_logprobs_and_weight_sync(engines):
     assert_close_lps(torch.tensor(sampled_lps(out)), train_lps(train, prompt, response))
     before = vllm_seq_lps(sampler, prompt, response)
     version = sampler.weight_version
-    _train_step(train)
+    train_step(train)
     trained = train_lps(train, prompt, response)
     assert (trained - before).abs().mean() > 5 * TOL_MEAN  # the step moved this sequence
     assert_close_lps(vllm_seq_lps(sampler, prompt, response), before)  # no sync yet: old weights
@@ -230,7 +191,7 @@ def test_training_and_generation_alternate_without_oom(engines):
     prompts = [[(i + j) % 90 + 5 for j in range(64)] for i in range(64)]
     for _ in range(3):
         sampler.sleep(level=1)
-        _train_step(train)
+        train_step(train)
         sampler.wake_up(tags=["weights"])
         version = sampler.load_weights(train.weights())
         sampler.wake_up(tags=["kv_cache"])
@@ -240,10 +201,6 @@ def test_training_and_generation_alternate_without_oom(engines):
 
 
 # ---------------------------------------------------------------------------- continuous batching
-
-
-def _submit(sampler, prompts, **params):
-    return sampler.submit_generate(GenerateRequest(prompts=prompts), SamplingParams(**params))
 
 
 def test_concurrent_calls_join_the_running_batch_and_a_short_call_returns_first(engines):
@@ -282,11 +239,11 @@ def test_weight_sync_during_generation_restarts_the_calls_in_flight(engines):
     try:
         prompt = list(range(20, 52))
         version, restarted = sampler.weight_version, sampler.info()["restarted_on_weight_load"]
-        _train_step(train)  # the trainer moves ahead; the sampler still holds `version`
+        train_step(train)  # the trainer moves ahead; the sampler still holds `version`
         torch.cuda.synchronize()
         loop = sampler._loop()
         started = loop.steps
-        running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True,
+        running = submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True,
                           seed=3)
         while loop.steps < started + 20:  # the call decodes
             time.sleep(0.002)
@@ -311,16 +268,16 @@ def test_weight_sync_during_generation_under_wait_waits_for_the_calls_in_flight(
     try:
         prompt = list(range(20, 52))
         version = sampler.weight_version
-        _train_step(train)  # the trainer moves ahead; the sampler still holds `version`
+        train_step(train)  # the trainer moves ahead; the sampler still holds `version`
         torch.cuda.synchronize()
-        running = _submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True)
+        running = submit(sampler, [prompt] * 2, temperature=1.0, max_tokens=900, ignore_eos=True, logprobs=True)
         synced = {}
         sync = threading.Thread(target=lambda: synced.setdefault("v", sampler.load_weights(train.weights())))
         sync.start()
         while sampler._loop().controls_waiting() == 0:  # the load is queued behind the call in flight
             assert sync.is_alive() and not running.future.done()
             time.sleep(0.005)
-        after = _submit(sampler, [prompt], temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+        after = submit(sampler, [prompt], temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
         before_results = running.result()
         sync.join(timeout=120)
         assert synced["v"] == version + 1
