@@ -59,7 +59,10 @@ module                                 what it is
 :mod:`.engines.fast_generation`        the ``transformers`` sampler's CUDA loop (static cache, compiled step)
 :mod:`.engines.hf_steps`               the ``transformers`` sampler's continuous batching
 :mod:`.engines.continuous`             continuous batching: one loop thread owns a generation engine
-:mod:`.engines.vllm_sampler`           the vLLM sampling engine, in process
+:mod:`.engines.vllm_sampler`           the vLLM sampling engine
+:mod:`.engines.vllm_process`           where vLLM's engine core runs (server's process or its own) and what differs
+:mod:`.engines.vllm_worker_ext`        methods added to vLLM's worker when its engine core runs apart
+:mod:`.engines.ipc_weights`            weight sync into an engine core of its own, through a shared CUDA buffer
 :mod:`.engines.vllm_steps`             vLLM's engine driven step by step
 :mod:`.engines.vllm_sleep`             vLLM's sleep, tried again when another process disturbs its memory check
 :mod:`.engines.vllm_options`           the job's ``vllm_config`` checked, per-prompt seeds

@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         SAMPLERS,
         TORCH_COMPILE_MODES,
         TRAINING_STREAM_MODES,
+        VLLM_ENGINE_PROCESS_MODES,
         WARM_UP_MODES,
     )
 
@@ -91,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "as the sampler's sleep and wake do in sync mode; in asynchronous GRPO nothing else releases them "
                    "between steps and the passes' reserve grows: on (default), or off "
                    "(arctic_rl/server/jobs/weight_sync.py)")
+    p.add_argument("--vllm-engine-process", choices=VLLM_ENGINE_PROCESS_MODES, default="same",
+                   help="where the vLLM sampler's engine core (scheduler, model, KV cache) runs: same (default: the "
+                   "server's process; a weight sync copies the training job's live tensors) or own (a process of its "
+                   "own, so that generation's scheduling does not hold the interpreter lock the training and log-prob "
+                   "passes need while both run, as in asynchronous GRPO; a weight sync goes through a shared CUDA "
+                   "buffer; arctic_rl/server/engines/ipc_weights.py)")
     p.add_argument("--zorro-min-saving", type=_share, default=None,
                    metavar="SHARE",
                    help="a ZoRRO request takes the ZoRRO pass only when it saves at least this share of the tokens, "
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         in_flight_on_weight_load=args.in_flight_on_weight_load,
         training_stream=args.training_stream,
         release_at_sync=args.release_at_sync,
+        vllm_engine_process=args.vllm_engine_process,
         memory_probe=args.memory_probe,  # a Path (argparse converts the env default too) or None
     )
     settings.checkpoint_root.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ __all__ = [
     "SAMPLERS",
     "TORCH_COMPILE_MODES",
     "TRAINING_STREAM_MODES",
+    "VLLM_ENGINE_PROCESS_MODES",
     "ServerSettings",
     "is_loopback_host",
 ]
@@ -46,6 +47,10 @@ TRAINING_STREAM_MODES = ("on", "off")
 #: a weight sync hands the caching allocator's unused blocks back after its loads (:mod:`arctic_rl.server.jobs.weight_sync`):
 #: ``on`` (the default), or ``off`` (they stay cached)
 RELEASE_AT_SYNC_MODES = ("on", "off")
+#: where the vLLM sampler's engine core runs (:mod:`arctic_rl.server.engines.vllm_sampler`): ``same`` (the server's
+#: process, the default: weight sync copies live tensors) or ``own`` (a process of its own: generation's scheduling no
+#: longer shares the server's interpreter lock with the passes; weight sync through a shared CUDA buffer)
+VLLM_ENGINE_PROCESS_MODES = ("same", "own")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -103,6 +108,8 @@ class ServerSettings:
     training_stream: str = "off"
     #: a weight sync releases the allocator's unused blocks (:data:`RELEASE_AT_SYNC_MODES`)
     release_at_sync: str = "on"
+    #: where the vLLM sampler's engine core runs (:data:`VLLM_ENGINE_PROCESS_MODES`)
+    vllm_engine_process: str = "same"
     #: where the GPU memory probe writes (:mod:`arctic_rl.server.memory_probe`; a diagnostic); None = off
     memory_probe: Path | None = None
 
@@ -146,4 +153,7 @@ class ServerSettings:
         if self.release_at_sync not in RELEASE_AT_SYNC_MODES:
             raise ValueError(f"release_at_sync: expected one of {list(RELEASE_AT_SYNC_MODES)}, "
                              f"got {self.release_at_sync!r}")
+        if self.vllm_engine_process not in VLLM_ENGINE_PROCESS_MODES:
+            raise ValueError(f"vllm_engine_process: expected one of {list(VLLM_ENGINE_PROCESS_MODES)}, "
+                             f"got {self.vllm_engine_process!r}")
         object.__setattr__(self, "checkpoint_root", Path(self.checkpoint_root).expanduser().resolve())

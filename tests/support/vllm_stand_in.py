@@ -80,13 +80,18 @@ def vllm_stand_in_modules() -> dict[str, types.ModuleType]:
 
 
 def engine_around(llm: Any, *, vocab_size: int, max_model_len: int, weight_version: int = 0,
-                  full_determinism: bool = False):
+                  full_determinism: bool = False, process: Any = None):
     """The server's :class:`~arctic_rl.server.engines.vllm_sampler.VllmSamplingEngine` without building vLLM:
-    its ``llm`` is the given one, its tokenizer the project's character tokenizer, awake, no EOS ids."""
+    its ``llm`` is the given one, its tokenizer the project's character tokenizer, awake, no EOS ids; the engine core
+    in the server's process unless ``process`` (a :mod:`~arctic_rl.server.engines.vllm_process` mode) says else."""
+    import torch
+
     from arctic_rl.protocol import JobConfig, JobType
+    from arctic_rl.server.engines.vllm_process import SameProcess
     from arctic_rl.server.engines.vllm_sampler import VllmSamplingEngine
 
     eng = VllmSamplingEngine.__new__(VllmSamplingEngine)
+    eng.process = process if process is not None else SameProcess(torch.device("cpu"), torch.float32)
     eng.config = JobConfig(model_name="stand-in", job_type=JobType.SAMPLING, full_determinism=full_determinism)
     eng.llm, eng.tokenizer = llm, build_char_tokenizer()
     eng.max_model_len, eng.vocab_size, eng.eos_ids, eng.weight_version = max_model_len, vocab_size, set(), weight_version

@@ -36,9 +36,11 @@ sees half-updated weights and no answer mixes two versions. What each does with 
   with a part asleep admits no call, and no cached block is stale while calls run (the last load reset the cache
   before any was admitted; vLLM keeps the blocks of running requests and says ``busy``).
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``/weight-sync`` from a training job
-on the same GPU hands its live tensors to ``model.load_weights`` with no host round trip; the prefix cache is reset
-after every sync, and the next ``/generate`` uses the new weights. GPU memory: vLLM takes
+By default the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a ``/weight-sync`` from a
+training job on the same GPU hands its live tensors to ``model.load_weights`` with no host round trip;
+``--vllm-engine-process own`` puts vLLM's engine core in a process of its own, the sync then going through a shared
+CUDA buffer (:mod:`.vllm_process` holds what differs). The prefix cache is reset after every sync, and the next
+``/generate`` uses the new weights. GPU memory: vLLM takes
 ``vllm_config.gpu_memory_utilization`` of the device (default :data:`DEFAULT_GPU_MEMORY_UTILIZATION`), leaving the
 rest to the training and log-prob jobs; :meth:`sleep` / :meth:`wake_up` (``/sleep-inference``, ``/wake-inference``)
 free and restore vLLM's share around training (:mod:`.vllm_sleep`: a sleep other processes' allocations disturb).
@@ -75,11 +77,12 @@ from arctic_rl.server.engines.vllm_options import (
     engine_options,
     prompt_seeds,
 )
+from arctic_rl.server.engines.vllm_process import engine_process
 from arctic_rl.server.engines.vllm_sleep import fall_asleep
-from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore, settle
-from arctic_rl.server.engines.weights import is_device_fault, vllm_worker_load, vllm_worker_weight_norm
+from arctic_rl.server.engines.vllm_steps import VllmCall, VllmStepCore
+from arctic_rl.server.engines.weights import is_device_fault
 from arctic_rl.server.errors import BadRequest, Conflict
-from arctic_rl.server.memory import device_report, vllm_worker_parts
+from arctic_rl.server.memory import device_report
 from arctic_rl.server.settings import ServerSettings
 
 __all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "MAX_LOGPROBS", "VLLM_OPTIONS", "VllmSamplingEngine", "engine_options",
@@ -107,21 +110,17 @@ class VllmSamplingEngine:
     startup_outside_allocator: int | None = None  #: bytes vLLM's start left outside PyTorch's allocator
 
     def __init__(self, config: JobConfig, settings: ServerSettings, job_dir: Path | None = None) -> None:
-        multiprocessing = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if multiprocessing != "0":
-            raise RuntimeError(
-                "VLLM_ENABLE_V1_MULTIPROCESSING: the server's vLLM engine must run in the server process "
-                f"(allowed: unset or 0, received {multiprocessing!r})"
-            )
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # no FlashInfer JIT build on first use
-        from vllm import LLM
-
         self.config = config
         self.in_flight_on_weight_load = settings.in_flight_on_weight_load
         self.device = resolve_device(settings.device)
         if self.device.type != "cuda":
             raise RuntimeError("the vLLM sampler needs --device cuda")
         self.dtype = compute_dtype(self.device)
+        self.process = engine_process(settings.vllm_engine_process, self.device, self.dtype)
+        self.process.claim_env()
+        from vllm import LLM
+
         self.options = engine_options(config.vllm_config)
         self.tokenizer = load_tokenizer(config.model_name)
         # Training, log-prob and vLLM share one world-size-1 process group whichever job comes first.
@@ -137,6 +136,7 @@ class VllmSamplingEngine:
             logprobs_mode="processed_logprobs",
             max_logprobs=MAX_LOGPROBS,
             **self.options,
+            **self.process.llm_options(),
         )
         model_config = self.llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
@@ -157,9 +157,10 @@ class VllmSamplingEngine:
         released = mem.release_unused()["allocator_released_bytes"]
         self.startup_outside_allocator = mem.grown_outside_allocator(start)
         logger.info(
-            "vLLM sampler ready in %.1fs (gpu_memory_utilization=%s, max_model_len=%d, options=%s); %.2f GB of "
-            "cached blocks released; %.2f GiB of device memory its start left outside PyTorch's allocator",
-            time.perf_counter() - t0, self.options["gpu_memory_utilization"], self.max_model_len, self.options,
+            "vLLM sampler ready in %.1fs (engine core in the %s process, gpu_memory_utilization=%s, max_model_len=%d, "
+            "options=%s); %.2f GB of cached blocks released; %.2f GiB of device memory its start left outside "
+            "PyTorch's allocator", time.perf_counter() - t0, self.process.mode,
+            self.options["gpu_memory_utilization"], self.max_model_len, self.options,
             released / 1e9, self.startup_outside_allocator / (1 << 30),
         )
 
@@ -262,13 +263,12 @@ class VllmSamplingEngine:
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> int:
         if not self.sleeping["kv_cache"]:
-            settle(self.llm)  # the step vLLM may still run for the calls just taken out, before the weights change
+            self.process.settle(self.llm)  # the step vLLM may still run for the calls just taken out, first
         if self.sleeping["weights"]:
             self.llm.wake_up(tags=["weights"])
             self.sleeping["weights"] = False
-        items = [(name, tensor.detach()) for name, tensor in weights.items()]
         try:
-            self.llm.collective_rpc(vllm_worker_load, args=(items,))
+            self.process.load(self.llm, weights)
         except (KeyError, ValueError, AssertionError, RuntimeError) as exc:
             if is_device_fault(exc):  # the device failed, not the weights: an internal error (500), not the caller's
                 raise
@@ -355,12 +355,12 @@ class VllmSamplingEngine:
         if self.sleeping["weights"]:
             raise Conflict("the vLLM sampler's weights are asleep; call /wake-inference first", field="job_id",
                            allowed="an awake sampling job", received="asleep")
-        return self._control(lambda: self.llm.collective_rpc(vllm_worker_weight_norm)[0], "step")
+        return self._control(lambda: self.process.weight_norm(self.llm), "step")
 
     def memory_report(self) -> dict[str, int]:
         """Bytes by part (:mod:`arctic_rl.server.memory`): the worker's weights and KV cache (reached through
         ``collective_rpc``), plus the device's figures."""
-        parts = {**self.llm.collective_rpc(vllm_worker_parts)[0], **device_report(self.device)}
+        parts = {**self.process.memory_parts(self.llm), **device_report(self.device)}
         if self.startup_outside_allocator is not None and "device_in_use" in parts:  # a CUDA figure, as those
             parts["startup_outside_allocator"] = int(self.startup_outside_allocator)
         return parts
@@ -377,6 +377,7 @@ class VllmSamplingEngine:
             "sleeping": not self.awake,
             "sleep_level": self.sleep_level,
             "continuous_batching": True,
+            "engine_process": self.process.mode,
             "generate_in_flight": loop.in_flight() if loop is not None else 0,
             "in_flight_on_weight_load": self.in_flight_on_weight_load,
             "restarted_on_weight_load": loop.restarted if loop is not None else 0,
@@ -386,6 +387,7 @@ class VllmSamplingEngine:
         loop = self.__dict__.pop("_generation_loop", None)
         if loop is not None:
             loop.close("destroyed")
+        self.process.close(self.llm)
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()

@@ -44,12 +44,13 @@ ROOT = "remote_backend"
 ZERO_STAGES = (0, 1, 2, 3)
 #: ``train.attn_implementation``; ``auto`` resolves to verl's override or flash_attention_2 (``builders``)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-#: ``local_server.in_flight_on_weight_load``, ``local_server.warm_up``, ``local_server.training_stream`` and
-#: ``local_server.release_at_sync``: the server's flags of those names
+#: ``local_server.in_flight_on_weight_load``, ``local_server.warm_up``, ``local_server.training_stream``,
+#: ``local_server.release_at_sync`` and ``local_server.vllm_engine_process``: the server's flags of those names
 IN_FLIGHT_POLICIES = ("wait", "restart")
 WARM_UP_MODES = ("auto", "on", "off")
 TRAINING_STREAM_MODES = ("on", "off")
 RELEASE_AT_SYNC_MODES = ("on", "off")
+VLLM_ENGINE_PROCESS_MODES = ("same", "own")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class LocalServerConfig:
     warm_up: str | None = None
     training_stream: str | None = None
     release_at_sync: str | None = None
+    vllm_engine_process: str | None = None
 
     def _validate(self, p: str) -> None:
         _require(0 <= self.port <= 65535, f"{p}.port", "not a TCP port", "0 (a free port) .. 65535", self.port)
@@ -93,6 +95,10 @@ class LocalServerConfig:
             _require(self.release_at_sync in RELEASE_AT_SYNC_MODES, f"{p}.release_at_sync", "not a mode",
                      f"one of {list(RELEASE_AT_SYNC_MODES)} or null (the server's default, on)",
                      self.release_at_sync)
+        if self.vllm_engine_process is not None:
+            _require(self.vllm_engine_process in VLLM_ENGINE_PROCESS_MODES, f"{p}.vllm_engine_process", "not a mode",
+                     f"one of {list(VLLM_ENGINE_PROCESS_MODES)} or null (the server's default, same)",
+                     self.vllm_engine_process)
         _require(self.threads >= 1, f"{p}.threads", "must be positive", ">= 1", self.threads)
         _require(self.startup_timeout_s > 0, f"{p}.startup_timeout_s", "must be positive", "> 0", self.startup_timeout_s)
 

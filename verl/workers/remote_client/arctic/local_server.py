@@ -90,6 +90,8 @@ def _extra_args(cfg: LocalServerConfig) -> tuple[str, ...]:
         args += ("--training-stream", cfg.training_stream)
     if cfg.release_at_sync is not None:
         args += ("--release-at-sync", cfg.release_at_sync)
+    if cfg.vllm_engine_process is not None:
+        args += ("--vllm-engine-process", cfg.vllm_engine_process)
     return args
 
 
