@@ -154,10 +154,13 @@ class SleepModeLLM(StepwiseLLM):
     ``Executor.sleep`` does -- or the executor records it. ``wake_up`` wakes the executor only if it recorded a sleep
     (else does nothing, as vLLM's warns "Executor is not sleeping") and resumes the scheduler once the executor is
     awake; ``tags=["scheduling"]`` resumes the scheduler alone. ``collective_rpc("wake_up")`` is the worker's own
-    wake. ``step`` and a weight load fail on unmapped memory, as vLLM's do (``CUDA error: invalid argument``)."""
+    wake. ``step`` and a weight load fail on unmapped memory, as vLLM's do (``CUDA error: invalid argument``).
+    ``apart``: the engine core runs in a process of its own, so the check's failure reaches the caller as vLLM's
+    client raises a failed call: a plain ``Exception`` with the call's text."""
 
-    def __init__(self, check_fails: tuple[int, ...] = ()) -> None:
+    def __init__(self, check_fails: tuple[int, ...] = (), apart: bool = False) -> None:
         super().__init__()
+        self.apart = apart
         self.check_fails = set(check_fails)
         self.attempts = 0
         self.mapped = True  # the worker's memory
@@ -169,6 +172,8 @@ class SleepModeLLM(StepwiseLLM):
         self.mapped = False
         self.attempts += 1
         if self.attempts in self.check_fails:
+            if self.apart:
+                raise Exception("Call to sleep method failed: Memory usage increased after sleeping.")  # noqa: TRY002
             raise AssertionError("Memory usage increased after sleeping.")
         self.executor_sleeping = True
 

@@ -95,7 +95,12 @@ class OwnProcess(_Mode):
 
     def load(self, llm: Any, weights: Mapping[str, torch.Tensor]) -> int:
         def load_bucket(desc: dict[str, Any], entries: list[list[Any]]) -> int:
-            return int(llm.collective_rpc("arctic_load_shared", args=(desc, entries))[0])
+            try:
+                return int(llm.collective_rpc("arctic_load_shared", args=(desc, entries))[0])
+            except Exception as exc:
+                if type(exc) is Exception:  # vLLM's client reports the engine core's failure with its text only
+                    raise RuntimeError(str(exc)) from None  # the sampler tells the weights' fault from the device's
+                raise
 
         return self.sender.send(weights, load_bucket)
 

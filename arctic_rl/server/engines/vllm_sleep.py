@@ -44,8 +44,10 @@ class SleepRefused(ApiError):
 
 
 def is_device_check(exc: BaseException) -> bool:
-    """Whether ``exc`` is vLLM's device-wide free-memory check after a completed release (nothing else is)."""
-    return isinstance(exc, AssertionError) and DEVICE_CHECK in str(exc)
+    """Whether ``exc`` is vLLM's device-wide free-memory check after a completed release (nothing else is): the
+    ``AssertionError`` itself, or -- the engine core in a process of its own (``--vllm-engine-process own``) -- the
+    plain ``Exception`` vLLM's client raises with the failed call's text."""
+    return (isinstance(exc, AssertionError) or type(exc) is Exception) and DEVICE_CHECK in str(exc)
 
 
 def _map_again(llm: Any) -> None:
@@ -64,7 +66,7 @@ def fall_asleep(llm: Any, level: int, *, attempts: int = ATTEMPTS, pause_s: floa
         try:
             llm.sleep(level=level)
             return attempt
-        except AssertionError as exc:
+        except Exception as exc:
             if not is_device_check(exc):
                 raise
         _map_again(llm)

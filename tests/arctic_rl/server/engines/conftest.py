@@ -24,7 +24,7 @@ def hf_sampler(tiny_model_dir):
 
 @pytest.fixture
 def vllm_stand_in_sampler_around(monkeypatch):
-    """``around(llm, full_determinism=False)``: the vLLM sampling engine around a stand-in ``llm``
+    """``around(llm, full_determinism=False, process=None)``: the vLLM sampling engine around a stand-in ``llm``
     (``tests/support/vllm_stand_in.py``; weight version 7, a 100-token vocabulary), with the stand-in vLLM modules
     installed; every engine's generation loop is closed after the test."""
     from tests.support.vllm_stand_in import engine_around, vllm_stand_in_modules
@@ -33,9 +33,9 @@ def vllm_stand_in_sampler_around(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     made = []
 
-    def around(llm, full_determinism: bool = False):
+    def around(llm, full_determinism: bool = False, process=None):
         eng = engine_around(llm, vocab_size=100, max_model_len=4096, weight_version=7,
-                            full_determinism=full_determinism)
+                            full_determinism=full_determinism, process=process)
         eng.options, eng.device, eng.dtype, eng.sleep_level = {"gpu_memory_utilization": 0.4}, "cpu", "float32", 0
         made.append(eng)
         return eng

@@ -17,7 +17,9 @@ import torch
 from arctic_rl.server.engines import vllm_worker_ext
 from arctic_rl.server.engines.ipc_weights import ALIGN, Entry, IpcWeightSender, plan_buckets, views
 from arctic_rl.server.engines.vllm_process import ENV, OwnProcess, SameProcess, engine_process
+from arctic_rl.server.errors import BadRequest
 from arctic_rl.server.settings import ServerSettings
+from tests.support.vllm_stand_in import StepwiseLLM
 
 
 def test_buckets_keep_order_align_offsets_and_give_an_oversized_tensor_its_own():
@@ -150,3 +152,53 @@ def test_the_own_process_retries_the_prefix_cache_reset_until_the_engine_core_le
     own.settle_timeout_s = 0.02
     with pytest.raises(RuntimeError, match="still holds KV blocks"):
         own.settle(_Core(busy=10**9))
+
+
+class _ApartLLM(StepwiseLLM):
+    """``vllm.LLM`` with its engine core apart, as far as a weight load reaches it: ``collective_rpc`` calls the
+    worker's method by name and reports its failure as vLLM's client does (a plain ``Exception`` with the text)."""
+
+    def __init__(self, worker: _Worker, fault: str | None = None) -> None:
+        super().__init__()
+        self.worker, self.fault = worker, fault
+
+    def collective_rpc(self, fn, args=(), kwargs=None):
+        try:
+            if self.fault:
+                raise RuntimeError(self.fault)
+            return [getattr(self.worker, fn)(*args, **(kwargs or {}))]
+        except Exception as exc:  # noqa: BLE001 -- any failure, reported as vLLM's client reports it
+            raise Exception(f"Call to {fn} method failed: {exc}") from None  # noqa: TRY002
+
+
+def _own(handed: dict[int, torch.Tensor], monkeypatch) -> OwnProcess:
+    own = OwnProcess(torch.device("cpu"), torch.bfloat16)
+
+    def describe(buffer):
+        handed[id(buffer)] = buffer
+        return {"handle": id(buffer)}
+
+    own.sender.describe = describe
+    monkeypatch.setattr(vllm_worker_ext, "open_shared", lambda desc, device_index: handed[desc["handle"]])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return own
+
+
+def test_the_sampler_syncs_into_an_engine_core_apart_and_blames_the_right_side(monkeypatch,
+                                                                                vllm_stand_in_sampler_around):
+    handed: dict[int, torch.Tensor] = {}
+    worker = _Worker()
+    sampler = vllm_stand_in_sampler_around(_ApartLLM(worker), process=_own(handed, monkeypatch))
+    weights = _trainer_weights(5)
+    assert sampler.load_weights(weights) == 8
+    assert torch.equal(worker.model_runner.model.state_dict()["proj.weight"], weights["proj.weight"].bfloat16())
+
+    with pytest.raises(BadRequest) as wrong:  # a model that does not take these names: the caller's fault
+        sampler.load_weights({**weights, "lm_head.weight": torch.ones(2)})
+    assert wrong.value.field == "target_sub_job_ids" and "lm_head.weight" in wrong.value.message
+    assert sampler.weight_version == 8
+
+    broken = vllm_stand_in_sampler_around(_ApartLLM(worker, fault="CUDA error: an illegal memory access"),
+                                          process=_own(handed, monkeypatch))
+    with pytest.raises(RuntimeError, match="CUDA error"):  # the device's fault: a 500, not a 400
+        broken.load_weights(weights)

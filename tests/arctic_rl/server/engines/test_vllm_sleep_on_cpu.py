@@ -43,8 +43,9 @@ def test_without_the_retry_the_stand_in_breaks_as_vllm_did():
         llm.collective_rpc(lambda worker: None, args=([],))
 
 
-def test_a_failed_check_is_tried_again_and_the_engine_sleeps_for_real():
-    llm = SleepModeLLM(check_fails=(1,))
+@pytest.mark.parametrize("apart", [False, True], ids=["engine-core-in-process", "engine-core-apart"])
+def test_a_failed_check_is_tried_again_and_the_engine_sleeps_for_real(apart):
+    llm = SleepModeLLM(check_fails=(1,), apart=apart)
     assert fall_asleep(llm, 1, pause_s=0.0) == 2
     assert llm.executor_sleeping and not llm.mapped and llm.paused
     llm.wake_up()  # vLLM's own wake now works: the executor recorded the sleep
@@ -71,7 +72,9 @@ def test_other_failures_are_not_retried():
         fall_asleep(llm, 1, pause_s=0.0)
     assert llm.attempts == 1
     assert is_device_check(AssertionError("Memory usage increased after sleeping."))
+    assert is_device_check(Exception("Call to sleep method failed: Memory usage increased after sleeping."))
     assert not is_device_check(RuntimeError("Memory usage increased after sleeping."))
+    assert not is_device_check(Exception("Call to sleep method failed: some other invariant"))
 
 
 def test_the_sampler_sleeps_after_one_failed_check_and_generates_after_its_wake(sampler_of):
