@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
-from arctic_rl.protocol import GenerateRequest, SamplingParams
+from arctic_rl.protocol import GenerateRequest, JobConfig, JobType, SamplingParams
+from arctic_rl.server.settings import ServerSettings
 
 TOL_MEAN, TOL_MAX = 0.02, 0.15  # bf16 log-probs, two engines' kernels
+
+
+def sampler_and_trainer(root: Path, **settings: Any):
+    """``(training engine, sampling engine)`` on one small Qwen3 (head_dim 64, bf16) under ``root``: the sampler
+    (vLLM, 0.3 of the GPU) made first, as the adapter makes its jobs, then the DeepSpeed training engine, and the
+    trainer's weights synced into the sampler. ``settings``: more :class:`ServerSettings` fields."""
+    from arctic_rl.server.engines import create_engine
+    from arctic_rl.server.engines.training import TrainingEngine
+    from arctic_rl.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(root / "model", "qwen3", seed=0, hidden_size=256, num_layers=2, num_heads=4,
+                                 num_kv_heads=2, max_position_embeddings=1024)
+    config = ServerSettings(device="cuda", sampler="vllm", torch_compile="off", checkpoint_root=root / "ck", **settings)
+    sampler = create_engine(JobConfig(model_name=str(model_dir), job_type=JobType.SAMPLING,
+                                      vllm_config={"gpu_memory_utilization": 0.3, "max_model_len": 1024}),
+                            config, None)
+    train = TrainingEngine(JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING,
+                                     ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}},
+                                     ds_worker_config={"attn_implementation": "sdpa"}),
+                           config, root / "job")
+    sampler.load_weights(train.weights())
+    return train, sampler
 
 
 def gen(sampler, prompts, **params):

@@ -20,15 +20,14 @@ import torch
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm") if torch.cuda.is_available() else None
 
-from arctic_rl.protocol import JobConfig, JobType
 from arctic_rl.server.engines.vllm_process import ENV
 from arctic_rl.server.engines.weights import weight_norm
-from arctic_rl.server.settings import ServerSettings
 from tests.support.vllm_gpu import (
     TOL_MEAN,
     assert_close_lps,
     gen,
     sampled_lps,
+    sampler_and_trainer,
     submit,
     train_lps,
     train_step,
@@ -38,25 +37,9 @@ from tests.support.vllm_gpu import (
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from arctic_rl.server.engines import create_engine
-    from arctic_rl.server.engines.training import TrainingEngine
-    from arctic_rl.tiny_models import build_tiny_model
-
-    root = tmp_path_factory.mktemp("vllm_own")
-    model_dir = build_tiny_model(root / "model", "qwen3", seed=0, hidden_size=256, num_layers=2, num_heads=4,
-                                 num_kv_heads=2, max_position_embeddings=1024)
-    settings = ServerSettings(device="cuda", sampler="vllm", torch_compile="off", checkpoint_root=root / "ck",
-                              vllm_engine_process="own")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(ENV, raising=False)
-        sampler = create_engine(JobConfig(model_name=str(model_dir), job_type=JobType.SAMPLING,
-                                          vllm_config={"gpu_memory_utilization": 0.3, "max_model_len": 1024}),
-                                settings, None)
-        train = TrainingEngine(JobConfig(model_name=str(model_dir), job_type=JobType.TRAINING,
-                                         ds_config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}},
-                                         ds_worker_config={"attn_implementation": "sdpa"}),
-                               settings, root / "job")
-        sampler.load_weights(train.weights())
+        train, sampler = sampler_and_trainer(tmp_path_factory.mktemp("vllm_own"), vllm_engine_process="own")
         yield train, sampler
         sampler.close()
         train.close()
