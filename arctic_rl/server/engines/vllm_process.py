@@ -9,7 +9,9 @@
   generation run at once (asynchronous GRPO), the engine's scheduling then no longer takes turns with the passes for
   the server's interpreter lock. The worker gets :mod:`.vllm_worker_ext`'s methods (``worker_extension_cls``), called
   by name; a weight load goes through a shared CUDA buffer (:mod:`.ipc_weights`); the engine core steps on its own, so
-  the prefix-cache reset after taking calls out is retried until the step it may still run for them has ended.
+  the prefix-cache reset after taking calls out is retried until the step it may still run for them has ended. vLLM's
+  client to the engine core is not thread-safe, so every call reaches it from the sampler's loop thread (the memory
+  report too, which in one process is read from any thread).
 
 The sampler (:mod:`.vllm_sampler`) owns its record of versions, sleep and calls; these objects only reach the engine.
 """
@@ -55,6 +57,7 @@ class SameProcess(_Mode):
     """The engine core in the server's process (the module docstring)."""
 
     mode, env_value = "same", "0"
+    rpc_from_any_thread = True  #: ``collective_rpc`` runs the worker's function in place: any thread may call it
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         pass
@@ -83,6 +86,9 @@ class OwnProcess(_Mode):
     """The engine core in a process of its own (the module docstring)."""
 
     mode, env_value = "own", "1"
+    #: vLLM's client to the engine core writes to one ZeroMQ socket with no lock: every call (requests, steps, calls of
+    #: the worker's methods) must come from the sampler's loop thread
+    rpc_from_any_thread = False
     #: how long :meth:`settle` retries the prefix-cache reset, and the pause between tries
     settle_timeout_s = 5.0
     settle_pause_s = 0.005

@@ -359,8 +359,11 @@ class VllmSamplingEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes by part (:mod:`arctic_rl.server.memory`): the worker's weights and KV cache (reached through
-        ``collective_rpc``), plus the device's figures."""
-        parts = {**self.process.memory_parts(self.llm), **device_report(self.device)}
+        ``collective_rpc``; on the loop's thread at a step boundary where the engine core runs apart), plus the
+        device's figures."""
+        read = lambda: self.process.memory_parts(self.llm)
+        parts = {**(read() if self.process.rpc_from_any_thread else self._control(read, "step")),
+                 **device_report(self.device)}
         if self.startup_outside_allocator is not None and "device_in_use" in parts:  # a CUDA figure, as those
             parts["startup_outside_allocator"] = int(self.startup_outside_allocator)
         return parts

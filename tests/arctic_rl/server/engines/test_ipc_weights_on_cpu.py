@@ -202,3 +202,23 @@ def test_the_sampler_syncs_into_an_engine_core_apart_and_blames_the_right_side(m
                                           process=_own(handed, monkeypatch))
     with pytest.raises(RuntimeError, match="CUDA error"):  # the device's fault: a 500, not a 400
         broken.load_weights(weights)
+
+
+def test_with_the_engine_core_apart_the_memory_report_reaches_it_from_the_loop_thread(monkeypatch,
+                                                                                      vllm_stand_in_sampler_around):
+    """vLLM's client to an engine core apart is not thread-safe: a ``/status`` read must not call it beside the loop."""
+    import threading
+
+    threads = []
+
+    class Recording(_ApartLLM):
+        def collective_rpc(self, fn, args=(), kwargs=None):
+            threads.append(threading.current_thread().name)
+            return super().collective_rpc(fn, args, kwargs)
+
+    worker = _Worker()
+    sampler = vllm_stand_in_sampler_around(Recording(worker), process=_own({}, monkeypatch))
+    sampler.device = torch.device("cpu")
+    parts = sampler.memory_report()
+    assert parts["weights"] == sum(p.numel() * p.element_size() for p in worker.model_runner.model.parameters())
+    assert threads == ["arctic-vLLM sampler-loop"]  # the generation loop's thread (continuous.py names it)
