@@ -68,6 +68,20 @@ class _Worker(vllm_worker_ext.ArcticWorkerExtension):
         self.model_runner.model = _Model()
 
 
+def _handed_over_in_process(monkeypatch):
+    """A sender's ``describe`` for this process: the buffer itself stands for its CUDA IPC handle, and the worker's
+    ``open_shared`` finds it by that handle (CUDA IPC itself is the GPU test's)."""
+    handed: dict[int, torch.Tensor] = {}
+
+    def describe(buffer):
+        handed[id(buffer)] = buffer
+        return {"handle": id(buffer)}
+
+    monkeypatch.setattr(vllm_worker_ext, "open_shared", lambda desc, device_index: handed[desc["handle"]])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return describe
+
+
 def _trainer_weights(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"proj.weight": torch.randn(16, 8, generator=g), "proj.bias": torch.randn(16, generator=g),
@@ -79,16 +93,9 @@ def _trainer_weights(seed: int) -> dict[str, torch.Tensor]:
     (300, [["proj.weight", "proj.bias"], ["embed.weight"], ["steps"]]),  # 256 + 32 bf16 bytes fit 300, 512 alone
 ], ids=["one-bucket", "three-buckets"])
 def test_the_sender_lays_weights_out_and_the_worker_loads_them_cast_to_the_samplers_dtype(monkeypatch, cap, groups):
-    handed: dict[int, torch.Tensor] = {}
-
-    def describe(buffer):  # the buffer itself stands for its CUDA IPC handle here
-        handed[id(buffer)] = buffer
-        return {"handle": id(buffer)}
-
-    monkeypatch.setattr(vllm_worker_ext, "open_shared", lambda desc, device_index: handed[desc["handle"]])
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     worker = _Worker()
-    sender = IpcWeightSender(torch.device("cpu"), torch.bfloat16, cap=cap, describe=describe)
+    sender = IpcWeightSender(torch.device("cpu"), torch.bfloat16, cap=cap,
+                             describe=_handed_over_in_process(monkeypatch))
     calls = []
 
     def load(desc, entries):
@@ -171,24 +178,16 @@ class _ApartLLM(StepwiseLLM):
             raise Exception(f"Call to {fn} method failed: {exc}") from None  # noqa: TRY002
 
 
-def _own(handed: dict[int, torch.Tensor], monkeypatch) -> OwnProcess:
+def _own(monkeypatch) -> OwnProcess:
     own = OwnProcess(torch.device("cpu"), torch.bfloat16)
-
-    def describe(buffer):
-        handed[id(buffer)] = buffer
-        return {"handle": id(buffer)}
-
-    own.sender.describe = describe
-    monkeypatch.setattr(vllm_worker_ext, "open_shared", lambda desc, device_index: handed[desc["handle"]])
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    own.sender.describe = _handed_over_in_process(monkeypatch)
     return own
 
 
 def test_the_sampler_syncs_into_an_engine_core_apart_and_blames_the_right_side(monkeypatch,
                                                                                 vllm_stand_in_sampler_around):
-    handed: dict[int, torch.Tensor] = {}
     worker = _Worker()
-    sampler = vllm_stand_in_sampler_around(_ApartLLM(worker), process=_own(handed, monkeypatch))
+    sampler = vllm_stand_in_sampler_around(_ApartLLM(worker), process=_own(monkeypatch))
     weights = _trainer_weights(5)
     assert sampler.load_weights(weights) == 8
     assert torch.equal(worker.model_runner.model.state_dict()["proj.weight"], weights["proj.weight"].bfloat16())
@@ -199,7 +198,7 @@ def test_the_sampler_syncs_into_an_engine_core_apart_and_blames_the_right_side(m
     assert sampler.weight_version == 8
 
     broken = vllm_stand_in_sampler_around(_ApartLLM(worker, fault="CUDA error: an illegal memory access"),
-                                          process=_own(handed, monkeypatch))
+                                          process=_own(monkeypatch))
     with pytest.raises(RuntimeError, match="CUDA error"):  # the device's fault: a 500, not a 400
         broken.load_weights(weights)
 
@@ -217,7 +216,7 @@ def test_with_the_engine_core_apart_the_memory_report_reaches_it_from_the_loop_t
             return super().collective_rpc(fn, args, kwargs)
 
     worker = _Worker()
-    sampler = vllm_stand_in_sampler_around(Recording(worker), process=_own({}, monkeypatch))
+    sampler = vllm_stand_in_sampler_around(Recording(worker), process=_own(monkeypatch))
     sampler.device = torch.device("cpu")
     parts = sampler.memory_report()
     assert parts["weights"] == sum(p.numel() * p.element_size() for p in worker.model_runner.model.parameters())
