@@ -20,6 +20,7 @@ PyTorch's own IPC rebuild. The layout's records are lists of plain values too (:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,10 +52,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * _dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
     def to_wire(self) -> list[Any]:
         """The record the engine core gets: ``[name, dtype, shape, offset]``."""
